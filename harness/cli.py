@@ -1,0 +1,34 @@
+"""The ``omni-stress`` command group."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import click
+
+import harness.commands
+from harness.errors import UserError
+
+
+class _Group(click.Group):
+    """Turns UserError into one line on stderr and exit code 2, with no traceback."""
+
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except UserError as exc:
+            click.echo(f"omni-stress: error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="omni-stress")
+def main() -> None:
+    """Stress-test the Qwen2.5-Omni Talker and score its speech with Whisper."""
+
+
+for _info in sorted(pkgutil.iter_modules(harness.commands.__path__), key=lambda m: m.name):
+    _module = importlib.import_module(f"harness.commands.{_info.name}")
+    main.add_command(_module.command)

@@ -1,0 +1,1 @@
+"""CLI subcommands: each module defines ``command`` (a click.Command); cli.py adds them all."""

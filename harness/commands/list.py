@@ -1,0 +1,45 @@
+"""``omni-stress list``: the arms, deploys and prompt sets available, with what each sets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import click
+
+from harness.config import DEPLOY_DIR, PROMPT_DIR, list_yaml, load_arms, load_deploy, load_prompts
+from harness.sim.scheduler import resolve_talker
+from harness.tokenizer import chat_prompt, tokenize
+
+
+def _settings(obj: object) -> str:
+    return ", ".join(f"{f.name}={getattr(obj, f.name)}" for f in dataclasses.fields(obj)  # type: ignore[arg-type]
+                     if getattr(obj, f.name) is not None)
+
+
+@click.command("list")
+@click.argument("what", type=click.Choice(["all", "arms", "deploys", "prompts"]), default="all")
+def command(what: str) -> None:
+    """Show arms, deploys and prompt sets."""
+    if what in ("all", "arms"):
+        click.echo("Arms (deploy_configs/arms.yaml; or --arm NAME=package.module:attr):")
+        for arm in load_arms().values():
+            serve = "no real-backend entry"
+            if arm.serve:
+                serve = f"serve: {arm.serve.python or ' '.join(arm.serve.command)}"
+            click.echo(f"  {arm.name:<10} {arm.talker}\n  {'':<10} {arm.description}\n  {'':<10} {serve}")
+    if what in ("all", "deploys"):
+        click.echo("Deploys (deploy_configs/):")
+        for name in list_yaml(DEPLOY_DIR, exclude=("arms", "gates")):
+            d = load_deploy(name)
+            r = resolve_talker(d)
+            click.echo(f"  {d.name:<10} {d.description}\n  {'':<10} talker: {_settings(d.talker)}\n"
+                       f"  {'':<10} sim runs: {_settings(r)}\n  {'':<10} sampling: {_settings(d.sampling)}"
+                       + (f"\n  {'':<10} speculative: {_settings(d.speculative)}" if d.speculative else ""))
+    if what in ("all", "prompts"):
+        click.echo("Prompt sets (prompts/):")
+        for name in list_yaml(PROMPT_DIR):
+            ps = load_prompts(name)
+            lens = [len(tokenize(chat_prompt(ps.system_prompt, p.user))) + 2 for p in ps.prompts]
+            replies = [len(tokenize(p.reply)) for p in ps.prompts]
+            click.echo(f"  {ps.name:<10} {len(ps.prompts)} prompts; Talker prompt length P {min(lens)}-{max(lens)}; "
+                       f"reply tokens {min(replies)}-{max(replies)}\n  {'':<10} {ps.description}")

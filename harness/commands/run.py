@@ -1,0 +1,97 @@
+"""``omni-stress run``: the experiment of the seed, on the sim (default) or a real deployment."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from harness.config import load_arms, load_deploy, load_prompts, resolve_arm
+from harness.errors import UserError
+from harness.pipeline import RunOptions, RunPlan, check_resume, execute, manifest_for, new_run_id, prepare_run_dir
+from harness.records import read_manifest, write_manifest
+
+
+@click.command("run")
+@click.option("--arm", "arms", multiple=True, default=("main", "pr"), show_default=True,
+              help="Arm from deploy_configs/arms.yaml, or NAME=package.module:attr. Repeatable.")
+@click.option("--deploy", "deploys", multiple=True, default=("reference", "stress"), show_default=True,
+              help="Deploy name (deploy_configs/NAME.yaml) or a YAML path. Repeatable.")
+@click.option("--prompts", "prompt_set", default="default", show_default=True,
+              help="Prompt set name (prompts/NAME.yaml) or a YAML path.")
+@click.option("--repeat", type=click.IntRange(1, 100), default=1, show_default=True,
+              help="Run each cell N times (the seed's run 1 / run 2).")
+@click.option("--seed", type=int, default=42, show_default=True,
+              help="Talker sampling seed; repeat r of a sim cell uses seed + r - 1.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
+              help="Folder for run directories.")
+@click.option("--run-id", default=None, help="Name of the run directory (default: timestamp and arms).")
+@click.option("--resume", "resume_dir", type=click.Path(path_type=Path), default=None,
+              help="Continue an interrupted run directory: completed requests are kept, the rest run.")
+@click.option("--backend", type=click.Choice(["sim", "vllm-omni"]), default="sim", show_default=True)
+@click.option("--asr", type=click.Choice(["faster-whisper", "openai-whisper", "none"]), default="faster-whisper",
+              show_default=True, help="'none' scores the oracle transcript only (no TTS, no Whisper).")
+@click.option("--asr-model", default="base", show_default=True, help="tiny.en, base, or a local model path.")
+@click.option("--beam-size", type=click.IntRange(1, 10), default=1, show_default=True)
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Transcript/model cache (default $OMNI_STRESS_CACHE_DIR or ~/.cache/omni-stress).")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the transcript cache on disk.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@click.option("--dry-run", is_flag=True, help="vllm-omni backend: print the commands and files, run nothing.")
+@click.option("--model", default="Qwen/Qwen2.5-Omni-7B", show_default=True,
+              help="vllm-omni backend: model path or name given to `vllm serve`.")
+@click.option("--health-timeout", type=float, default=1800.0, show_default=True,
+              help="vllm-omni backend: seconds to wait for /health.")
+@click.option("--request-timeout", type=float, default=900.0, show_default=True,
+              help="vllm-omni backend: seconds per request.")
+def command(arms, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
+            cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout) -> None:
+    """Run the prompts through every arm x deploy, transcribe the Talker audio, tabulate WER and events."""
+    known = load_arms()
+    arm_specs = [resolve_arm(a, known) for a in arms]
+    names = [a.name for a in arm_specs]
+    if len(set(names)) != len(names):
+        raise UserError(f"--arm: arm names must be unique, got {', '.join(names)}")
+    deploy_specs = [load_deploy(d) for d in deploys]
+    if len({d.name for d in deploy_specs}) != len(deploy_specs):
+        raise UserError(f"--deploy: deploy names must be unique, got {', '.join(d.name for d in deploy_specs)}")
+    prompts = load_prompts(prompt_set)
+    options = RunOptions(backend=backend, repeat=repeat, seed=seed, asr=asr, asr_model=asr_model,
+                         beam_size=beam_size, cache_dir=cache_dir, use_cache=not no_cache, quiet=quiet)
+    if backend == "vllm-omni":
+        from harness.serve.backend import ServeOptions, describe_cell
+
+        options.serve = ServeOptions(model=model, health_timeout_s=health_timeout, request_timeout_s=request_timeout)
+        if dry_run:
+            run_dir = (resume_dir or out / (run_id or new_run_id(arm_specs, deploy_specs)))
+            for a in arm_specs:
+                for d in deploy_specs:
+                    click.echo(describe_cell(a, d, run_dir, options.serve))
+            return
+    elif dry_run:
+        raise UserError("--dry-run applies to --backend vllm-omni (the sim has no commands to print)")
+
+    if resume_dir is not None:
+        plan = RunPlan(resume_dir, arm_specs, deploy_specs, prompts, options)
+        state = check_resume(resume_dir, manifest_for(plan))
+        manifest = read_manifest(resume_dir)
+        manifest.setdefault("resumed", []).append(" ".join(sys.argv))
+        manifest["finished"] = None
+        write_manifest(resume_dir, manifest)
+    else:
+        run_dir = prepare_run_dir(out, run_id or new_run_id(arm_specs, deploy_specs))
+        plan = RunPlan(run_dir, arm_specs, deploy_specs, prompts, options)
+        write_manifest(run_dir, manifest_for(plan))
+        state = None
+    if not quiet:
+        click.echo(f"run directory: {plan.run_dir}", err=True)
+    times = execute(plan, state)
+
+    from harness.report import terminal_table, write_reports
+
+    write_reports(plan.run_dir)
+    click.echo(terminal_table(plan.run_dir))
+    click.echo(f"\nwall time per stage: sim {times.sim:.1f} s, TTS {times.tts:.1f} s, ASR {times.asr:.1f} s "
+               f"({times.asr_transcribed} transcribed, {times.asr_cache_hits} cache hits)")
+    click.echo(f"results: {plan.run_dir}")

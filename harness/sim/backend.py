@@ -1,0 +1,156 @@
+"""The sim backend: one cell (arm x deploy x repeat) through vLLM's scheduler on the CPU.
+
+Each Talker step: add the requests whose Thinker has finished, snapshot
+``num_computed_tokens`` (``schedule()`` advances them), ``schedule()``, run the arm's
+``talker_preprocess`` per scheduled request through the runner, let the simulated Talker
+sample one token for every request whose span reached its last token, and hand vLLM a
+``ModelRunnerOutput`` with those tokens (nothing for partial prefill chunks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from harness.config import ArmSpec, Deploy, PromptSet, SamplingSettings
+from harness.contract import count_events
+from harness.errors import UserError
+from harness.records import RequestRecord, SpanRecord
+from harness.sim.codec import CODEC_EOS, CodecVocab, collapse, oracle_transcript
+from harness.sim.model import bind_arm
+from harness.sim.rows import RowSpace
+from harness.sim.runner import SimRunner
+from harness.sim.scheduler import make_scheduler
+from harness.sim.talker import SimTalker
+from harness.sim.thinker import run_thinker, token_id_table
+from harness.talkers import load_impl
+
+
+@dataclass
+class SimRequestResult:
+    record: RequestRecord
+    units: list[str]  # what Code2Wav speaks: words, pauses, babble syllables
+
+
+@dataclass
+class CellStats:
+    steps: int = 0
+    scheduled_tokens: int = 0
+    sim_seconds: float = 0.0
+    preemptions: int = 0
+    spans: list[SpanRecord] = field(default_factory=list)
+
+
+def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed: int,
+             on_request: Callable[[SimRequestResult], None], skip: frozenset[str] = frozenset()) -> CellStats:
+    """Simulates every prompt of the cell; ``on_request`` gets each request as it finishes.
+
+    ``skip``: prompt ids already recorded (``--resume``); they still run, since they shape the
+    schedule of the others, but are not reported again.
+    """
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+
+    t0 = time.perf_counter()
+    impl = load_impl(arm)
+    space = RowSpace(seed)
+    model = bind_arm(impl, space)
+    outputs = run_thinker(prompts, space, deploy.sim.thinker_steps_per_token)
+    token_ids = token_id_table(outputs)
+    vocab = CodecVocab.build(t for o in outputs for t in o.prompt_tokens + o.reply_tokens)
+    sampling = SamplingSettings(**{**deploy.sampling.__dict__, "seed": seed})
+    talker = SimTalker(space, vocab, sampling, deploy.sim.frames_per_text_token)
+    talker.freeze()
+    scheduler, resolved = make_scheduler(deploy)
+    model.profile_run(resolved.max_num_batched_tokens)
+    runner = SimRunner(model, space, (arm.name, deploy.name, repeat))
+
+    pending = deque(sorted(outputs, key=lambda o: o.arrival_step))
+    by_id = {o.request_id: o for o in outputs}
+    live: dict[str, Request] = {}
+    errors: dict[str, str] = {}
+    spans_by_req: dict[str, list[SpanRecord]] = {o.request_id: [] for o in outputs}
+    started = {o.request_id: 0.0 for o in outputs}
+    stats = CellStats()
+
+    def finish(req: Request) -> None:
+        rid = req.request_id
+        codes = list(req.output_token_ids)
+        units = collapse(codes, vocab, deploy.sim.frames_per_text_token)
+        out = by_id[rid]
+        reason = req.get_finished_reason()
+        record = RequestRecord(
+            arm=arm.name, deploy=deploy.name, repeat=repeat, prompt_id=rid, backend="sim",
+            reference_text=out.prompt.reply, thinker_text=out.prompt.reply, talker_prompt_len=out.P,
+            codec_tokens=codes, num_codec_tokens=len(codes),
+            finish_reason=str(reason) if reason is not None else None,
+            oracle_transcript=oracle_transcript(units), preemptions=req.num_preemptions,
+            events=count_events(spans_by_req[rid]), error=errors.get(rid),
+            wall_s=round(time.perf_counter() - started[rid], 4),
+        )
+        from harness.scoring import wer  # noqa: PLC0415
+
+        record.oracle_wer = wer(record.reference_text, record.oracle_transcript or "")
+        stats.preemptions += req.num_preemptions
+        if rid not in skip:
+            on_request(SimRequestResult(record, units))
+
+    step = 0
+    for step in range(deploy.sim.max_steps):
+        while pending and pending[0].arrival_step <= step:
+            out = pending.popleft()
+            sp = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                                top_p=sampling.top_p, top_k=sampling.top_k, seed=seed,
+                                stop_token_ids=[CODEC_EOS])
+            req = Request(request_id=out.request_id, prompt_token_ids=out.talker_prompt_ids,
+                          sampling_params=sp, pooling_params=None)
+            if out.P > resolved.max_model_len:
+                raise UserError(f"prompt {out.request_id!r}: Talker prompt length {out.P} exceeds "
+                                f"{deploy.path}: talker.max_model_len {resolved.max_model_len}")
+            scheduler.add_request(req)
+            live[out.request_id] = req
+            started[out.request_id] = time.perf_counter()
+            runner.add_request(out, out.payload(token_ids), resolved.max_model_len + 1)
+        if not live:
+            if not pending:
+                break
+            continue
+        before = {rid: r.num_computed_tokens for rid, r in live.items()}
+        sched_out = scheduler.schedule()
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        failed: list[str] = []
+        for rid, n in sched_out.num_scheduled_tokens.items():
+            req = live[rid]
+            c = before[rid]
+            result = runner.call(req, c, n, step)
+            spans_by_req[rid].append(result.span)
+            stats.scheduled_tokens += n
+            if result.error is not None:
+                errors[rid] = result.error
+                failed.append(rid)
+                continue
+            req_ids.append(rid)
+            if c + n >= req.num_tokens:
+                sampled.append([talker.next_token(runner.kv[rid], req.num_output_tokens)])
+            else:
+                sampled.append([])
+        if failed:
+            scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled)
+        scheduler.update_from_output(sched_out, mro)
+        for rid in [r for r, q in live.items() if q.is_finished()]:
+            finish(live.pop(rid))
+            runner.remove_request(rid)
+    else:
+        raise UserError(f"cell {arm.name} x {deploy.name}: no progress after {deploy.sim.max_steps} steps "
+                        f"({deploy.path}: sim.max_steps)")
+    stats.steps = step
+    stats.spans = [s for rid in spans_by_req for s in spans_by_req[rid]]
+    stats.spans.sort(key=lambda s: (s.step, s.request))
+    stats.sim_seconds = time.perf_counter() - t0
+    return stats

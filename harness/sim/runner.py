@@ -1,0 +1,118 @@
+"""What vLLM-Omni's GPU model runner does around the Talker's preprocess, on the CPU.
+
+Mirrors vLLM-Omni 0.30.0 ``vllm_omni/worker/gpu_model_runner.py`` (``_preprocess``, l.1840-1920,
+and ``_update_intermediate_buffer``, l.2154): per scheduled request it takes the request's
+intermediate buffer as ``req_infos`` (the Thinker->Talker payload plus whatever earlier calls
+stored), adds ``_omni_prompt_len``, ``_omni_num_computed_tokens``, ``_omni_is_prefill``,
+starts the span's rows as the Talker's embeddings of the span's ids, calls the arm's
+``talker_preprocess``, merges the returned ``update_dict`` into the buffer, copies
+``req_embeds[:min(n, rows)]`` into the span, and replaces the span's ids only when the arm
+returned exactly that many.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.contract import classify_span, expected_rows
+from harness.records import SpanRecord
+from harness.sim.codec import CODEC_BOS, CODEC_PAD
+from harness.sim.model import VOICE, SimTalkerModelBase
+from harness.sim.rows import NONE, RowSpace
+from harness.sim.talker import TalkerKV
+from harness.sim.thinker import ThinkerOutput
+
+
+@dataclass
+class CallResult:
+    span: SpanRecord
+    error: str | None
+
+
+class SimRunner:
+    def __init__(self, model: SimTalkerModelBase, space: RowSpace, cell: tuple[str, str, int]) -> None:
+        self.model, self.space, self.cell = model, space, cell
+        self.buffer: dict[str, dict[str, Any]] = {}
+        self.kv: dict[str, TalkerKV] = {}
+        self.thinker: dict[str, ThinkerOutput] = {}
+        self._spk_id = int(space.identify(model.embed_text_spk_tokens[VOICE])[0][0])
+        self._eos_id = int(space.identify(model.embed_text_eos_token)[0][0])
+        self._pad_id = int(space.identify(model.embed_text_pad_token)[0][0])
+
+    def add_request(self, out: ThinkerOutput, payload: dict[str, Any], capacity: int) -> None:
+        self.buffer[out.request_id] = payload
+        self.thinker[out.request_id] = out
+        self.kv[out.request_id] = TalkerKV(out.request_id, out.P, self._spk_id, out.output_first_id, capacity)
+
+    def remove_request(self, request_id: str) -> None:
+        self.buffer.pop(request_id, None)
+
+    def _update_buffer(self, request_id: str, upd: Any) -> None:
+        if not isinstance(upd, dict) or not upd:
+            return
+        existing = self.buffer.setdefault(request_id, {})
+        for k, v in upd.items():
+            if isinstance(v, dict):
+                existing.setdefault(k, {}).update(v)
+            else:
+                existing[k] = v
+
+    def call(self, request: Any, c: int, n: int, step: int) -> CallResult:
+        """One ``talker_preprocess`` call for one request's span, and the rows it leaves in KV."""
+        rid = request.request_id
+        P = len(request.prompt_token_ids)
+        span_ids = torch.tensor(request.all_token_ids[c:c + n], dtype=torch.long)
+        req_infos = self.buffer.setdefault(rid, {})
+        req_infos["request_id"] = rid
+        req_infos["_omni_prompt_len"] = P
+        req_infos["_omni_num_computed_tokens"] = c
+        req_infos["_omni_is_prefill"] = c < P
+        req_infos["_omni_max_tokens"] = request.sampling_params.max_tokens
+        req_infos["_omni_seed"] = request.sampling_params.seed
+        inputs_embeds = self.model.talker.embed_input_ids(span_ids)
+        arm, deploy, repeat = self.cell
+        try:
+            req_ids, req_embeds, update_dict = self.model.talker_preprocess(
+                input_ids=span_ids.clone(), input_embeds=inputs_embeds, **req_infos)
+            rows = int(req_embeds.shape[0])
+        except Exception as exc:  # the arm's failure is this request's failure, not the run's
+            ev = classify_span(P, c, n, None)
+            span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, 0, ev.nonzero_offset, ev.cross_boundary,
+                              ev.multi_decode, ev.one_token_tail, True, None, f"{type(exc).__name__}: {exc}")
+            return CallResult(span, span.error)
+        self._update_buffer(rid, update_dict)
+        seg = min(n, rows)
+        inputs_embeds[:seg] = req_embeds[:seg].to(inputs_embeds.dtype)
+        text_ids, codec_ids = self.space.identify(inputs_embeds)
+        kv = self.kv[rid]
+        kv.write(c, text_ids, codec_ids)
+        misaligned = self._misaligned(kv, self.thinker[rid], span_ids, c, n, text_ids, codec_ids)
+        ev = classify_span(P, c, n, rows)
+        span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows, ev.nonzero_offset, ev.cross_boundary,
+                          ev.multi_decode, ev.one_token_tail, ev.row_mismatch, misaligned, None)
+        return CallResult(span, None)
+
+    def _misaligned(self, kv: TalkerKV, out: ThinkerOutput, span_ids: torch.Tensor, c: int, n: int,
+                    text_ids: torch.Tensor, codec_ids: torch.Tensor) -> int:
+        """Positions whose row differs from the contract's expected row (exact, by identity)."""
+        Pt = out.P - 2
+        exp_text = torch.empty(n, dtype=torch.long)
+        exp_codec = torch.empty(n, dtype=torch.long)
+        for i, ref in enumerate(expected_rows(out.P, c, n, out.output_rows.shape[0])):
+            if ref.source == "prompt":
+                if ref.index < Pt:
+                    exp_text[i], exp_codec[i] = out.prompt_first_id + ref.index, NONE
+                elif ref.index == Pt:
+                    exp_text[i], exp_codec[i] = kv.spk_id, CODEC_PAD
+                else:
+                    exp_text[i], exp_codec[i] = out.output_first_id, CODEC_BOS
+                continue
+            exp_codec[i] = span_ids[i]
+            if ref.source == "reply":
+                exp_text[i] = out.output_first_id + 1 + ref.index
+            else:
+                exp_text[i] = self._eos_id if ref.source == "text_eos" else self._pad_id
+        return int(((exp_text != text_ids) | (exp_codec != codec_ids)).sum())

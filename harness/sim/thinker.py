@@ -1,0 +1,73 @@
+"""The scripted Thinker: prompt rows, reply rows and the Thinker->Talker payload.
+
+The Thinker runs one request at a time (``max_num_seqs=1``), so Talker request ``i`` arrives
+when the Thinker has prefilled and decoded every earlier reply and its own:
+``arrival_i = sum_{j<=i} ceil((1 + K_j) * thinker_steps_per_token)`` Talker steps, where
+``K_j`` is reply ``j``'s token count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from harness.config import Prompt, PromptSet
+from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD
+from harness.sim.rows import RowSpace
+from harness.tokenizer import chat_prompt, tokenize
+
+THINKER_TOKEN_BASE = 1000  # Thinker token ids: base + index in the cell's token table
+
+
+@dataclass
+class ThinkerOutput:
+    prompt: Prompt
+    request_id: str
+    prompt_tokens: list[str]
+    reply_tokens: list[str]
+    prompt_rows: torch.Tensor  # [Pt, DIM]  embed.prefill
+    output_rows: torch.Tensor  # [K, DIM]   hidden_states.output
+    prompt_first_id: int  # registry id of prompt row 0
+    output_first_id: int  # registry id of output row 0
+    arrival_step: int
+
+    @property
+    def talker_prompt_ids(self) -> list[int]:
+        """vLLM-Omni's ``thinker2talker_token_only``: [START] + [PAD]*Pt + [END]."""
+        return [CODEC_BOS] + [CODEC_PAD] * len(self.prompt_tokens) + [CODEC_EOS]
+
+    @property
+    def P(self) -> int:
+        return len(self.prompt_tokens) + 2
+
+    def payload(self, token_ids: dict[str, int]) -> dict:
+        """What ``thinker2talker_full_payload`` ships: embed.prefill, hidden_states.output, ids."""
+        return {
+            "embed": {"prefill": self.prompt_rows.clone()},
+            "hidden_states": {"output": self.output_rows.clone()},
+            "ids": {
+                "prompt": [token_ids[t] for t in self.prompt_tokens],
+                "output": [token_ids[t] for t in self.reply_tokens],
+            },
+        }
+
+
+def run_thinker(prompts: PromptSet, space: RowSpace, steps_per_token: float) -> list[ThinkerOutput]:
+    outputs: list[ThinkerOutput] = []
+    clock = 0
+    for prompt in prompts.prompts:
+        request_id = prompt.id
+        p_tokens = tokenize(chat_prompt(prompts.system_prompt, prompt.user))
+        r_tokens = tokenize(prompt.reply)
+        p_rows, p_first = space.make("prompt", list(p_tokens), request_id)
+        o_rows, o_first = space.make("output", list(r_tokens), request_id)
+        clock += math.ceil((1 + len(r_tokens)) * steps_per_token)
+        outputs.append(ThinkerOutput(prompt, request_id, p_tokens, r_tokens, p_rows, o_rows, p_first, o_first, clock))
+    return outputs
+
+
+def token_id_table(outputs: list[ThinkerOutput]) -> dict[str, int]:
+    vocab = sorted({t for o in outputs for t in o.prompt_tokens + o.reply_tokens})
+    return {t: THINKER_TOKEN_BASE + i for i, t in enumerate(vocab)}

@@ -1,0 +1,34 @@
+"""Talker arms: implementations of ``talker_preprocess(input_ids, input_embeds, **info)``.
+
+Built-ins: ``main`` (vLLM-Omni 0.30.0, routing by span length) and ``pr`` (the fix, absolute
+positions). A plugin arm is any ``package.module:attr`` naming a class with a
+``talker_preprocess`` method or a function with the same signature plus ``self``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from harness.config import ArmSpec
+from harness.errors import ConfigError
+
+
+def load_impl(arm: ArmSpec) -> Any:
+    module_name, _, attr = arm.talker.partition(":")
+    where = f"arm {arm.name!r} ({arm.talker}, from {arm.source})"
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import failure is the user's module's problem
+        raise ConfigError(f"{where}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        if not callable(getattr(obj, "talker_preprocess", None)):
+            raise ConfigError(f"{where}: class {attr!r} has no talker_preprocess method")
+    elif not callable(obj):
+        raise ConfigError(f"{where}: {attr!r} is not callable")
+    return obj

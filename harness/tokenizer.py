@@ -1,0 +1,31 @@
+"""The sim's text tokenizer and Qwen2.5-Omni's chat template.
+
+The sim needs token counts close to Qwen's BPE (so Talker prompt lengths land where the real
+ones do) and tokens that map back to words (so a row can "speak" its word). No tokenizer
+download is allowed at run time, so this is a documented rule instead of Qwen's BPE: special
+tokens, words (with an apostrophe suffix), single punctuation marks and newlines are tokens.
+Qwen's BPE gives about the same count for plain English (one token per common word).
+"""
+
+from __future__ import annotations
+
+import re
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+_TOKEN_RE = re.compile(r"<\|[a-z_]+\|>|[A-Za-z0-9]+(?:'[A-Za-z]+)?|\n|[^\sA-Za-z0-9]")
+
+
+def tokenize(text: str) -> list[str]:
+    return _TOKEN_RE.findall(text)
+
+
+def chat_prompt(system_prompt: str, user: str) -> str:
+    """Qwen2.5-Omni's chat template for one user turn with the generation prompt."""
+    return (f"{IM_START}system\n{system_prompt}{IM_END}\n"
+            f"{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n")
+
+
+def is_spoken(token: str) -> bool:
+    """Words are spoken; punctuation, newlines and special tokens are silence."""
+    return bool(re.fullmatch(r"[A-Za-z0-9]+(?:'[A-Za-z]+)?", token))

@@ -1,0 +1,35 @@
+"""``omni-stress compare RUN_A RUN_B``: the seed table of two runs side by side, with deltas."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from harness import report
+
+
+@click.command("compare")
+@click.argument("run_a", type=click.Path(path_type=Path))
+@click.argument("run_b", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["terminal", "markdown", "csv", "json"]), default="terminal",
+              show_default=True)
+def command(run_a: Path, run_b: Path, fmt: str) -> None:
+    """Compare RUN_B (e.g. a PR) against RUN_A (its base): cells side by side, delta = B - A."""
+    a, b = report.load_run(run_a), report.load_run(run_b)
+    cells_a, cells_b = report.summarize_cells(a), report.summarize_cells(b)
+    table = report.compare_table(cells_a, cells_b)
+    if fmt == "csv":
+        click.echo(table.to_csv(index=False), nl=False)
+        return
+    if fmt == "json":
+        click.echo(json.dumps({"a": a.run_id, "b": b.run_id, "rows": table.to_dict(orient="records")}, indent=2))
+        return
+    header = [f"A = {a.run_id} ({run_a}), WER source: {report.WER_SOURCE_TEXT[report.wer_source(cells_a)]}",
+              f"B = {b.run_id} ({run_b}), WER source: {report.WER_SOURCE_TEXT[report.wer_source(cells_b)]}"]
+    if report.wer_source(cells_a) != report.wer_source(cells_b):
+        header.append("warning: the two runs score WER differently; WER deltas mix sources")
+    body = report.render_markdown(table) if fmt == "markdown" else report.render_text(table)
+    sep = "\n\n" if fmt == "markdown" else "\n"
+    click.echo(sep.join(header) + "\n\n" + body + "\n\n" + report.COMPARE_NOTE)

@@ -1,0 +1,42 @@
+"""``omni-stress gate RUN_DIR``: the CI verdict. Exit 0 pass, 1 a rule failed, 2 could not evaluate."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from harness import gate, report
+from harness.errors import UserError
+
+
+@click.command("gate")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--rules", "rules_path", default=None, metavar="PATH",
+              help="Rules YAML (default deploy_configs/gates.yaml; a bare name is looked up there).")
+@click.option("--junit", "junit_path", type=click.Path(path_type=Path), default=None,
+              help="Also write JUnit XML (one testcase per rule x cell) for CI.")
+def command(run_dir: Path, rules_path: str | None, junit_path: Path | None) -> None:
+    """Check RUN_DIR against the gate rules and exit 0 (pass), 1 (a rule failed) or 2 (could not evaluate)."""
+    try:
+        rules = gate.load_rules(gate.resolve_rules_path(rules_path))
+        run = report.load_run(run_dir)
+        result = gate.evaluate(rules, report.summarize_cells(run), run_id=run.run_id)
+    except UserError as exc:
+        if junit_path is not None:  # CI still gets a report that says why
+            _write(junit_path, gate.junit_error_xml(str(exc)))
+        raise
+    click.echo(gate.format_result(result), nl=False)
+    if junit_path is not None:
+        _write(junit_path, gate.junit_xml(result))
+        click.echo(f"wrote JUnit: {junit_path}", err=True)
+    sys.exit(result.exit_code)
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write JUnit XML ({exc.strerror})") from None

@@ -1,0 +1,39 @@
+"""``omni-stress report RUN_DIR``: print a run's tables and (re)write every report file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from harness import report
+
+
+@click.command("report")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["terminal", "markdown", "csv", "json"]), default="terminal",
+              show_default=True, help="What to print; all formats are written to the run directory anyway.")
+@click.option("--requests/--no-requests", "with_requests", default=False,
+              help="Also print the per-request rows (terminal format).")
+@click.option("--no-write", is_flag=True, help="Only print; do not (re)write summary.* / report.html / plots.")
+def command(run_dir: Path, fmt: str, with_requests: bool, no_write: bool) -> None:
+    """Print the seed table and the extended table of RUN_DIR (per-request rows with --requests).
+
+    Writes summary.csv, summary.md, summary.json, requests.csv, plots/*.png and a self-contained
+    report.html into RUN_DIR (file list on stderr, so stdout can be piped).
+    """
+    run = report.load_run(run_dir)
+    cells = report.summarize_cells(run)
+    if fmt == "terminal":
+        text = report.terminal_text(run, cells, with_requests=with_requests)
+    elif fmt == "markdown":
+        text = report.markdown_text(run, cells)
+    elif fmt == "csv":
+        text = report.cells_frame(cells).to_csv(index=False)
+    else:
+        text = json.dumps(report.json_summary(run, cells), indent=2) + "\n"
+    click.echo(text, nl=False)
+    if not no_write:
+        for kind, path in report.write_reports(run_dir).items():
+            click.echo(f"wrote {kind}: {path}", err=True)

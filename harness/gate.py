@@ -1,0 +1,412 @@
+"""The CI gate: rules from YAML, evaluated per cell, verdict as exit code and JUnit XML.
+
+Pure except ``load_rules`` (reads the YAML). The gate never decides anything from an arm's or a
+deploy's name: which cells a rule covers, which deploy is the WER baseline, which deploys must
+show stress and which arms are expected to fail all come from the rules file.
+
+Rules file (``deploy_configs/gates.yaml``)::
+
+    wer_threshold: 0.5            # "requests over" counts requests with WER above this
+    reference_deploy: reference   # baseline deploy for max_wer_delta (rules may override)
+    rules:
+      - name: pr-stress
+        arm: pr                   # arm name or "*"
+        deploy: stress            # deploy name or "*"
+        stress: true              # must show stress: min non-zero-offset chunks / replays >= 1
+        max_wer_delta: 0.03       # mean WER minus the reference deploy's (same arm, same repeat)
+        max_row_count_mismatches: 0
+      - name: main-stress-detects-bug
+        arm: main
+        deploy: stress
+        expect: fail              # the harness must still detect the bug
+        stress: true
+        min_mean_wer: 0.5
+
+Every metric takes ``max_<metric>`` and/or ``min_<metric>`` (see ``METRICS``). A rule is checked
+once per matching cell (arm x deploy x repeat): one JUnit testcase per rule x cell. Exit codes:
+0 every check passed, 1 a check failed, 2 the run could not be evaluated (a rule that matches no
+cell, a cell with no requests, a missing reference cell).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.config import DEPLOY_DIR, load_yaml
+from harness.errors import ConfigError
+from harness.report import CellKey, CellSummary
+
+DEFAULT_RULES = DEPLOY_DIR / "gates.yaml"
+
+# metric -> what it measures (messages and docs)
+METRICS: dict[str, str] = {
+    "mean_wer": "mean WER",
+    "requests_over": "requests with WER over the threshold",
+    "wer_delta": "mean WER minus the reference deploy's mean WER",
+    "nonzero_offset_chunks": "non-zero-offset prefill chunks",
+    "cross_boundary_replays": "replays crossing the prompt boundary",
+    "multi_position_decode_spans": "multi-position decode spans",
+    "one_token_tails": "one-token prefill tails",
+    "row_count_mismatches": "row-count mismatches",
+    "misaligned_positions": "misaligned positions",
+    "preemptions": "preemptions",
+    "errors": "requests that ended in an error",
+}
+# Bounds that show the bug is detected (an expect: fail rule needs one, and no max_ on the first three).
+DETECTION_METRICS = ("mean_wer", "requests_over", "wer_delta", "row_count_mismatches", "misaligned_positions")
+STRESS_METRICS = ("nonzero_offset_chunks", "cross_boundary_replays")
+RULE_KEYS = {"name", "arm", "deploy", "expect", "stress", "reference_deploy", "optional", "description"}
+TOP_KEYS = {"wer_threshold", "reference_deploy", "rules"}
+
+
+@dataclass(frozen=True)
+class Bound:
+    metric: str
+    op: str  # "min" or "max"
+    limit: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}_{self.metric}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    arm: str  # name or "*"
+    deploy: str  # name or "*"
+    bounds: tuple[Bound, ...]
+    expect: str = "pass"  # "fail": the arm is known-broken, the checks assert the bug is detected
+    stress: bool = False
+    reference_deploy: str | None = None
+    optional: bool = False  # true: matching no cell is fine (else the gate cannot evaluate)
+    description: str = ""
+
+    def matches(self, cell: CellKey) -> bool:
+        return _match(self.arm, cell[0]) and _match(self.deploy, cell[1])
+
+
+def _match(pattern: str, name: str) -> bool:
+    return pattern == "*" or (fnmatch.fnmatchcase(name, pattern) if any(c in pattern for c in "*?[") else
+                              pattern == name)
+
+
+@dataclass(frozen=True)
+class Rules:
+    rules: tuple[Rule, ...]
+    wer_threshold: float = 0.5
+    source: str = "<rules>"
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _number(source: str, where: str, value: Any, lo: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo:
+        raise ConfigError(f"{source}: {where}: must be a number >= {lo:g}, got {value!r}")
+    return float(value)
+
+
+def _string(source: str, where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{source}: {where}: must be a non-empty string, got {value!r}")
+    return value
+
+
+def _bool(source: str, where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: {where}: must be true or false, got {value!r}")
+    return value
+
+
+def parse_rules(data: Any, source: str = "<rules>") -> Rules:
+    """Validates a loaded rules document; every error names the file, the rule and the key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level: expected a mapping with a 'rules' list")
+    for key in data:
+        if key not in TOP_KEYS:
+            raise ConfigError(f"{source}: {key}: unknown key (allowed: {', '.join(sorted(TOP_KEYS))})")
+    threshold = _number(source, "wer_threshold", data.get("wer_threshold", 0.5))
+    default_ref = data.get("reference_deploy")
+    if default_ref is not None:
+        _string(source, "reference_deploy", default_ref)
+    raw = data.get("rules")
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{source}: rules: expected a non-empty list of rules")
+    rules = []
+    names: set[str] = set()
+    for i, item in enumerate(raw):
+        rule = _parse_rule(item, f"rules[{i}]", source, default_ref)
+        if rule.name in names:
+            raise ConfigError(f"{source}: rules[{i}].name: duplicate rule name {rule.name!r}")
+        names.add(rule.name)
+        rules.append(rule)
+    return Rules(rules=tuple(rules), wer_threshold=threshold, source=source)
+
+
+def _parse_rule(item: Any, where: str, source: str, default_ref: str | None) -> Rule:
+    if not isinstance(item, dict):
+        raise ConfigError(f"{source}: {where}: expected a mapping, got {type(item).__name__}")
+    if "arm" not in item or "deploy" not in item:
+        raise ConfigError(f"{source}: {where}: needs 'arm' and 'deploy' (a name or \"*\")")
+    arm = _string(source, f"{where}.arm", item["arm"])
+    deploy = _string(source, f"{where}.deploy", item["deploy"])
+    name = _string(source, f"{where}.name", item.get("name", f"{arm}/{deploy}"))
+    where = f"{where} ({name})"
+    metric_keys = {f"{op}_{m}" for m in METRICS for op in ("min", "max")}
+    bounds: list[Bound] = []
+    for key, value in item.items():
+        if key in RULE_KEYS:
+            continue
+        if key not in metric_keys:
+            allowed = ", ".join(sorted(RULE_KEYS) + ["min_<metric>", "max_<metric>"])
+            raise ConfigError(f"{source}: {where}.{key}: unknown key (allowed: {allowed}; metrics: "
+                              f"{', '.join(METRICS)})")
+        op, metric = key.split("_", 1)
+        lo = -1.0 if metric == "wer_delta" else 0.0
+        bounds.append(Bound(metric, op, _number(source, f"{where}.{key}", value, lo)))
+    expect = item.get("expect", "pass")
+    if expect not in ("pass", "fail"):
+        raise ConfigError(f"{source}: {where}.expect: must be 'pass' or 'fail', got {expect!r}")
+    stress = _bool(source, f"{where}.stress", item.get("stress", False))
+    optional = _bool(source, f"{where}.optional", item.get("optional", False))
+    keys = {b.key for b in bounds}
+    if stress:
+        for metric in STRESS_METRICS:
+            given = next((b for b in bounds if b.key == f"min_{metric}"), None)
+            if given is None:
+                bounds.append(Bound(metric, "min", 1.0))
+            elif given.limit < 1:
+                raise ConfigError(f"{source}: {where}.min_{metric}: must be >= 1 with stress: true "
+                                  f"(a stress deploy that stressed nothing must fail)")
+    if expect == "fail":
+        if not any(f"min_{m}" in keys for m in DETECTION_METRICS):
+            raise ConfigError(f"{source}: {where}: expect: fail needs a detection bound "
+                              f"({', '.join('min_' + m for m in DETECTION_METRICS)})")
+        clash = sorted(k for k in keys if k in {"max_mean_wer", "max_requests_over", "max_wer_delta"})
+        if clash:
+            raise ConfigError(f"{source}: {where}: expect: fail contradicts {', '.join(clash)}")
+    ref = item.get("reference_deploy", default_ref)
+    if ref is not None:
+        ref = _string(source, f"{where}.reference_deploy", ref)
+    if any(b.metric == "wer_delta" for b in bounds) and ref is None:
+        raise ConfigError(f"{source}: {where}: a wer_delta bound needs reference_deploy (in the rule or at "
+                          f"the top level)")
+    if not bounds:
+        raise ConfigError(f"{source}: {where}: no bound (give at least one min_<metric> or max_<metric>)")
+    description = item.get("description", "")
+    return Rule(name=name, arm=arm, deploy=deploy, bounds=tuple(bounds), expect=expect, stress=stress,
+                reference_deploy=ref, optional=optional, description=str(description))
+
+
+def load_rules(path: Path) -> Rules:
+    """Reads and validates a rules file; ConfigError (exit 2) names the file and the key."""
+    return parse_rules(load_yaml(Path(path)), str(path))
+
+
+def resolve_rules_path(text: str | None) -> Path:
+    """A path, or a bare name looked up in deploy_configs/ (``gates`` -> deploy_configs/gates.yaml)."""
+    if text is None:
+        return DEFAULT_RULES
+    path = Path(text)
+    if path.exists() or "/" in text or path.suffix in (".yaml", ".yml"):
+        return path
+    return DEPLOY_DIR / f"{text}.yaml"
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@dataclass
+class CheckResult:
+    bound: Bound
+    value: float | None
+    status: str  # "pass", "fail", "error" or "skip" (not measured by this backend)
+    message: str
+
+
+@dataclass
+class CaseResult:
+    """One rule applied to one cell: the JUnit testcase."""
+
+    rule: Rule
+    cell: CellSummary
+    checks: list[CheckResult]
+
+    @property
+    def status(self) -> str:
+        statuses = {c.status for c in self.checks}
+        if statuses == {"skip"}:
+            return "skip"
+        return "error" if "error" in statuses else "fail" if "fail" in statuses else "pass"
+
+    @property
+    def cell_label(self) -> str:
+        return f"{self.cell.arm}/{self.cell.deploy} run {self.cell.run_number}"
+
+    @property
+    def message(self) -> str:
+        bad = [c.message for c in self.checks if c.status in ("fail", "error")] or [c.message for c in self.checks]
+        return "; ".join(bad)
+
+
+@dataclass
+class GateResult:
+    cases: list[CaseResult]
+    problems: list[str] = field(default_factory=list)  # rules that could not be applied
+    uncovered: list[CellKey] = field(default_factory=list)  # cells no rule covers (reported, not failed)
+    run_id: str = ""
+
+    def count(self, status: str) -> int:
+        return sum(c.status == status for c in self.cases)
+
+    @property
+    def exit_code(self) -> int:
+        if self.problems or self.count("error"):
+            return 2
+        return 1 if self.count("fail") else 0
+
+
+def _fmt(metric: str, value: float) -> str:
+    if metric in ("mean_wer", "wer_delta"):
+        return f"{value:+.3f}" if metric == "wer_delta" else f"{value:.3f}"
+    return f"{value:g}"
+
+
+def _metric_value(cell: CellSummary, metric: str, threshold: float) -> float | None:
+    if metric == "mean_wer":
+        return cell.mean_wer
+    if metric == "requests_over":
+        return float(cell.requests_over(threshold)) if cell.scored else None
+    if metric in ("preemptions", "errors"):
+        return float(getattr(cell, metric))
+    if metric == "misaligned_positions" and not cell.misaligned_known:
+        return math.nan  # the backend does not measure it (only the sim does)
+    return float(getattr(cell.events, metric))
+
+
+def _reference_cell(cell: CellSummary, deploy: str, cells: list[CellSummary]) -> CellSummary | None:
+    """The same arm's cell in the reference deploy, same repeat; a single reference run serves all repeats."""
+    same_arm = [c for c in cells if c.arm == cell.arm and c.deploy == deploy]
+    for c in same_arm:
+        if c.repeat == cell.repeat:
+            return c
+    return same_arm[0] if len(same_arm) == 1 else None
+
+
+def check(rule: Rule, bound: Bound, cell: CellSummary, cells: list[CellSummary], threshold: float) -> CheckResult:
+    """One bound on one cell; 'error' when the value cannot be computed."""
+    what = METRICS[bound.metric]
+    if bound.metric == "requests_over":
+        what = f"requests with WER > {threshold:g}"
+    if cell.requests == 0:
+        return CheckResult(bound, None, "error", f"{bound.key}: no requests recorded for this cell")
+    ref_note = ""
+    if bound.metric != "wer_delta":
+        value = _metric_value(cell, bound.metric, threshold)
+    else:
+        assert rule.reference_deploy is not None  # parse_rules guarantees it
+        ref = _reference_cell(cell, rule.reference_deploy, cells)
+        if ref is None:
+            return CheckResult(bound, None, "error", f"{bound.key}: no {cell.arm}/{rule.reference_deploy} cell "
+                                                     f"for run {cell.run_number} in this run")
+        if cell.mean_wer is None or ref.mean_wer is None:
+            value = None
+        else:
+            value = cell.mean_wer - ref.mean_wer
+            ref_note = f" (vs {ref.arm}/{ref.deploy} run {ref.run_number}: {ref.mean_wer:.3f})"
+    if value is None:
+        return CheckResult(bound, None, "error", f"{bound.key}: {what} unknown (no scored requests or no data)")
+    if math.isnan(value):
+        return CheckResult(bound, None, "skip", f"{bound.key}: {what} not measured by this backend (skipped)")
+    ok = value <= bound.limit if bound.op == "max" else value >= bound.limit
+    sign = ("<=" if ok else ">") if bound.op == "max" else (">=" if ok else "<")
+    text = f"{what} = {_fmt(bound.metric, value)} {sign} {_fmt(bound.metric, bound.limit)}{ref_note}"
+    if rule.expect == "fail" and bound.op == "min" and bound.metric in DETECTION_METRICS:
+        text = f"bug detected: {text}" if ok else f"expected failure NOT detected: {text}"
+    return CheckResult(bound, value, "pass" if ok else "fail", f"{bound.key}: {text}")
+
+
+def evaluate(rules: Rules, cells: list[CellSummary], run_id: str = "") -> GateResult:
+    """Applies every rule to every matching cell; a non-optional rule matching nothing is a problem."""
+    result = GateResult(cases=[], run_id=run_id)
+    covered: set[CellKey] = set()
+    arms = list(dict.fromkeys(c.arm for c in cells))
+    deploys = list(dict.fromkeys(c.deploy for c in cells))
+    for rule in rules.rules:
+        matched = [c for c in cells if rule.matches(c.key)]
+        if not matched:
+            if not rule.optional:
+                result.problems.append(
+                    f"rule {rule.name!r}: no cell of this run matches arm {rule.arm!r} x deploy {rule.deploy!r} "
+                    f"(run has arms {', '.join(arms) or 'none'}; deploys {', '.join(deploys) or 'none'})")
+            continue
+        for cell in matched:
+            covered.add(cell.key)
+            checks = [check(rule, b, cell, cells, rules.wer_threshold) for b in rule.bounds]
+            result.cases.append(CaseResult(rule, cell, checks))
+    result.uncovered = [c.key for c in cells if c.key not in covered]
+    return result
+
+
+# --------------------------------------------------------------------------- output
+
+
+def format_result(result: GateResult) -> str:
+    """Plain text: one line per testcase, its checks indented, then the verdict."""
+    mark = {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "skip": "SKIP"}
+    lines = []
+    for case in result.cases:
+        tag = " (expected failure)" if case.rule.expect == "fail" else ""
+        lines.append(f"{mark[case.status]:5}  {case.rule.name}{tag}: {case.cell_label}")
+        for c in case.checks:
+            lines.append(f"         {mark[c.status]:5} {c.message}")
+    for problem in result.problems:
+        lines.append(f"ERROR  {problem}")
+    for key in result.uncovered:
+        lines.append(f"note   no rule covers {key[0]}/{key[1]} repeat {key[2]} (not gated)")
+    verdict = {0: "pass", 1: "FAIL (a rule failed)", 2: "could not evaluate"}[result.exit_code]
+    skipped = f", {result.count('skip')} skipped" if result.count("skip") else ""
+    lines.append(f"gate: {result.count('pass')} passed, {result.count('fail')} failed{skipped}, "
+                 f"{result.count('error') + len(result.problems)} could not be evaluated -> {verdict} "
+                 f"(exit {result.exit_code})")
+    return "\n".join(lines) + "\n"
+
+
+def junit_xml(result: GateResult, suite: str = "omni-stress gate") -> str:
+    """JUnit XML: one testcase per rule x cell; failures and errors carry the check messages."""
+    tests = len(result.cases) + len(result.problems)
+    failures = result.count("fail")
+    errors = result.count("error") + len(result.problems)
+    name = f"{suite}: {result.run_id}" if result.run_id else suite
+    root = ET.Element("testsuites", name=suite, tests=str(tests), failures=str(failures), errors=str(errors))
+    ts = ET.SubElement(root, "testsuite", name=name, tests=str(tests), failures=str(failures), errors=str(errors),
+                       skipped=str(result.count("skip")), time="0")
+    for case in result.cases:
+        tc = ET.SubElement(ts, "testcase", classname=f"omni-stress.gate.{case.rule.name}",
+                           name=f"{case.rule.name}: {case.cell_label}", time="0")
+        if case.status in ("fail", "error"):
+            tag = "failure" if case.status == "fail" else "error"
+            el = ET.SubElement(tc, tag, message=case.message, type=f"gate.{tag}")
+            el.text = case.message
+        elif case.status == "skip":
+            ET.SubElement(tc, "skipped", message=case.message)
+        out = ET.SubElement(tc, "system-out")
+        out.text = "\n".join(f"{c.status}: {c.message}" for c in case.checks)
+    for i, problem in enumerate(result.problems):
+        tc = ET.SubElement(ts, "testcase", classname="omni-stress.gate", name=f"could not evaluate ({i + 1})",
+                           time="0")
+        el = ET.SubElement(tc, "error", message=problem, type="gate.error")
+        el.text = problem
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def junit_error_xml(message: str, suite: str = "omni-stress gate") -> str:
+    """A JUnit file for a gate that could not start (bad rules, missing run), so CI shows why."""
+    return junit_xml(GateResult(cases=[], problems=[message]), suite)

@@ -1,0 +1,239 @@
+"""PNG plots for a run (matplotlib, Agg): people look at these before the tables.
+
+* ``wer``: every request's WER per cell, with the 0.5 line and the cell mean;
+* ``events``: the scheduler events per cell (the seed's columns and what explains them);
+* ``timeline``: the spans of one stressed request, positions on x and steps on y, one panel per
+  arm for the same prompt/deploy/run, so a reader sees *why* one arm failed and the other did not.
+
+Each function returns PNG bytes; ``report.write_reports`` writes them and inlines them in the HTML.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+from typing import Any
+
+import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.collections import PolyCollection
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from harness.contract import classify_span
+from harness.records import SpanRecord
+from harness.report import WER_THRESHOLD, CellSummary, Run
+
+matplotlib.use("Agg")  # headless: CI and servers have no display (safe here: no figure exists yet)
+
+DPI = 110
+DEPLOY_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#17becf"]
+
+# span kind -> (legend label, colour); drawn in this order
+SPAN_KINDS: dict[str, tuple[str, str]] = {
+    "prefill": ("prefill from position 0", "#4c72b0"),
+    "chunk": ("non-zero-offset prefill chunk", "#f28e2b"),
+    "replay": ("replay crossing P", "#d62728"),
+    "decode": ("decode (1 position)", "#b8b8b8"),
+    "multi": ("multi-position decode", "#8c4fc1"),
+}
+
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _cell_label(cell: CellSummary) -> str:
+    return f"{cell.arm}\n{cell.deploy}\nrun {cell.run_number}"
+
+
+def _jitter(key: str, i: int) -> float:
+    """Deterministic horizontal jitter, so the same run always draws the same picture."""
+    return ((zlib.crc32(f"{key}/{i}".encode()) % 1000) / 1000 - 0.5) * 0.5
+
+
+def plot_wer(cells: list[CellSummary], threshold: float = WER_THRESHOLD) -> bytes:
+    """Strip plot of per-request WER for each cell, the threshold line and each cell's mean."""
+    deploys = list(dict.fromkeys(c.deploy for c in cells))
+    colour = {d: DEPLOY_COLOURS[i % len(DEPLOY_COLOURS)] for i, d in enumerate(deploys)}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.25 * len(cells) + 2), 4.6))
+    top = max([1.0] + [s for c in cells for s in c.scores])
+    for x, cell in enumerate(cells):
+        xs = [x + _jitter(f"{cell.key}", i) for i in range(cell.scored)]
+        ax.scatter(xs, cell.scores, s=26, color=colour[cell.deploy], alpha=0.75, edgecolors="white",
+                   linewidths=0.5, zorder=3)
+        if cell.mean_wer is not None:
+            ax.hlines(cell.mean_wer, x - 0.35, x + 0.35, color="black", linewidth=2, zorder=4)
+            text = f"mean {cell.mean_wer:.3f}\n{cell.requests_over(threshold)}/{cell.scored} > {threshold}"
+        else:
+            text = "no scored\nrequests"
+        ax.annotate(text, (x, top * 1.06), ha="center", va="bottom", fontsize=8)
+    ax.axhline(threshold, color="#444", linestyle="--", linewidth=1, zorder=2)
+    ax.annotate(f"WER {threshold}", (-0.55, threshold), xytext=(0, 2), textcoords="offset points", va="bottom",
+                ha="left", fontsize=8, color="#444")
+    ax.set_xticks(range(len(cells)), [_cell_label(c) for c in cells], fontsize=8)
+    ax.set_xlim(-0.6, len(cells) - 0.4)
+    ax.set_ylim(-0.03 * top, top * 1.2)
+    ax.set_ylabel("WER per request")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(handles=[Patch(color=colour[d], label=f"{d} deploy") for d in deploys]
+              + [Line2D([], [], color="black", linewidth=2, label="cell mean")],
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    ax.set_title("WER of every request, per arm x deploy x run")
+    return _png(fig)
+
+
+EVENT_METRICS = [
+    ("nonzero_offset_chunks", "non-zero-offset prefill chunks"),
+    ("cross_boundary_replays", "replays crossing the prompt boundary"),
+    ("multi_position_decode_spans", "multi-position decode spans"),
+    ("one_token_tails", "one-token prefill tails"),
+    ("row_count_mismatches", "row-count mismatches"),
+    ("preemptions", "preemptions"),
+]
+
+
+def plot_events(cells: list[CellSummary]) -> bytes:
+    """Grouped bars of each cell's scheduler events: a stress run that stressed nothing shows flat."""
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(cells) + 2), 4.6))
+    width = 0.8 / len(EVENT_METRICS)
+    cmap = plt.get_cmap("tab10")
+    top = 0
+    for j, (name, label) in enumerate(EVENT_METRICS):
+        values = [c.preemptions if name == "preemptions" else getattr(c.events, name) for c in cells]
+        top = max([top] + values)
+        xs = [x - 0.4 + width * (j + 0.5) for x in range(len(cells))]
+        bars = ax.bar(xs, values, width=width * 0.92, color=cmap(j), label=label)
+        ax.bar_label(bars, labels=[str(v) if v else "" for v in values], fontsize=7, padding=1)
+    for x, cell in enumerate(cells):
+        if not any(getattr(cell.events, n, 0) for n, _ in EVENT_METRICS) and not cell.preemptions:
+            ax.annotate("no events", (x, 0), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8,
+                        color="#777")
+    ax.set_xticks(range(len(cells)), [_cell_label(c) for c in cells], fontsize=8)
+    ax.set_ylim(0, max(1, top) * 1.15)
+    ax.set_ylabel("count per cell")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.set_title("Scheduler events per arm x deploy x run")
+    return _png(fig)
+
+
+def span_kind(span: SpanRecord) -> str:
+    ev = classify_span(span.P, span.c, span.n, span.rows)
+    if ev.cross_boundary:
+        return "replay"
+    if ev.nonzero_offset:
+        return "chunk"
+    if ev.is_prefill:
+        return "prefill"
+    return "multi" if ev.multi_decode else "decode"
+
+
+def pick_stressed_request(run: Run) -> tuple[str, int, str] | None:
+    """The (deploy, repeat, prompt) whose spans show the most replays, then chunks, over all arms."""
+    score: dict[tuple[str, int, str], list[int]] = {}
+    for s in run.spans:
+        ev = classify_span(s.P, s.c, s.n, s.rows)
+        entry = score.setdefault((s.deploy, s.repeat, s.request), [0, 0, 0])
+        entry[0] += ev.cross_boundary
+        entry[1] += ev.nonzero_offset
+        entry[2] += ev.multi_decode
+    if not score:
+        return None
+    best = max(sorted(score), key=lambda k: tuple(score[k]))
+    return best if any(score[best]) else None  # nothing was stressed: no timeline worth drawing
+
+
+def plot_timeline(run: Run, cells: list[CellSummary], max_arms: int = 4) -> bytes | None:
+    """Spans of one stressed request, one panel per arm; None when no request was stressed."""
+    picked = pick_stressed_request(run)
+    if picked is None:
+        return None
+    deploy, repeat, prompt = picked
+    by_arm: dict[str, list[SpanRecord]] = {}
+    for s in run.spans:
+        if (s.deploy, s.repeat, s.request) == picked:
+            by_arm.setdefault(s.arm, []).append(s)
+    arm_order = list(dict.fromkeys(c.arm for c in cells)) + sorted(by_arm)
+    arms = [a for a in dict.fromkeys(arm_order) if a in by_arm][:max_arms]
+    records = {(r.arm, r.deploy, r.repeat, r.prompt_id): r for r in run.requests}
+    run_number = {c.key: c.run_number for c in cells}
+
+    firsts = {a: min(s.step for s in by_arm[a]) for a in arms}
+    # The story is in the prefill chunks and replays: show the steps up to the last of them (plus a
+    # margin), shared by all panels so arms stay comparable; the plain decode tail is summarised.
+    last_event = max((s.step - firsts[a] for a in arms for s in by_arm[a] if span_kind(s) != "decode"), default=0)
+    y_max = max(20, int(last_event * 1.3) + 10)
+    visible = {a: [s for s in by_arm[a] if s.step - firsts[a] <= y_max] for a in arms}
+    x_max = max(max(s.c + s.n, s.P) for a in arms for s in visible[a])
+    half = max(0.45, y_max / 240)  # a minimum bar height keeps one-step spans visible
+    fig, axes = plt.subplots(1, len(arms), figsize=(5.6 * len(arms), 7.0), squeeze=False)
+    for ax, arm in zip(axes[0], arms):
+        spans = sorted(visible[arm], key=lambda s: s.step)
+        hidden = [s for s in by_arm[arm] if s.step - firsts[arm] > y_max]
+        first = firsts[arm]
+        polys: dict[str, list[list[tuple[float, float]]]] = {k: [] for k in SPAN_KINDS}
+        bad: list[list[tuple[float, float]]] = []
+        for s in spans:
+            y = s.step - first
+            box = [(s.c, y - half), (s.c + s.n, y - half), (s.c + s.n, y + half), (s.c, y + half)]
+            polys[span_kind(s)].append(box)
+            if s.misaligned:
+                bad.append(box)
+        totals = {k: 0 for k in SPAN_KINDS}  # legend counts cover the whole request, not just the window
+        for s in by_arm[arm]:
+            totals[span_kind(s)] += 1
+        handles = []
+        for kind, boxes in polys.items():
+            if boxes:
+                label, colour = SPAN_KINDS[kind]
+                ax.add_collection(PolyCollection(boxes, facecolors=colour, edgecolors=colour, linewidths=0.4))
+                handles.append(Patch(color=colour, label=f"{label} ({totals[kind]})"))
+        if bad:
+            ax.add_collection(PolyCollection(bad, facecolors="none", edgecolors="black", hatch="////",
+                                             linewidths=0.6, zorder=3))
+            total = sum(s.misaligned or 0 for s in spans)
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch="////",
+                                 label=f"misaligned rows ({total} positions)"))
+        mism = [s for s in spans if s.rows != s.n]
+        if mism:
+            ax.scatter([s.c + s.n for s in mism], [s.step - first for s in mism], marker="x", s=22, color="black",
+                       linewidths=1.2, zorder=4)
+            handles.append(Line2D([], [], marker="x", color="black", linestyle="",
+                                  label=f"rows returned != n ({len(mism)})"))
+        P = spans[0].P
+        ax.axvline(P, color="black", linestyle="--", linewidth=1)
+        handles.append(Line2D([], [], color="black", linestyle="--", label=f"prompt boundary P = {P}"))
+        if hidden:
+            end = max(s.c + s.n for s in hidden)
+            ax.annotate(f"... then {len(hidden)} more decode steps, to position {end}", (0.02, 0.02),
+                        xycoords="axes fraction", fontsize=8, color="#555")
+        ax.set_xlim(0, x_max * 1.03 + 1)
+        ax.set_ylim(y_max + 2 * half + 1, -2 * half - 1)  # time runs downwards
+        ax.set_xlabel("position")
+        ax.set_ylabel(f"scheduler step (from step {first})")
+        ax.grid(alpha=0.25)
+        rec = records.get((arm, deploy, repeat, prompt))
+        wer = f"WER {rec.score:.3f}" if rec is not None and rec.score is not None else "WER n/a"
+        pre = ""
+        if rec is not None:
+            pre = f", {rec.preemptions} preemption{'' if rec.preemptions == 1 else 's'}"
+        ax.set_title(f"{arm}: {deploy} deploy, run {run_number.get((arm, deploy, repeat), repeat)}\n"
+                     f"{prompt}: {wer}{pre}", fontsize=10)
+        ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2,
+                  frameon=False)
+    fig.suptitle("Talker spans of one stressed request: which positions each step computed", fontsize=11)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def render_all(run: Run, cells: list[CellSummary]) -> dict[str, bytes]:
+    """{name: PNG bytes}; the timeline is left out when no recorded span shows stress."""
+    out = {"wer": plot_wer(cells), "events": plot_events(cells)}
+    timeline = plot_timeline(run, cells)
+    if timeline is not None:
+        out["timeline"] = timeline
+    return out

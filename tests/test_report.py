@@ -1,0 +1,337 @@
+"""Reports from a hand-made run directory that reproduces the seed's table exactly."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from harness import report
+from harness.cli import main
+from harness.records import EventCounts, JsonlWriter, RequestRecord, SpanRecord, write_manifest
+
+P = 90
+PROMPTS = [f"p{i:02d}" for i in range(1, 17)]
+
+# (arm, deploy, repeat) -> (mean WER, requests over 0.5, non-zero-offset chunks, cross-boundary replays)
+SEED = {
+    ("main", "reference", 1): (0.017, 0, 0, 0),
+    ("main", "stress", 1): (0.933, 16, 45, 7),
+    ("main", "stress", 2): (0.925, 16, 47, 8),
+    ("pr", "reference", 1): (0.020, 0, 0, 0),
+    ("pr", "stress", 1): (0.016, 0, 91, 26),
+    ("pr", "stress", 2): (0.016, 0, 92, 26),
+}
+
+
+def _scores(mean: float, over: int) -> list[float]:
+    """16 scores with exactly this mean: all failing around the mean, or 15 zeros and one outlier."""
+    if over == 16:
+        return [mean + (0.05 if i % 2 else -0.05) for i in range(16)]
+    return [0.0] * 15 + [round(mean * 16, 6)]
+
+
+def _spans(arm: str, deploy: str, repeat: int, cell: tuple, base: int, offset: int = 0) -> list[SpanRecord]:
+    """Spans giving exactly the cell's counts: per request a first chunk [0, 32), its share of
+    non-zero-offset chunks, its share of replays [0, P+5) crossing P, then 3 decode steps.
+    ``main`` returns all P rows on every prefill call (the seed's row-count mismatch)."""
+    _, _, nonzero, cross = cell
+    out = []
+    step = base
+    for i, pid in enumerate(PROMPTS):
+        def span(c: int, n: int, pid: str = pid) -> SpanRecord:
+            nonlocal step
+            step += 1
+            rows = P if (arm == "main" and c < P) else n
+            return SpanRecord(arm, deploy, repeat + offset, pid, step, P, c, n, rows,
+                              misaligned=(n if arm == "main" and c > 0 and c < P else 0))
+        if deploy == "reference":
+            out.append(span(0, P))
+        else:
+            out.append(span(0, 32))
+            for j in range(nonzero // 16 + (i < nonzero % 16)):
+                out.append(span(32, 32) if j % 2 == 0 else span(64, P - 64))
+            for _ in range(cross // 16 + (i < cross % 16)):
+                out.append(span(0, P + 5))
+        for k in range(3):
+            out.append(span(P + k, 1))
+    return out
+
+
+def write_run(root: Path, name: str = "seed", whisper: bool = True, with_spans: bool = True,
+              repeat_offset: int = 0, shuffle: bool = True, seed: dict | None = None) -> Path:
+    """A run dir shaped like the seed experiment; records in a scrambled order (the table must not care)."""
+    seed = seed or SEED
+    run_dir = root / name
+    run_dir.mkdir(parents=True)
+    cells = list(seed)
+    records, spans = [], []
+    for n, key in enumerate(cells):
+        arm, deploy, repeat = key
+        mean, over, _, _ = seed[key]
+        for i, (pid, score) in enumerate(zip(PROMPTS, _scores(mean, over))):
+            ev = EventCounts(talker_calls=1, prefill_calls=1)
+            records.append(RequestRecord(
+                arm=arm, deploy=deploy, repeat=repeat + repeat_offset, prompt_id=pid, backend="sim",
+                reference_text="hello there", num_codec_tokens=100 + i, finish_reason="stop",
+                oracle_transcript="hello there", oracle_wer=1.0 if over else 0.0,
+                transcript="hello there" if whisper else None, wer=score if whisper else None,
+                preemptions=1 if deploy == "stress" and i < 2 else 0, events=ev, wall_s=0.5,
+                error="boom" if (key == ("pr", "stress", 2) and i == 15 and seed is SEED) else None,
+            ))
+        if not whisper:  # oracle-only run: put the scores on oracle_wer
+            for rec, score in zip(records[-16:], _scores(mean, over)):
+                rec.oracle_wer = score
+        if with_spans:
+            spans += _spans(arm, deploy, repeat, seed[key], base=1000 * n, offset=repeat_offset)
+    if shuffle:
+        records = records[1::2] + records[0::2]
+    w = JsonlWriter(run_dir / "requests.jsonl")
+    w.write_many(records)
+    w.close()
+    if with_spans:
+        w = JsonlWriter(run_dir / "spans.jsonl")
+        w.write_many(spans)
+        w.close()
+    write_manifest(run_dir, {
+        "run_id": name, "argv": ["omni-stress", "run", "--arm", "main", "--arm", "pr", "--repeat", "2"],
+        "cells": [{"arm": a, "deploy": d, "repeat": r + repeat_offset} for a, d, r in cells],
+        "started": "2025-01-01T00:00:00Z", "finished": None, "backend": "sim",
+        "asr": "faster-whisper base" if whisper else None,
+    })
+    return run_dir
+
+
+SEED_ROWS = [
+    ["main, reference deploy", "0.017", "0/16", "0", "0"],
+    ["main, stress deploy (run 1 / run 2)", "0.933 / 0.925", "16/16 / 16/16", "45 / 47", "7 / 8"],
+    ["pr, reference deploy", "0.020", "0/16", "0", "0"],
+    ["pr, stress deploy (run 1 / run 2)", "0.016 / 0.016", "0/16 / 0/16", "91 / 92", "26 / 26"],
+]
+
+
+@pytest.fixture(scope="module")
+def seed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_run(tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture(scope="module")
+def written(seed_run: Path) -> dict[str, Path]:
+    return report.write_reports(seed_run)
+
+
+def _cells(run_dir: Path) -> tuple[report.Run, list[report.CellSummary]]:
+    run = report.load_run(run_dir)
+    return run, report.summarize_cells(run)
+
+
+def test_seed_table_reproduces_the_seed(seed_run: Path) -> None:
+    _, cells = _cells(seed_run)
+    table = report.seed_table(cells)
+    assert list(table.columns) == ["Arm", "WER (mean)", "Requests with WER > 0.5", "Non-zero-offset prefill chunks",
+                                   "Replays crossing the prompt boundary"]
+    assert table.values.tolist() == SEED_ROWS
+
+
+def test_extended_table_cells(seed_run: Path) -> None:
+    _, cells = _cells(seed_run)
+    ext = report.extended_table(cells)
+    rows = {(r["Arm"], r["Deploy"], r["Run"]): r for r in ext.to_dict(orient="records")}
+    main1, main2 = rows[("main", "stress", "1")], rows[("main", "stress", "2")]
+    assert main1["Row-count mismatches / prefill calls"] == "68/68"
+    assert main2["Row-count mismatches / prefill calls"] == "71/71"
+    assert rows[("pr", "stress", "1")]["Row-count mismatches / prefill calls"] == "0/133"
+    assert rows[("main", "reference", "1")]["Row-count mismatches / prefill calls"] == "0/16"
+    assert main1["WER (median)"] == "0.933"
+    assert main1["Oracle WER (mean)"] == "1.000"
+    # main returns P rows on every prefill call; misaligned = n of each non-zero-offset chunk:
+    # 13 requests get chunks 32+26+32, 3 get 32+26
+    assert main1["Misaligned positions"] == str(13 * 90 + 3 * 58)
+    assert rows[("pr", "stress", "2")]["Errors"] == "1"
+    assert main1["Preemptions"] == "2"
+    assert main1["Multi-position decode spans"] == "0"
+    assert main1["WER source"] == "Whisper"
+    assert main1["Wall time (s)"] == "8.0"
+    assert list(ext["Arm"] + "/" + ext["Deploy"] + "/" + ext["Run"]) == [
+        "main/reference/1", "main/stress/1", "main/stress/2", "pr/reference/1", "pr/stress/1", "pr/stress/2"]
+
+
+def test_wer_source_note(seed_run: Path, tmp_path: Path) -> None:
+    run, cells = _cells(seed_run)
+    assert report.wer_source_note(run, cells) == "WER source: Whisper (faster-whisper base)"
+    run, cells = _cells(write_run(tmp_path, "oracle", whisper=False, with_spans=False))
+    assert report.wer_source_note(run, cells).startswith("WER source: oracle transcript")
+    assert report.seed_table(cells).values.tolist()[1][1] == "0.933 / 0.925"  # oracle WER is scored
+
+
+def test_zero_based_repeats_and_manifest_order(tmp_path: Path) -> None:
+    seed = {("pr", "reference", 1): (0.02, 0, 0, 0), ("pr", "stress", 1): (0.016, 0, 91, 26),
+            ("pr", "stress", 2): (0.02, 0, 92, 26), ("main", "reference", 1): (0.017, 0, 0, 0)}
+    _, cells = _cells(write_run(tmp_path, "zero", repeat_offset=-1, seed=seed))
+    rows = report.seed_table(cells).values.tolist()
+    assert [r[0] for r in rows] == ["pr, reference deploy", "pr, stress deploy (run 1 / run 2)",
+                                    "main, reference deploy"]
+    assert rows[1][1:] == ["0.016 / 0.020", "0/16 / 0/16", "91 / 92", "26 / 26"]
+
+
+def test_events_fall_back_to_request_records(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path, "nospans", with_spans=False)
+    _, cells = _cells(run_dir)
+    assert all(c.event_source == "requests" for c in cells)
+    # each record carries EventCounts(talker_calls=1, prefill_calls=1)
+    assert report.extended_table(cells)["Row-count mismatches / prefill calls"].tolist()[0] == "0/16"
+
+
+def test_markdown_and_terminal(seed_run: Path) -> None:
+    run, cells = _cells(seed_run)
+    md = report.markdown_text(run, cells)
+    assert "| main, stress deploy (run 1 / run 2) | 0.933 / 0.925 | 16/16 / 16/16 | 45 / 47 | 7 / 8 |" in md
+    assert "| Arm | WER (mean) | Requests with WER > 0.5 |" in md
+    text = report.terminal_table(seed_run)
+    line = next(ln for ln in text.splitlines() if ln.startswith("main, stress deploy (run 1 / run 2)"))
+    assert line.split("  ")[0] == "main, stress deploy (run 1 / run 2)"
+    assert [p.strip() for p in line.split("  ") if p.strip()][1:] == SEED_ROWS[1][1:]
+    assert "WER source: Whisper" in text
+    assert any("68/68" in ln for ln in text.splitlines())
+
+
+class _Collector(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = 0
+        self.cells: list[str] = []
+        self.images: list[str] = []
+        self._in_cell = False
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        if tag == "table":
+            self.tables += 1
+        if tag in ("td", "th"):
+            self._in_cell = True
+            self.cells.append("")
+        if tag == "img":
+            self.images.append(dict(attrs)["src"])
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th"):
+            self._in_cell = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_cell:
+            self.cells[-1] += data
+
+
+def test_write_reports_files(written: dict[str, Path], seed_run: Path) -> None:
+    assert {"csv", "markdown", "json", "html", "requests_csv", "plot_wer", "plot_events", "plot_timeline"} <= set(
+        written)
+    for path in written.values():
+        assert path.is_file() and path.stat().st_size > 0 and path.parent in (seed_run, seed_run / "plots")
+
+    with open(written["csv"], newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    main1 = next(r for r in rows if (r["arm"], r["deploy"], r["repeat"]) == ("main", "stress", "1"))
+    assert float(main1["wer_mean"]) == pytest.approx(0.933)
+    assert (main1["prefill_row_count_mismatches"], main1["prefill_calls"]) == ("68", "68")
+    assert main1["nonzero_offset_chunks"] == "45" and main1["cross_boundary_replays"] == "7"
+
+    data = json.loads(written["json"].read_text())
+    assert data["wer_source"] == "whisper"
+    assert [list(r.values()) for r in data["seed_table"]] == SEED_ROWS
+    assert len(data["requests"]) == 96 and len(data["cells"]) == 6
+    assert written["markdown"].read_text().count("0.933 / 0.925") == 1
+
+    parser = _Collector()
+    parser.feed(written["html"].read_text())
+    assert parser.tables == 3
+    assert "0.933 / 0.925" in parser.cells and "16/16 / 16/16" in parser.cells and "68/68" in parser.cells
+    assert "main, stress deploy (run 1 / run 2)" in parser.cells
+    assert len(parser.images) == 3
+    for src in parser.images:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1]).startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_timeline_picks_a_stressed_request(seed_run: Path) -> None:
+    from harness import plots
+
+    run, _ = _cells(seed_run)
+    deploy, _, prompt = plots.pick_stressed_request(run)
+    assert deploy == "stress" and prompt == "p01"  # p01 gets the most replays (round-robin share)
+
+
+def test_compare_table_deltas(seed_run: Path, tmp_path: Path) -> None:
+    seed_b = dict(SEED)
+    seed_b[("pr", "stress", 1)] = (0.026, 0, 91, 26)
+    seed_b[("pr", "stress", 2)] = (0.026, 0, 94, 30)
+    _, a = _cells(seed_run)
+    _, b = _cells(write_run(tmp_path, "b", seed=seed_b))
+    table = report.compare_table(a, b)
+    pr = table[table["Arm"] == "pr, stress deploy"].iloc[0].tolist()
+    assert pr == ["pr, stress deploy", "0.016 / 0.016", "0.026 / 0.026", "+0.010", "0/16 / 0/16", "0/16 / 0/16", "+0",
+                  "91 / 92", "91 / 94", "+1", "26 / 26", "26 / 30", "+2"]
+    assert table[table["Arm"] == "main, reference deploy"].iloc[0].tolist()[3] == "+0.000"
+
+
+def test_cli_report_and_compare(seed_run: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    res = runner.invoke(main, ["report", str(seed_run), "--format", "markdown", "--no-write"])
+    assert res.exit_code == 0, res.output
+    assert "| pr, stress deploy (run 1 / run 2) | 0.016 / 0.016 | 0/16 / 0/16 | 91 / 92 | 26 / 26 |" in res.output
+    res = runner.invoke(main, ["report", str(seed_run), "--format", "json", "--no-write"])
+    assert res.exit_code == 0 and json.loads(res.output)["seed_table"][0]["WER (mean)"] == "0.017"
+    res = runner.invoke(main, ["report", str(seed_run), "--format", "csv", "--no-write"])
+    assert res.exit_code == 0 and res.output.splitlines()[0].startswith("arm,deploy,repeat,run,")
+    res = runner.invoke(main, ["compare", str(seed_run), str(seed_run)])
+    assert res.exit_code == 0 and "0.933 / 0.925" in res.output and "+0.000" in res.output
+
+
+def test_cli_report_writes_files(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path, "small", with_spans=False)
+    res = CliRunner().invoke(main, ["report", str(run_dir)])
+    assert res.exit_code == 0, res.output
+    assert (run_dir / "report.html").is_file() and (run_dir / "summary.csv").is_file()
+    assert not (run_dir / "plots" / "timeline.png").exists()  # no spans: no timeline
+
+
+def test_bad_run_dirs_exit_2(tmp_path: Path) -> None:
+    runner = CliRunner()
+    res = runner.invoke(main, ["report", str(tmp_path / "missing")])
+    assert res.exit_code == 2 and "run directory not found" in res.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = runner.invoke(main, ["report", str(empty)])
+    assert res.exit_code == 2 and "no manifest.json" in res.output
+    (empty / "manifest.json").write_text("{not json")
+    res = runner.invoke(main, ["report", str(empty)])
+    assert res.exit_code == 2 and "not valid JSON" in res.output
+    (empty / "manifest.json").write_text(json.dumps({"run_id": "x", "cells": [{"arm": "main"}]}))
+    res = runner.invoke(main, ["report", str(empty)])
+    assert res.exit_code == 2 and "cells[0]" in res.output
+    (empty / "manifest.json").write_text(json.dumps({"run_id": "x", "cells": []}))
+    (empty / "requests.jsonl").write_text('{"arm": "main"\n{"arm": "x"}\n')
+    res = runner.invoke(main, ["compare", str(empty), str(empty)])
+    assert res.exit_code == 2 and "line 1: not valid JSON" in res.output
+
+
+def test_torn_last_line_is_ignored(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path, "torn", with_spans=False)
+    with open(run_dir / "requests.jsonl", "a") as fh:
+        fh.write('{"arm": "main", "deploy": "stre')
+    _, cells = _cells(run_dir)
+    assert report.seed_table(cells).values.tolist()[1][1] == "0.933 / 0.925"
+
+
+def test_cell_in_manifest_without_records(tmp_path: Path) -> None:
+    """A killed run: the manifest names a cell no request of which completed."""
+    run_dir = write_run(tmp_path, "partial", with_spans=False)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["cells"].append({"arm": "main", "deploy": "specdec", "repeat": 1})
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    _, cells = _cells(run_dir)
+    assert report.seed_table(cells).values.tolist()[2] == ["main, specdec deploy", "n/a", "0/0", "0", "0"]
+    assert report.extended_table(cells)["WER source"].tolist()[3] == "none"

@@ -1,0 +1,363 @@
+"""The vllm-omni backend: one real server per (arm, deploy, repeat), all prompts in flight, spans traced.
+
+``run_cell`` emits the same ``RequestRecord``/``SpanRecord`` as the sim, so ASR, scoring, reports and
+the gate are shared. Per cell it writes, under the run directory:
+
+* ``server-<arm>-<deploy>.log``: the server's stdout+stderr (appended per repeat, with a header line
+  carrying the exact command line);
+* ``serve/<arm>-<deploy>-r<repeat>/trace-<pid>.jsonl``: the trace plugin's raw lines
+  (``harness.serve.trace_plugin``; ``OMNI_STRESS_TRACE`` points the server there);
+* ``serve/<arm>-<deploy>-r<repeat>/attempts.jsonl``: one line per HTTP attempt (retries, errors);
+* ``audio/<arm>-<deploy>-r<repeat>-<prompt_id>.wav``: the Code2Wav audio of each request.
+
+Trace lines are matched to prompts by the unique token in each request's id (``client.make_tag``):
+vLLM-Omni derives every stage's engine request id from ``chatcmpl-<X-Request-Id>`` (vLLM's
+``InputProcessor.assign_request_id`` appends ``-<8 hex>``), so the token survives. Lines that match
+no request (profiling or warm-up calls) are ignored. A retried request is sent with its own id
+(``<id>-a2``) carrying the same token, so the spans of every attempt count for its prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.config import ArmSpec, Deploy, Prompt, PromptSet
+from harness.contract import classify_span, count_events
+from harness.errors import UserError
+from harness.records import RequestRecord, SpanRecord
+from harness.serve import client as chat
+from harness.serve.deploy_args import translate_deploy
+from harness.serve.launcher import HOST, ServerLauncher, progress
+from harness.serve.trace_plugin import ENV_DIR, TRACE_GLOB
+
+BACKEND = "vllm-omni"
+CLI_MODULE = "vllm.entrypoints.cli.main"  # `vllm serve ... --omni` delegates to vllm_omni (maybe_run_omni)
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_NAME = "omni_stress_trace"
+
+
+@dataclass
+class ServeOptions:
+    model: str = "Qwen/Qwen2.5-Omni-7B"  # local path or name the server resolves itself
+    health_timeout_s: float = 1800.0
+    request_timeout_s: float = 900.0
+    retries: int = 1
+    extra_args: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------------------- paths and command
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in name)
+
+
+def server_log_path(run_dir: Path, arm: ArmSpec, deploy: Deploy) -> Path:
+    return Path(run_dir) / f"server-{_safe(arm.name)}-{_safe(deploy.name)}.log"
+
+
+def cell_dir(run_dir: Path, arm: ArmSpec, deploy: Deploy, repeat: int | str) -> Path:
+    return Path(run_dir) / "serve" / f"{_safe(arm.name)}-{_safe(deploy.name)}-r{repeat}"
+
+
+def audio_rel_path(arm: ArmSpec, deploy: Deploy, repeat: int, prompt_id: str) -> str:
+    return f"audio/{_safe(arm.name)}-{_safe(deploy.name)}-r{repeat}-{_safe(prompt_id)}.wav"
+
+
+def _require_serve(arm: ArmSpec) -> None:
+    if arm.serve is None:
+        raise UserError(
+            f"arm '{arm.name}' has no 'serve' entry in deploy_configs/arms.yaml; add one with 'python' "
+            "(the interpreter of a venv that has its vLLM-Omni) or 'command' (a prefix such as [/venv/bin/vllm]) "
+            "to run it with --backend vllm-omni"
+        )
+
+
+def server_prefix(arm: ArmSpec) -> list[str]:
+    """``[python, -m, vllm.entrypoints.cli.main]`` or the arm's command prefix (e.g. ``[/venv/bin/vllm]``)."""
+    _require_serve(arm)
+    assert arm.serve is not None
+    if arm.serve.command:
+        return [os.path.expanduser(arm.serve.command[0]), *arm.serve.command[1:]]
+    assert arm.serve.python is not None
+    return [os.path.expanduser(arm.serve.python), "-m", CLI_MODULE]
+
+
+def server_argv(arm: ArmSpec, deploy: Deploy, options: ServeOptions, port: int | str) -> list[str]:
+    """The exact command line: ``... serve MODEL --omni --host 127.0.0.1 --port N <deploy> <extra>``."""
+    translation = translate_deploy(deploy)
+    return [
+        *server_prefix(arm), "serve", options.model, "--omni", "--host", HOST, "--port", str(port),
+        *translation.cli_args, *options.extra_args,
+    ]
+
+
+def server_env_overrides(arm: ArmSpec, trace_dir: Path) -> dict[str, str]:
+    """What the server's environment adds to ours: the arm's ``env`` plus the trace directory."""
+    assert arm.serve is not None
+    env = dict(arm.serve.env)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env[ENV_DIR] = str(trace_dir)
+    return env
+
+
+def check_plugin_installed(python: str, timeout_s: float = 60.0) -> str | None:
+    """None if ``python`` sees this package's ``vllm.general_plugins`` entry point, else why not.
+
+    Without it the server runs fine but traces nothing, and the event columns would silently read 0.
+    """
+    import subprocess
+
+    code = (
+        "import importlib.metadata as m, sys\n"
+        f"eps = m.entry_points(group={PLUGIN_GROUP!r})\n"
+        f"sys.exit(0 if any(e.name == {PLUGIN_NAME!r} for e in eps) else 3)\n"
+    )
+    try:
+        proc = subprocess.run([python, "-c", code], capture_output=True, timeout=timeout_s, check=False)
+    except FileNotFoundError:
+        return f"interpreter {python!r} not found"
+    except subprocess.TimeoutExpired:
+        return f"interpreter {python!r} did not answer within {timeout_s:g} s"
+    if proc.returncode == 0:
+        return None
+    if proc.returncode == 3:
+        return (f"the omni-stress trace plugin is not installed in {python} (entry point {PLUGIN_GROUP}:"
+                f"{PLUGIN_NAME}); run: {python} -m pip install --no-deps -e <path to omni-stress>")
+    return f"{python} failed: {proc.stderr.decode(errors='replace').strip()[-300:]}"
+
+
+def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOptions) -> str:
+    """For ``--dry-run``: the exact command line, environment and files of one cell (nothing started)."""
+    _require_serve(arm)
+    translation = translate_deploy(deploy)
+    run_dir = Path(run_dir).resolve()  # as run_cell: the server gets absolute paths
+    trace = cell_dir(run_dir, arm, deploy, "<repeat>")
+    env = server_env_overrides(arm, trace)
+    argv = server_argv(arm, deploy, options, "$PORT")
+    cmd = shlex.join(argv).replace("'$PORT'", "$PORT")
+    env_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+    placeholder = Prompt(id="<prompt_id>", user="<user text of the prompt>", reply="")
+    prompt_set = PromptSet(name="<prompts>", description="", system_prompt="<system_prompt of the prompt set>",
+                           prompts=(placeholder,), path=Path("<prompts>"))
+    example = chat.build_body(options.model, prompt_set, placeholder, deploy, "omni-stress-<prompt_id>-<hex32>")
+    lines = [
+        f"# arm {arm.name!r} x deploy {deploy.name!r} ({deploy.path}) -- backend vllm-omni",
+        "# server ($PORT: a free port on 127.0.0.1 picked at launch; own process group; stopped with SIGINT -> SIGTERM -> SIGKILL)",
+        f"env {env_text} \\",
+        f"  {cmd}",
+        "# --stage-overrides (stage 0 Thinker, 1 Talker, 2 Code2Wav), on top of the arm's default deploy/qwen2_5_omni.yaml:",
+        *("#   " + ln for ln in json.dumps(translation.stage_overrides, indent=2, sort_keys=True).splitlines()),
+        f"# health: GET http://{HOST}:$PORT/health (timeout {options.health_timeout_s:g} s)",
+        (f"# requests: POST http://{HOST}:$PORT/v1/chat/completions, every prompt in flight, timeout "
+         f"{options.request_timeout_s:g} s, retries {options.retries}, header X-Request-Id: <request_id>; body of each:"),
+        *(f"#   {key}: {json.dumps(value)}" for key, value in example.items() if key != "sampling_params_list"),
+        "#   sampling_params_list (Thinker, Talker, Code2Wav):",
+        *(f"#     {json.dumps(stage)}" for stage in example["sampling_params_list"]),
+        "# files:",
+        f"#   {server_log_path(run_dir, arm, deploy)}  (server log)",
+        f"#   {trace}/trace-<pid>.jsonl  (Talker spans, trace plugin)",
+        f"#   {trace}/attempts.jsonl  (HTTP attempts)",
+        f"#   {Path(run_dir) / 'audio' / f'{_safe(arm.name)}-{_safe(deploy.name)}-r<repeat>-<prompt_id>.wav'}  (audio)",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- trace collection
+
+
+class TraceCollector:
+    """Reads the plugin's ``trace-*.jsonl`` incrementally (complete lines only) and files lines by prompt."""
+
+    def __init__(self, directory: Path, token_to_prompt: dict[str, str]) -> None:
+        self.directory = directory
+        self.token_to_prompt = token_to_prompt
+        self._offsets: dict[Path, int] = {}
+        self.by_prompt: dict[str, list[dict[str, Any]]] = {}
+        self.unmatched = 0
+        self.unusable = 0
+        self.total = 0
+
+    def _match(self, request_id: str) -> str | None:
+        for token, prompt_id in self.token_to_prompt.items():
+            if token in request_id:
+                return prompt_id
+        return None
+
+    def poll(self) -> None:
+        for path in sorted(self.directory.glob(TRACE_GLOB)):
+            start = self._offsets.get(path, 0)
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(start)
+                    data = fh.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n") + 1
+            if end <= 0:
+                continue
+            self._offsets[path] = start + end
+            for raw in data[:end].splitlines():
+                if not raw.strip():
+                    continue
+                try:
+                    line = json.loads(raw)
+                except json.JSONDecodeError:
+                    self.unusable += 1
+                    continue
+                self.total += 1
+                prompt_id = self._match(str(line.get("request_id")))
+                if prompt_id is None:
+                    self.unmatched += 1
+                    continue
+                self.by_prompt.setdefault(prompt_id, []).append(line)
+
+    def take(self, prompt_id: str) -> list[dict[str, Any]]:
+        lines = self.by_prompt.pop(prompt_id, [])
+        lines.sort(key=lambda ln: (ln.get("pid") or 0, ln.get("seq") or 0))
+        return lines
+
+
+def span_from_line(line: dict[str, Any], arm: str, deploy: str, repeat: int, prompt_id: str) -> SpanRecord | None:
+    """One trace line as a ``SpanRecord``; None when the runner passed no metadata (nothing to classify)."""
+    P, c, n = line.get("_omni_prompt_len"), line.get("_omni_num_computed_tokens"), line.get("span_len")
+    if not all(isinstance(v, int) for v in (P, c, n)) or n < 1 or P < 0 or c < 0:
+        return None
+    rows = line.get("rows")
+    error = line.get("error")
+    rows_i = int(rows) if isinstance(rows, int) else 0  # a call that raised delivered no rows
+    ev = classify_span(P, c, n, rows_i)
+    return SpanRecord(
+        arm=arm, deploy=deploy, repeat=repeat, request=prompt_id, step=int(line.get("step") or 0),
+        P=P, c=c, n=n, rows=rows_i, nonzero_offset=ev.nonzero_offset, cross_boundary=ev.cross_boundary,
+        multi_decode=ev.multi_decode, one_token_tail=ev.one_token_tail, row_mismatch=ev.row_mismatch,
+        misaligned=None, error=error if isinstance(error, str) else None,
+    )
+
+
+# ---------------------------------------------------------------------------- run one cell
+
+
+def run_cell(
+    arm: ArmSpec,
+    deploy: Deploy,
+    prompts: PromptSet,
+    repeat: int,
+    run_dir: Path,
+    options: ServeOptions,
+    on_request: Callable[[RequestRecord], None],
+    on_spans: Callable[[list[SpanRecord]], None],
+) -> None:
+    """Launch the arm's server with the deploy, send every prompt at once, emit records as they complete.
+
+    Each ``RequestRecord`` is emitted once, right after its response (its Talker spans are already
+    traced by then, so ``events`` is filled); its spans go to ``on_spans`` just before it. A server
+    that dies mid-run: records already emitted stay, the rest get an error naming the log, then
+    ``UserError`` (exit 2).
+    """
+    _require_serve(arm)
+    translate_deploy(deploy)  # refuse untranslatable deploys before starting anything
+    run_dir = Path(run_dir).resolve()  # the server gets absolute paths whatever its working directory
+    assert arm.serve is not None
+    if arm.serve.python and not arm.serve.command:
+        problem = check_plugin_installed(os.path.expanduser(arm.serve.python))
+        if problem:
+            raise UserError(f"arm '{arm.name}': {problem}")
+    trace = cell_dir(run_dir, arm, deploy, repeat)
+    trace.mkdir(parents=True, exist_ok=True)
+    for stale in list(trace.glob(TRACE_GLOB)) + [trace / "attempts.jsonl"]:
+        stale.unlink(missing_ok=True)  # a rerun of this cell must not see the previous server's spans
+    (run_dir / "audio").mkdir(parents=True, exist_ok=True)
+    log_path = server_log_path(run_dir, arm, deploy)
+    env = {**os.environ, **server_env_overrides(arm, trace)}
+    label = f"vllm-omni server for arm '{arm.name}' deploy '{deploy.name}' (repeat {repeat})"
+
+    specs: list[chat.RequestSpec] = []
+    token_to_prompt: dict[str, str] = {}
+    for p in prompts.prompts:
+        tag = chat.make_tag(p.id)
+        token_to_prompt[chat.tag_token(tag)] = p.id
+        specs.append(chat.RequestSpec(
+            prompt_id=p.id, tag=tag, body=chat.build_body(options.model, prompts, p, deploy, tag),
+            audio_file=run_dir / audio_rel_path(arm, deploy, repeat, p.id),
+        ))
+    collector = TraceCollector(trace, token_to_prompt)
+    emitted: list[RequestRecord] = []
+
+    def spans_for(prompt_id: str) -> list[SpanRecord]:
+        out = []
+        for line in collector.take(prompt_id):
+            span = span_from_line(line, arm.name, deploy.name, repeat, prompt_id)
+            if span is None:
+                collector.unusable += 1
+            else:
+                out.append(span)
+        return out
+
+    launcher = ServerLauncher(
+        lambda port: server_argv(arm, deploy, options, port), log_path, env=env, label=label,
+        health_timeout_s=options.health_timeout_s,
+    )
+    with launcher as server, open(trace / "attempts.jsonl", "a", encoding="utf-8") as attempts_fh:
+
+        def gone() -> str:
+            code = server.proc.poll() if server.proc is not None else None
+            return f"server exited with code {code} during the run; log: {log_path}"
+
+        def on_result(res: chat.ChatResult) -> None:
+            attempts_fh.writelines(
+                json.dumps({"prompt_id": res.prompt_id, **a}) + "\n" for a in res.attempts
+            )
+            attempts_fh.flush()
+            collector.poll()
+            spans = spans_for(res.prompt_id)
+            if spans:
+                on_spans(spans)
+            record = _record(arm, deploy, repeat, run_dir, res, spans)
+            emitted.append(record)
+            on_request(record)  # the caller shows per-request progress
+
+        asyncio.run(chat.run_requests(
+            server.base_url, specs, request_timeout_s=options.request_timeout_s, retries=options.retries,
+            on_result=on_result, server_alive=server.alive, server_gone_message=gone,
+        ))
+        collector.poll()
+        leftovers = [s for pid in list(collector.by_prompt) for s in spans_for(pid)]
+        if leftovers:
+            on_spans(leftovers)
+        if not server.alive():
+            server.stop()
+            ok = sum(1 for r in emitted if r.error is None)
+            raise UserError(server.death_message(f"during the run ({ok}/{len(specs)} requests completed)"))
+
+    if collector.total == 0 and any(r.error is None for r in emitted):
+        progress(f"warning: no Talker spans were traced for {arm.name}/{deploy.name} r{repeat}: is omni-stress "
+                 f"installed in the arm's environment (entry point {PLUGIN_GROUP}:{PLUGIN_NAME}) and is VLLM_PLUGINS "
+                 "unset or listing it? The event columns will read 0.")
+    elif collector.unmatched or collector.unusable:
+        print(f"omni-stress: {arm.name}/{deploy.name} r{repeat}: ignored {collector.unmatched} trace lines of "
+              f"unknown requests and {collector.unusable} without runner metadata", file=sys.stderr)
+
+
+def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.ChatResult,
+            spans: list[SpanRecord]) -> RequestRecord:
+    first = spans[0] if spans else None
+    restarts = sum(1 for s in spans[1:] if s.c == 0)  # preemption by recompute resets c to 0
+    audio = None
+    if res.audio_file is not None:
+        audio = os.path.relpath(res.audio_file, run_dir)
+    return RequestRecord(
+        arm=arm.name, deploy=deploy.name, repeat=repeat, prompt_id=res.prompt_id, backend=BACKEND,
+        reference_text=res.thinker_text or "", thinker_text=res.thinker_text,
+        talker_prompt_len=first.P if first else None, finish_reason=res.finish_reason,
+        audio_path=audio, audio_seconds=res.audio_seconds, preemptions=restarts,
+        events=count_events(spans), error=res.error, wall_s=round(res.wall_s, 3),
+    )

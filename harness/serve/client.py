@@ -1,0 +1,327 @@
+"""Async OpenAI chat-completions client for vLLM-Omni: every prompt in flight at once.
+
+Why all at once: the Talker only batches (up to its ``max_num_seqs``) and only preempts under the
+stress deploy if several requests reach it together; the seed sent its 16 prompts concurrently.
+
+Request format (vllm-omni 0.30.0, ``entrypoints/openai/serving_chat.py``):
+
+* ``modalities: ["text", "audio"]`` is checked against the engine's output modalities.
+* ``sampling_params_list`` is read with ``hasattr(request, "sampling_params_list")`` (vLLM's
+  ``OpenAIBaseModel`` keeps extra fields) and each dict becomes ``SamplingParams(**dict)`` in
+  ``_to_sampling_params_list``, one per stage (0 Thinker, 1 Talker, 2 Code2Wav); the pipeline's
+  ``sampling_constraints`` (Talker ``stop_token_ids: [8294]``, ``detokenize``) are merged on top by
+  ``entrypoints/omni_base.py: resolve_sampling_params_list``. The values mirror
+  ``vllm_omni/deploy/qwen2_5_omni.yaml`` ``default_sampling_params`` except the seed's settings:
+  Thinker ``max_tokens`` 80 (greedy), Talker from the deploy's ``sampling:`` (temperature 0.9,
+  top-p 0.8, top-k 40, seed 42, max 1900). Code2Wav gets the deploy YAML's defaults verbatim.
+* The request id comes from the ``X-Request-Id`` header (vLLM ``_base_request_id``; also sent as the
+  body's ``request_id``); the response id is ``chatcmpl-<id>`` and the engines derive their internal
+  request ids from it, which is how Talker trace lines are matched to prompts (``tag``).
+
+Response format: non-streaming, the audio is base64 WAV (``DEFAULT_AUDIO_FORMAT = "wav"``,
+``protocol/audio.py``) in ``choices[i].message.audio.data``. 0.30.0 merges it into the text choice of
+the same index (``_merge_audio_choices``, #7376); older builds return a separate audio choice, so
+the text is the first non-empty ``message.content`` and the audio the first ``message.audio.data``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import json
+import re
+import time
+import uuid
+import wave
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from harness.config import MAX_REPLY_TOKENS, Deploy, Prompt, PromptSet
+
+# vllm_omni/deploy/qwen2_5_omni.yaml (0.30.0) default_sampling_params, stage by stage.
+THINKER_DEFAULTS: dict[str, Any] = {
+    "temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 2048, "seed": 42, "repetition_penalty": 1.1,
+}
+TALKER_DEFAULTS: dict[str, Any] = {
+    "temperature": 0.9, "top_p": 0.8, "top_k": 40, "max_tokens": 2048, "seed": 42, "repetition_penalty": 1.05,
+}
+CODE2WAV_DEFAULTS: dict[str, Any] = {
+    "temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 2048, "seed": 42, "repetition_penalty": 1.1,
+}
+
+
+class ResponseError(Exception):
+    """The server answered, but not with a usable chat completion (per-request error, never retried)."""
+
+
+def sampling_params_list(deploy: Deploy) -> list[dict[str, Any]]:
+    """Per-stage sampling: Thinker greedy <= 80 tokens, Talker from ``deploy.sampling``, Code2Wav defaults."""
+    s = deploy.sampling
+    thinker = {**THINKER_DEFAULTS, "temperature": 0.0, "max_tokens": MAX_REPLY_TOKENS, "detokenize": True}
+    talker = {
+        **TALKER_DEFAULTS,
+        "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
+        "max_tokens": s.max_tokens, "detokenize": True,
+    }
+    return [thinker, talker, {**CODE2WAV_DEFAULTS, "detokenize": True}]
+
+
+def make_tag(prompt_id: str) -> str:
+    """A request id unique per request; the 32-hex token is what trace lines are matched on."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", prompt_id)[:48]
+    return f"omni-stress-{safe}-{uuid.uuid4().hex}"
+
+
+def tag_token(tag: str) -> str:
+    return tag.rsplit("-", 1)[-1]
+
+
+def build_body(model: str, prompts: PromptSet, prompt: Prompt, deploy: Deploy, tag: str) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": prompts.system_prompt}]},
+            {"role": "user", "content": [{"type": "text", "text": prompt.user}]},
+        ],
+        "modalities": ["text", "audio"],
+        "sampling_params_list": sampling_params_list(deploy),
+        "stream": False,
+        "request_id": tag,
+    }
+
+
+@dataclass
+class ParsedResponse:
+    text: str
+    audio: bytes
+    finish_reason: str | None
+    response_id: str | None
+
+
+def parse_response(raw: bytes) -> ParsedResponse:
+    """Thinker text and WAV bytes out of a chat-completion body; ``ResponseError`` says what is wrong."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        snippet = raw[:120].decode("utf-8", errors="replace")
+        raise ResponseError(f"malformed response body (not JSON: {exc.msg if hasattr(exc, 'msg') else exc}): {snippet!r}") from None
+    if not isinstance(data, dict):
+        raise ResponseError(f"malformed response body: expected a JSON object, got {type(data).__name__}")
+    if "error" in data and data.get("error"):
+        err = data["error"]
+        msg = err.get("message") if isinstance(err, dict) else err
+        raise ResponseError(f"server error: {msg}")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise ResponseError("malformed response body: no choices")
+    text: str | None = None
+    audio_b64: str | None = None
+    finish: str | None = None
+    for choice in choices:
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if text is None and isinstance(content, str) and content.strip():
+            text = content
+            finish = choice.get("finish_reason")
+        audio = message.get("audio")
+        if audio_b64 is None and isinstance(audio, dict) and isinstance(audio.get("data"), str):
+            audio_b64 = audio["data"]
+    if text is None:
+        raise ResponseError("response has no Thinker text (choices[].message.content)")
+    if audio_b64 is None:
+        raise ResponseError("response has no audio (choices[].message.audio.data)")
+    try:
+        audio_bytes = base64.b64decode(audio_b64, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ResponseError(f"undecodable audio: choices[].message.audio.data is not base64 ({exc})") from None
+    return ParsedResponse(text=text, audio=audio_bytes, finish_reason=finish,
+                          response_id=data.get("id") if isinstance(data.get("id"), str) else None)
+
+
+def wav_seconds(data: bytes) -> float:
+    """Duration of a WAV; ``ResponseError`` if it is not one."""
+    try:
+        with wave.open(io.BytesIO(data), "rb") as w:
+            rate = w.getframerate()
+            frames = w.getnframes()
+    except (wave.Error, EOFError) as exc:
+        raise ResponseError(f"undecodable audio: not a WAV file ({exc})") from None
+    if rate <= 0:
+        raise ResponseError("undecodable audio: WAV with sample rate 0")
+    return frames / rate
+
+
+@dataclass
+class RequestSpec:
+    prompt_id: str
+    tag: str
+    body: dict[str, Any]
+    audio_file: Path  # absolute path to write the WAV to
+
+
+@dataclass
+class ChatResult:
+    prompt_id: str
+    tag: str
+    thinker_text: str | None = None
+    audio_file: Path | None = None
+    audio_seconds: float | None = None
+    finish_reason: str | None = None
+    response_id: str | None = None
+    error: str | None = None
+    wall_s: float = 0.0
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ServerGone(Exception):
+    """The server process exited while requests were in flight."""
+
+
+def attempt_id(tag: str, attempt: int) -> str:
+    """A retry gets its own request id (vLLM refuses a duplicate id still running); it keeps the tag's token."""
+    return tag if attempt == 1 else f"{tag}-a{attempt}"
+
+
+async def _one_attempt(client: httpx.AsyncClient, url: str, spec: RequestSpec, timeout_s: float,
+                       attempt: int) -> ParsedResponse:
+    rid = attempt_id(spec.tag, attempt)
+    body = spec.body if rid == spec.body.get("request_id") else {**spec.body, "request_id": rid}
+    resp = await asyncio.wait_for(client.post(url, json=body, headers={"X-Request-Id": rid}), timeout=timeout_s)
+    if resp.status_code != 200:
+        detail = resp.text[:300].strip()
+        try:
+            err = resp.json().get("error")
+            if isinstance(err, dict) and err.get("message"):
+                detail = str(err["message"])[:300]
+        except (json.JSONDecodeError, AttributeError, ValueError):
+            pass
+        raise _HttpStatus(resp.status_code, detail)
+    return parse_response(resp.content)
+
+
+class _HttpStatus(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
+
+
+def _retriable(exc: BaseException) -> bool:
+    if isinstance(exc, _HttpStatus):
+        return exc.status >= 500 or exc.status == 429
+    # transport failures (connection refused/reset); not timeouts: a timed-out request may still be
+    # generating on the server, and sending it again would change the load being measured
+    return isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.TimeoutException)
+
+
+def _describe(exc: BaseException, timeout_s: float) -> str:
+    if isinstance(exc, (asyncio.TimeoutError, httpx.TimeoutException)):
+        return f"timed out after {timeout_s:g} s (request timeout)"
+    if isinstance(exc, httpx.TransportError):
+        return f"{type(exc).__name__}: {exc or 'connection failed'}"
+    return str(exc) or type(exc).__name__
+
+
+async def run_requests(
+    base_url: str,
+    specs: list[RequestSpec],
+    *,
+    request_timeout_s: float,
+    retries: int,
+    on_result: Callable[[ChatResult], None],
+    server_alive: Callable[[], bool] = lambda: True,
+    server_gone_message: Callable[[], str] = lambda: "server exited",
+    retry_backoff_s: float = 1.0,
+    watch_interval_s: float = 0.5,
+) -> list[ChatResult]:
+    """Send every spec at once; ``on_result`` is called (in this thread) as each finishes.
+
+    A request never raises out of here: its error is recorded in its result. If the server process
+    dies, the requests still in flight are cancelled and get ``server_gone_message()``.
+    """
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    results: dict[str, ChatResult] = {}
+    limits = httpx.Limits(max_connections=len(specs) + 4, max_keepalive_connections=len(specs) + 4)
+    timeout = httpx.Timeout(request_timeout_s + 5.0, connect=10.0)
+
+    async with httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits) as client:
+
+        async def one(spec: RequestSpec) -> ChatResult:
+            res = ChatResult(prompt_id=spec.prompt_id, tag=spec.tag)
+            t0 = time.monotonic()
+            for attempt in range(1, retries + 2):
+                a0 = time.monotonic()
+                try:
+                    parsed = await _one_attempt(client, url, spec, request_timeout_s, attempt)
+                    seconds = wav_seconds(parsed.audio)
+                    spec.audio_file.parent.mkdir(parents=True, exist_ok=True)
+                    spec.audio_file.write_bytes(parsed.audio)
+                    res.thinker_text = parsed.text
+                    res.audio_file = spec.audio_file
+                    res.audio_seconds = seconds
+                    res.finish_reason = parsed.finish_reason
+                    res.response_id = parsed.response_id
+                    res.error = None
+                    res.attempts.append({"attempt": attempt, "request_id": attempt_id(spec.tag, attempt), "ok": True,
+                                         "wall_s": round(time.monotonic() - a0, 3)})
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - recorded per request
+                    res.error = _describe(exc, request_timeout_s)
+                    res.attempts.append({"attempt": attempt, "request_id": attempt_id(spec.tag, attempt), "ok": False,
+                                         "error": res.error,
+                                         "wall_s": round(time.monotonic() - a0, 3)})
+                    if not server_alive():
+                        res.error = server_gone_message()
+                        break
+                    if attempt > retries or not _retriable(exc):
+                        break
+                    await asyncio.sleep(retry_backoff_s * attempt)
+            if res.error is not None and len(res.attempts) > 1:
+                res.error = f"{res.error} (after {len(res.attempts)} attempts)"
+            res.wall_s = time.monotonic() - t0
+            return res
+
+        tasks = {asyncio.ensure_future(one(spec)): spec for spec in specs}
+        started = time.monotonic()
+        pending = set(tasks)
+
+        async def watchdog() -> None:
+            while True:
+                await asyncio.sleep(watch_interval_s)
+                if not server_alive():
+                    # let responses already on the wire land, then give up on the rest
+                    await asyncio.sleep(watch_interval_s)
+                    for t in list(pending):
+                        t.cancel()
+                    return
+
+        dog = asyncio.ensure_future(watchdog())
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    pending.discard(task)
+                    spec = tasks[task]
+                    if task.cancelled():
+                        res = ChatResult(prompt_id=spec.prompt_id, tag=spec.tag, error=server_gone_message(),
+                                         wall_s=time.monotonic() - started)
+                    else:
+                        res = task.result()
+                    results[spec.prompt_id] = res
+                    on_result(res)
+        finally:
+            dog.cancel()
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+    return [results[s.prompt_id] for s in specs if s.prompt_id in results]

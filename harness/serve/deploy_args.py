@@ -1,0 +1,104 @@
+"""Translate a ``Deploy`` into the ``vllm serve --omni`` arguments of vLLM-Omni 0.30.0.
+
+Why ``--stage-overrides`` and not a generated ``--deploy-config`` YAML: in 0.30.0 a user deploy
+YAML *replaces* the pipeline's default one (``config/omni_config.py: _get_deploy_config``), so a
+generated file would have to copy every stage of ``vllm_omni/deploy/qwen2_5_omni.yaml`` and would
+pin 0.30.0's defaults onto an arm (the ``pr`` branch) whose own defaults may differ. The
+``--stage-overrides`` JSON is applied on top of the arm's own default deploy, which is exactly the
+seed's "reference = defaults, stress = defaults + Talker overrides".
+
+How 0.30.0 consumes it (all paths in the vllm-omni 0.30.0 wheel):
+
+* ``entrypoints/cli/serve.py``: ``--stage-overrides`` (``type=_parse_stage_overrides``: a JSON
+  object mapping stage ids as strings to objects, e.g. ``'{"0": {"gpu_memory_utilization": 0.8}}'``)
+  and ``--async-chunk/--no-async-chunk`` (``argparse.BooleanOptionalAction``; unset keeps the deploy
+  YAML's ``async_chunk:``).
+* ``entrypoints/utils.py: parse_stage_overrides`` validates the shape; ``config/resolver.py:
+  _flatten_stage_overrides`` turns ``{"1": {"max_num_seqs": 4}}`` into ``stage_1_max_num_seqs=4``.
+* ``config/omni_config.py: _stage_cli_overrides`` keeps every stage-scoped key and
+  ``_stage_engine_values`` lays it over the deploy YAML's stage entry; the keys must be owned by an
+  LLM stage's engine fields (``_SchedulerEngineOverrides``: ``max_num_seqs``,
+  ``max_num_batched_tokens``, ``max_model_len``, ``enable_chunked_prefill``;
+  ``_CacheEngineOverrides``: ``gpu_memory_utilization``, ``enable_prefix_caching``; vLLM ``CacheConfig`` via
+  ``_CACHE_CONFIG_ENGINE_FIELD_MAP``: ``num_gpu_blocks_override``, ``block_size``), otherwise
+  ``_validate_stage_engine_override_ownership`` rejects them. ``enable_chunked_prefill`` is a
+  pipeline-wide field of the deploy YAML, but a stage-scoped value wins for that stage
+  (``config/stage_config.py: _build_engine_args``), so chunking applies to the Talker only.
+* Qwen2.5-Omni's stages (``model_executor/models/qwen2_5_omni/pipeline.py``): 0 = Thinker,
+  1 = Talker, 2 = Code2Wav. Its default deploy ``deploy/qwen2_5_omni.yaml`` already has
+  ``async_chunk: false`` and ``max_num_seqs: 1`` everywhere, Thinker and Code2Wav on GPU 0, Talker
+  on GPU 1 (the seed's two-GPU layout).
+
+Speculative decoding has no stage-config owner in 0.30.0 (no ``speculative_config`` among the
+stage engine fields), so a deploy with ``speculative:`` is refused for the real backend.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from harness.config import Deploy
+from harness.errors import UserError
+
+THINKER_STAGE = "0"
+TALKER_STAGE = "1"
+CODE2WAV_STAGE = "2"
+
+# vLLM's default KV block size on CUDA. Pinned explicitly when the block count is pinned, because the
+# Talker's KV budget (num_gpu_blocks_override x block_size tokens) is what makes the stress deploy preempt.
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class DeployTranslation:
+    """What one deploy becomes on the ``vllm serve`` command line."""
+
+    stage_overrides: dict[str, dict[str, Any]]
+    cli_args: tuple[str, ...]
+
+    @property
+    def stage_overrides_json(self) -> str:
+        return stage_overrides_json(self.stage_overrides)
+
+
+def stage_overrides_json(overrides: dict[str, dict[str, Any]]) -> str:
+    """Compact, key-sorted JSON: stable across runs so argv and logs diff cleanly."""
+    return json.dumps(overrides, sort_keys=True, separators=(",", ":"))
+
+
+def translate_deploy(deploy: Deploy) -> DeployTranslation:
+    """The single mapping from a deploy YAML to vLLM-Omni 0.30.0 CLI arguments (one rule per field).
+
+    ``None`` in the deploy means "vLLM-Omni's default" and is left out, so the arm's own default deploy
+    YAML decides. ``enable_prefix_caching`` is always pinned (0.30.0's default deploy sets it false on
+    every stage; a cached prefix would change which spans the Talker is scheduled). ``sampling`` is request-time (``harness.serve.client``) and ``sim`` is sim-only.
+    """
+    if deploy.speculative is not None:
+        raise UserError(
+            f"{deploy.path}: speculative: the vllm-omni backend cannot run speculative decoding: vLLM-Omni "
+            "0.30.0's stage config has no speculative_config field (use the sim backend for this deploy)"
+        )
+    talker = deploy.talker
+    stage0: dict[str, Any] = {"max_num_seqs": deploy.thinker.max_num_seqs}
+    stage1: dict[str, Any] = {"max_num_seqs": talker.max_num_seqs, "enable_prefix_caching": talker.enable_prefix_caching}
+    stage2: dict[str, Any] = {"max_num_seqs": deploy.code2wav.max_num_seqs}
+    if talker.max_num_batched_tokens is not None:
+        stage1["max_num_batched_tokens"] = talker.max_num_batched_tokens
+    if talker.enable_chunked_prefill is not None:
+        stage1["enable_chunked_prefill"] = talker.enable_chunked_prefill
+    if talker.num_gpu_blocks_override is not None:
+        stage1["num_gpu_blocks_override"] = talker.num_gpu_blocks_override
+    if talker.num_gpu_blocks_override is not None or talker.block_size != DEFAULT_BLOCK_SIZE:
+        stage1["block_size"] = talker.block_size
+    if talker.max_model_len is not None:
+        stage1["max_model_len"] = talker.max_model_len
+    if talker.gpu_memory_utilization is not None:
+        stage1["gpu_memory_utilization"] = talker.gpu_memory_utilization
+    overrides = {THINKER_STAGE: stage0, TALKER_STAGE: stage1, CODE2WAV_STAGE: stage2}
+    async_flag = "--async-chunk" if deploy.async_chunk else "--no-async-chunk"
+    return DeployTranslation(
+        stage_overrides=overrides,
+        cli_args=("--stage-overrides", stage_overrides_json(overrides), async_flag),
+    )

@@ -1,0 +1,196 @@
+"""``run_cell``/``describe_cell`` end to end against the fake vLLM-Omni server (real processes, 127.0.0.1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_vllm"))
+from fakekit import EXPECTED_EVENTS, REFERENCE_YAML, deploy, fake_arm
+
+from harness.config import ArmSpec, ServeSettings, load_prompts
+from harness.errors import UserError
+from harness.records import RequestRecord, SpanRecord
+from harness.serve.backend import (
+    ServeOptions,
+    check_plugin_installed,
+    describe_cell,
+    run_cell,
+    server_argv,
+)
+from harness.serve.deploy_args import translate_deploy
+from harness.serve.launcher import pid_alive
+
+PROMPTS = load_prompts("default")
+OPTIONS = ServeOptions(model="fake/Qwen2.5-Omni-7B", health_timeout_s=30, request_timeout_s=20, retries=1)
+
+
+@dataclasses.dataclass
+class Sink:
+    requests: list[RequestRecord] = dataclasses.field(default_factory=list)
+    spans: list[SpanRecord] = dataclasses.field(default_factory=list)
+    order: list[str] = dataclasses.field(default_factory=list)
+
+    def on_request(self, r: RequestRecord) -> None:
+        self.requests.append(r)
+        self.order.append(f"req:{r.prompt_id}")
+
+    def on_spans(self, spans: list[SpanRecord]) -> None:
+        self.spans.extend(spans)
+        self.order.extend(f"spans:{s.request}" for s in spans[:1])
+
+    def by_id(self) -> dict[str, RequestRecord]:
+        return {r.prompt_id: r for r in self.requests}
+
+
+def run(tmp_path: Path, arm: ArmSpec, dep=None, repeat: int = 1, options: ServeOptions = OPTIONS) -> Sink:
+    sink = Sink()
+    run_cell(arm, dep or deploy(tmp_path), PROMPTS, repeat, tmp_path / "run", options, sink.on_request, sink.on_spans)
+    return sink
+
+
+pytestmark = pytest.mark.slow
+
+
+def test_end_to_end_records_spans_and_argv(tmp_path):
+    argv_file = tmp_path / "argv.jsonl"
+    arm = fake_arm("main", FAKE_VLLM_ARGV_FILE=str(argv_file))
+    dep = deploy(tmp_path)
+    sink = run(tmp_path, arm, dep, repeat=2)
+    run_dir = tmp_path / "run"
+
+    # the server got exactly the deploy's translation
+    (launch,) = [json.loads(x) for x in argv_file.read_text().splitlines()]
+    argv = launch["argv"]
+    port = argv[argv.index("--port") + 1]
+    assert argv == server_argv(arm, dep, OPTIONS, port)[2:]  # minus [python, fake_vllm_serve.py]
+    assert argv[:7] == ["serve", "fake/Qwen2.5-Omni-7B", "--omni", "--host", "127.0.0.1", "--port", port]
+    overrides = json.loads(argv[argv.index("--stage-overrides") + 1])
+    assert overrides == {"0": {"max_num_seqs": 1}, "2": {"max_num_seqs": 1},
+                         "1": {"max_num_seqs": 4, "enable_chunked_prefill": True, "max_num_batched_tokens": 32,
+                               "num_gpu_blocks_override": 128, "block_size": 16, "max_model_len": 1984,
+                               "enable_prefix_caching": False}}
+    assert argv[-1] == "--no-async-chunk"
+    assert launch["OMNI_STRESS_TRACE"] == str(run_dir / "serve" / "main-stress-r2")
+
+    # one record per prompt, each with its audio and its own spans' events
+    recs = sink.by_id()
+    assert sorted(recs) == sorted(p.id for p in PROMPTS.prompts) and len(sink.requests) == 16
+    for p in PROMPTS.prompts:
+        r = recs[p.id]
+        assert r.error is None, r.error
+        assert (r.arm, r.deploy, r.repeat, r.backend) == ("main", "stress", 2, "vllm-omni")
+        assert r.thinker_text == r.reference_text == f"You asked: {p.user}"
+        assert r.audio_path == f"audio/main-stress-r2-{p.id}.wav"
+        assert (run_dir / r.audio_path).read_bytes()[:4] == b"RIFF"
+        assert r.audio_seconds == pytest.approx(0.25)
+        assert r.wer is None and r.transcript is None
+        assert r.talker_prompt_len == 20 and r.preemptions == 1 and r.finish_reason == "stop"
+        assert dataclasses.asdict(r.events) == EXPECTED_EVENTS
+    # spans: 13 per request, the profile-run line dropped, flags as the contract classifies them
+    assert len(sink.spans) == 16 * 13
+    assert {s.request for s in sink.spans} == set(recs)
+    crossing = [s for s in sink.spans if s.cross_boundary]
+    assert len(crossing) == 16 and all((s.P, s.c, s.n, s.rows) == (20, 16, 8, 20) for s in crossing)
+    assert all(s.misaligned is None and (s.arm, s.deploy, s.repeat) == ("main", "stress", 2) for s in sink.spans)
+    # each request's spans are delivered before the request itself
+    for pid in recs:
+        assert sink.order.index(f"spans:{pid}") < sink.order.index(f"req:{pid}")
+    attempts = [json.loads(x) for x in (run_dir / "serve" / "main-stress-r2" / "attempts.jsonl").read_text().splitlines()]
+    assert len(attempts) == 16 and all(a["ok"] and a["attempt"] == 1 for a in attempts)
+    log = (run_dir / "server-main-stress.log").read_text()
+    assert "fake vllm-omni serving fake/Qwen2.5-Omni-7B" in log and "shutdown complete" in log
+
+
+def test_per_request_errors_timeouts_and_retries(tmp_path):
+    arm = fake_arm("main", FAKE_VLLM_MALFORMED="p03-sleep", FAKE_VLLM_BAD_AUDIO="p04-moon",
+                   FAKE_VLLM_NOT_WAV="p05-garden", FAKE_VLLM_FAIL_ONCE="p06-exercise", FAKE_VLLM_HANG="p07-rainbow")
+    sink = run(tmp_path, arm, options=dataclasses.replace(OPTIONS, request_timeout_s=1.5))
+    recs = sink.by_id()
+    assert len(recs) == 16
+    assert recs["p03-sleep"].error.startswith("malformed response body (not JSON")
+    assert recs["p04-moon"].error.startswith("undecodable audio: choices[].message.audio.data is not base64")
+    assert recs["p05-garden"].error.startswith("undecodable audio: not a WAV file")
+    assert recs["p07-rainbow"].error == "timed out after 1.5 s (request timeout)"
+    for pid in ("p03-sleep", "p04-moon", "p05-garden"):
+        assert recs[pid].audio_path is None and recs[pid].thinker_text is None
+        assert dataclasses.asdict(recs[pid].events) == EXPECTED_EVENTS  # its spans still count
+    assert recs["p06-exercise"].error is None and recs["p06-exercise"].audio_path  # 500 once, then retried
+    assert sum(r.error is None for r in recs.values()) == 12
+    attempts = [json.loads(x) for x in
+                (tmp_path / "run" / "serve" / "main-stress-r1" / "attempts.jsonl").read_text().splitlines()]
+    by_prompt: dict[str, list] = {}
+    for a in attempts:
+        by_prompt.setdefault(a["prompt_id"], []).append(a)
+    assert [(a["attempt"], a["ok"]) for a in by_prompt["p06-exercise"]] == [(1, False), (2, True)]
+    assert by_prompt["p06-exercise"][1]["request_id"] == by_prompt["p06-exercise"][0]["request_id"] + "-a2"
+    assert "HTTP 500: EngineCore encountered an issue" in by_prompt["p06-exercise"][0]["error"]
+    for pid in ("p03-sleep", "p04-moon", "p05-garden", "p07-rainbow"):  # deterministic failures: not retried
+        assert [(a["attempt"], a["ok"]) for a in by_prompt[pid]] == [(1, False)]
+
+
+def test_server_dying_mid_run_keeps_completed_records(tmp_path):
+    arm = fake_arm("pr", FAKE_VLLM_DIE_AFTER="5")
+    sink = Sink()
+    log = tmp_path / "run" / "server-pr-stress.log"
+    with pytest.raises(UserError) as exc:
+        run_cell(arm, deploy(tmp_path), PROMPTS, 1, tmp_path / "run", OPTIONS, sink.on_request, sink.on_spans)
+    msg = str(exc.value)
+    assert "exited with code 3 during the run (5/16 requests completed)" in msg and f"log: {log}" in msg
+    assert len(sink.requests) == 16
+    done = [r for r in sink.requests if r.error is None]
+    failed = [r for r in sink.requests if r.error is not None]
+    assert len(done) == 5 and all(dataclasses.asdict(r.events) == EXPECTED_EVENTS for r in done)
+    assert all(f"server exited with code 3 during the run; log: {log}" in r.error for r in failed)
+    assert sink.requests[:5] == done  # the completed ones were emitted first, as they finished
+
+
+def test_reference_deploy_and_no_stale_trace_on_rerun(tmp_path):
+    dep = deploy(tmp_path, REFERENCE_YAML, "reference")
+    arm = fake_arm("main")
+    first = run(tmp_path, arm, dep)
+    second = run(tmp_path, arm, dep)  # same cell again: the first server's spans must not be counted twice
+    assert len(first.spans) == len(second.spans) == 16 * 13
+    assert (tmp_path / "run" / "server-main-reference.log").read_text().count("=== omni-stress:") == 2
+
+
+def test_arm_without_serve_entry_is_refused(tmp_path):
+    arm = ArmSpec(name="plug", talker="x.y:z")
+    with pytest.raises(UserError, match=r"arm 'plug' has no 'serve' entry in deploy_configs/arms.yaml; "):
+        run(tmp_path, arm)
+    with pytest.raises(UserError, match="arm 'plug' has no 'serve' entry"):
+        describe_cell(arm, deploy(tmp_path), tmp_path, OPTIONS)
+
+
+def test_health_timeout_is_a_user_error_and_reaps(tmp_path):
+    pidfile = tmp_path / "pids.json"
+    arm = fake_arm("main", FAKE_VLLM_NEVER_HEALTHY="1", FAKE_VLLM_PIDFILE=str(pidfile))
+    with pytest.raises(UserError, match="did not become healthy within 1.5 s"):
+        run(tmp_path, arm, options=dataclasses.replace(OPTIONS, health_timeout_s=1.5))
+    assert not pid_alive(json.loads(pidfile.read_text())["server"])
+
+
+def test_describe_cell_prints_the_exact_command(tmp_path):
+    arm = ArmSpec(name="pr", talker="x:y", serve=ServeSettings(python="~/venvs/pr/bin/python", env={"HF_HOME": "/hf"}))
+    dep = deploy(tmp_path)
+    text = describe_cell(arm, dep, tmp_path / "run", ServeOptions(extra_args=("--stage-init-timeout", "900")))
+    cmd_line = next(ln for ln in text.splitlines() if "serve Qwen/Qwen2.5-Omni-7B" in ln)
+    assert shlex.split(cmd_line.strip().replace("$PORT", "8091")) == [
+        str(Path.home() / "venvs/pr/bin/python"), "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen2.5-Omni-7B", "--omni",
+        "--host", "127.0.0.1", "--port", "8091", "--stage-overrides", translate_deploy(dep).stage_overrides_json,
+        "--no-async-chunk", "--stage-init-timeout", "900"]
+    assert "OMNI_STRESS_TRACE=" + shlex.quote(str(tmp_path / "run" / "serve" / "pr-stress-r<repeat>")) in text
+    assert "HF_HOME=/hf" in text and "PYTHONUNBUFFERED=1" in text
+    assert '#   modalities: ["text", "audio"]' in text and "#   sampling_params_list (Thinker, Talker, Code2Wav):" in text
+    assert '"max_tokens": 80' in text and '"max_tokens": 1900' in text
+    assert str(tmp_path / "run" / "server-pr-stress.log") in text
+
+
+def test_plugin_preflight():
+    assert check_plugin_installed(sys.executable) is None  # this venv has omni-stress installed
+    assert "not found" in check_plugin_installed("/nonexistent/python")

@@ -1,0 +1,182 @@
+"""The server launcher against the fake ``vllm`` executable: real processes and sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_vllm"))
+from fakekit import fake_argv
+
+from harness.errors import UserError
+from harness.serve import launcher as launcher_mod
+from harness.serve.launcher import ServerLauncher, pid_alive
+
+pytestmark = pytest.mark.slow
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, **extra}
+
+
+def wait_gone(*pids: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(pid_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def pids(pidfile: Path) -> tuple[int, int | None]:
+    data = json.loads(pidfile.read_text())
+    return data["server"], data["worker"]
+
+
+def test_healthy_then_stopped_with_its_worker(tmp_path):
+    pidfile = tmp_path / "pids.json"
+    log = tmp_path / "server-main-stress.log"
+    srv = ServerLauncher(fake_argv, log, env=env(FAKE_VLLM_WORKER="1", FAKE_VLLM_PIDFILE=str(pidfile)),
+                         health_timeout_s=20, announce=None)
+    with srv:
+        assert httpx.get(srv.base_url + "/health", trust_env=False).json() == {"status": "healthy"}
+        server, worker = pids(pidfile)
+        assert srv.pid == server and pid_alive(worker)
+    assert srv.returncode == 0  # SIGINT: graceful shutdown
+    assert wait_gone(server, worker)  # the worker ignores SIGINT; the group sweep took it
+    text = log.read_text()
+    assert text.startswith("=== omni-stress: ") and "--omni --host 127.0.0.1 --port" in text
+    assert "shutdown complete" in text
+
+
+def test_never_healthy_times_out_and_reaps(tmp_path):
+    pidfile = tmp_path / "pids.json"
+    log = tmp_path / "server.log"
+    srv = ServerLauncher(fake_argv, log, env=env(FAKE_VLLM_NEVER_HEALTHY="1", FAKE_VLLM_PIDFILE=str(pidfile)),
+                         health_timeout_s=1.5, announce=None)
+    t0 = time.monotonic()
+    with pytest.raises(UserError) as exc, srv:
+        pass
+    assert time.monotonic() - t0 < 10
+    msg = str(exc.value)
+    assert "did not become healthy within 1.5 s" in msg and f"log: {log}" in msg
+    server, _ = pids(pidfile)
+    assert not pid_alive(server) and srv.returncode is not None
+
+
+def test_early_death_names_exit_code_log_and_last_lines(tmp_path):
+    log = tmp_path / "server.log"
+    argv = lambda port: fake_argv(port)[:4] + ["--port", str(port)]
+    with pytest.raises(UserError) as exc, ServerLauncher(argv, log, env=env(), health_timeout_s=20, announce=None):
+        pass
+    msg = str(exc.value)
+    assert "exited with code 1 before becoming healthy" in msg
+    assert f"log: {log}" in msg and "fake vllm: --omni missing" in msg
+
+
+def test_missing_executable_is_a_user_error(tmp_path):
+    srv = ServerLauncher(lambda port: ["/nonexistent/vllm", "serve"], tmp_path / "s.log", announce=None)
+    with pytest.raises(UserError, match="cannot start '/nonexistent/vllm': not found"), srv:
+        pass
+
+
+def test_port_taken_before_the_server_binds_is_retried(tmp_path, monkeypatch):
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    taken = blocker.getsockname()[1]
+    free = iter([taken])
+    real_pick = launcher_mod.pick_free_port
+    monkeypatch.setattr(launcher_mod, "pick_free_port", lambda host="127.0.0.1": next(free, None) or real_pick())
+    monkeypatch.setattr(launcher_mod, "port_is_free", lambda port, host="127.0.0.1": True)  # lose the race
+    log = tmp_path / "server.log"
+    try:
+        with ServerLauncher(fake_argv, log, env=env(), health_timeout_s=20, announce=None) as srv:
+            assert srv.port != taken
+            assert httpx.get(srv.base_url + "/health", trust_env=False).status_code == 200
+    finally:
+        blocker.close()
+    assert "address already in use" in log.read_text().lower()
+
+
+def test_fixed_port_in_use_is_refused(tmp_path):
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        srv = ServerLauncher(fake_argv, tmp_path / "s.log", port=port, announce=None)
+        with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is already in use"), srv:
+            pass
+        assert srv.proc is None
+
+
+def test_stop_escalates_to_sigkill(tmp_path):
+    pidfile = tmp_path / "pids.json"
+    srv = ServerLauncher(fake_argv, tmp_path / "s.log", env=env(FAKE_VLLM_IGNORE="INT,TERM", FAKE_VLLM_PIDFILE=str(pidfile)),
+                         health_timeout_s=20, stop_timeouts_s=(0.3, 0.3, 5.0), announce=None)
+    with srv:
+        pass
+    assert srv.returncode == -signal.SIGKILL
+    assert not pid_alive(pids(pidfile)[0])
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {fake_dir!r})
+    from fakekit import fake_argv
+    from harness.serve.launcher import ServerLauncher
+    env = dict(os.environ, FAKE_VLLM_WORKER="1", FAKE_VLLM_PIDFILE={pidfile!r})
+    with ServerLauncher(fake_argv, {log!r}, env=env, health_timeout_s=30, announce=None,
+                        stop_timeouts_s=(5.0, 5.0, 5.0)):
+        print("READY", flush=True)
+        time.sleep(120)
+""")
+
+
+def test_sigint_while_waiting_for_health_reaps_the_server(tmp_path):
+    pidfile = tmp_path / "pids.json"
+    code = SCRIPT.format(fake_dir=str(Path(__file__).resolve().parent / "fake_vllm"), pidfile=str(pidfile),
+                         log=str(tmp_path / "s.log")).replace('FAKE_VLLM_WORKER="1"', 'FAKE_VLLM_NEVER_HEALTHY="1"')
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server, _ = pids(pidfile)
+        time.sleep(0.3)  # inside the health wait now
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "READY" not in out and "KeyboardInterrupt" in err
+    assert wait_gone(server)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_the_launcher_process_reaps_the_server(tmp_path, sig):
+    pidfile = tmp_path / "pids.json"
+    code = SCRIPT.format(fake_dir=str(Path(__file__).resolve().parent / "fake_vllm"), pidfile=str(pidfile),
+                         log=str(tmp_path / "s.log"))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        server, worker = pids(pidfile)
+        assert pid_alive(server) and pid_alive(worker)
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc != 0
+    assert wait_gone(server, worker), "server or its worker survived the launcher"

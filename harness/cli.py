@@ -32,3 +32,7 @@ def main() -> None:
 for _info in sorted(pkgutil.iter_modules(harness.commands.__path__), key=lambda m: m.name):
     _module = importlib.import_module(f"harness.commands.{_info.name}")
     main.add_command(_module.command)
+
+
+if __name__ == "__main__":
+    main()

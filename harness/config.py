@@ -294,18 +294,26 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
 
 
 def resolve_arm(text: str, arms: dict[str, ArmSpec]) -> ArmSpec:
-    """``NAME`` from arms.yaml, or ``NAME=package.module:attr`` for a plugin arm."""
+    """``NAME`` from arms.yaml, ``NAME=package.module:attr`` for a plugin arm, or
+    ``NAME=vllm-omni:<source>`` for upstream vLLM-Omni code (checked here, before any cell runs)."""
     if "=" in text:
         name, _, target = text.partition("=")
-        if not name or ":" not in target:
-            raise ConfigError(f"--arm {text!r}: expected NAME or NAME=package.module:attr")
+        if not name or ":" not in target or target == "vllm-omni:":
+            raise ConfigError(f"--arm {text!r}: expected NAME, NAME=package.module:attr or NAME=vllm-omni:<source>")
         base = arms.get(name)
-        return ArmSpec(name=name, talker=target, description="plugin arm", source="--arm",
-                       serve=base.serve if base else None)
-    if text not in arms:
+        upstream = target.startswith("vllm-omni:")
+        arm = ArmSpec(name=name, talker=target, description="upstream vLLM-Omni code" if upstream else "plugin arm",
+                      source="--arm", serve=base.serve if base else None)
+    elif text not in arms:
         known = ", ".join(sorted(arms)) or "none"
         raise ConfigError(f"--arm {text!r}: unknown arm (known: {known}; or use NAME=package.module:attr)")
-    return arms[text]
+    else:
+        arm = arms[text]
+    if arm.talker.startswith("vllm-omni:"):
+        from harness.talkers.upstream import load_upstream  # local: keeps config import-light
+
+        load_upstream(arm)
+    return arm
 
 
 # --------------------------------------------------------------------------- prompts

@@ -7,8 +7,8 @@ computed-token count before the step (``_omni_num_computed_tokens``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from harness.records import EventCounts, SpanRecord
 

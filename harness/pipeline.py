@@ -15,9 +15,10 @@ import platform
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from harness import __version__
 from harness.config import ArmSpec, Deploy, PromptSet
@@ -240,8 +241,8 @@ class AudioScorer:
         record.audio_path = rel
 
     def score(self, record: RequestRecord) -> None:
-        if self.transcriber is None or record.audio_path is None:
-            return
+        if self.transcriber is None or record.audio_path is None or not record.reference_text:
+            return  # nothing to score: ASR off, no audio (a failed request), or no reference text
         from harness.audio.pipeline import transcribe_and_score
 
         result = transcribe_and_score(self.run_dir / record.audio_path, record.reference_text,

@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 REQUESTS_FILE = "requests.jsonl"
 SPANS_FILE = "spans.jsonl"

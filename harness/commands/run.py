@@ -16,6 +16,8 @@ from harness.records import read_manifest, write_manifest
 @click.command("run")
 @click.option("--arm", "arms", multiple=True, default=("main", "pr"), show_default=True,
               help="Arm from deploy_configs/arms.yaml, or NAME=package.module:attr. Repeatable.")
+@click.option("--arms-file", type=click.Path(path_type=Path), default=None,
+              help="Arms YAML to resolve --arm names in (default deploy_configs/arms.yaml).")
 @click.option("--deploy", "deploys", multiple=True, default=("reference", "stress"), show_default=True,
               help="Deploy name (deploy_configs/NAME.yaml) or a YAML path. Repeatable.")
 @click.option("--prompts", "prompt_set", default="default", show_default=True,
@@ -45,10 +47,10 @@ from harness.records import read_manifest, write_manifest
               help="vllm-omni backend: seconds to wait for /health.")
 @click.option("--request-timeout", type=float, default=900.0, show_default=True,
               help="vllm-omni backend: seconds per request.")
-def command(arms, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
+def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
             cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout) -> None:
     """Run the prompts through every arm x deploy, transcribe the Talker audio, tabulate WER and events."""
-    known = load_arms()
+    known = load_arms(arms_file) if arms_file else load_arms()
     arm_specs = [resolve_arm(a, known) for a in arms]
     names = [a.name for a in arm_specs]
     if len(set(names)) != len(names):

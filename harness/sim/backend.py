@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from harness.config import ArmSpec, Deploy, PromptSet, SamplingSettings
 from harness.contract import count_events
@@ -91,7 +91,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
             events=count_events(spans_by_req[rid]), error=errors.get(rid),
             wall_s=round(time.perf_counter() - started[rid], 4),
         )
-        from harness.scoring import wer  # noqa: PLC0415
+        from harness.scoring import wer
 
         record.oracle_wer = wer(record.reference_text, record.oracle_transcript or "")
         stats.preemptions += req.num_preemptions

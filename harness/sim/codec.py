@@ -10,8 +10,8 @@ Specials are Qwen2.5-Omni's: codec PAD 8292, BOS 8293, EOS 8294, MASK 8296.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from harness.errors import ConfigError
 from harness.tokenizer import is_spoken

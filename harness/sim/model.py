@@ -9,8 +9,9 @@ model-level ``thinker_reply_part`` pool. An arm's class (or function) is bound o
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -7,6 +7,10 @@ produces (including another request's row, a zero row, or a stale one) can be de
 identified exactly: the first dimension of each part carries ``id + 1`` (integers are exact in
 float32) and the whole part must then equal that registered row; anything else (a scaled,
 mixed or stale row) is ``UNKNOWN``, a zero part is ``NONE``.
+
+Lookups run in NumPy on views of the same float32 memory: the runner identifies every span
+of every step, and per-call torch dispatch overhead dominated the sim's wall time. The
+arithmetic is the same float32 arithmetic, so the ids are identical.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 DIM = 64
@@ -61,6 +66,9 @@ class RowSpace:
         self.codec_table[:, TEXT_DIMS] = torch.arange(1, CODEC_VOCAB + 1, dtype=torch.float32)
         self._text_chunks: list[torch.Tensor] = []
         self._text: torch.Tensor | None = None
+        self._text_np: np.ndarray | None = None
+        self._codec_np = self.codec_table.numpy()  # shares memory with codec_table
+        self._codec_parts_np = self._codec_np[:, TEXT_DIMS:]
         self.meanings: list[TextMeaning] = []
         self._seed = seed
 
@@ -71,6 +79,7 @@ class RowSpace:
         assert rows.shape[0] == len(meanings) and (rows.shape[0] == 0 or int(rows[0, 0]) == first + 1)
         self._text_chunks.append(rows[:, :TEXT_DIMS].clone())
         self._text = None
+        self._text_np = None
         self.meanings.extend(meanings)
         return first
 
@@ -87,23 +96,37 @@ class RowSpace:
 
     # ----------------------------------------------------------------- lookups
     def embed_codec(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.codec_table[ids.long()]
+        """Codec embedding rows of ``ids`` (a new tensor, as ``codec_table[ids]`` would be)."""
+        idx = ids.long().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids, dtype=np.int64)
+        return torch.from_numpy(self._codec_np[idx])
 
     def identify(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(text ids, codec ids) per row: registry/codec index, ``NONE`` or ``UNKNOWN``."""
-        rows = rows.detach().to(torch.float32).reshape(-1, DIM)
-        return (self._match(rows[:, :TEXT_DIMS], self.text_matrix),
-                self._match(rows[:, TEXT_DIMS:], self.codec_table[:, TEXT_DIMS:]))
+        flat = rows.detach().to(torch.float32).reshape(-1, DIM).numpy()
+        if self._text_np is None:
+            self._text_np = np.ascontiguousarray(self.text_matrix.numpy())
+        return (torch.from_numpy(_match_np(flat[:, :TEXT_DIMS], self._text_np)),
+                torch.from_numpy(_match_np(flat[:, TEXT_DIMS:], self._codec_parts_np)))
 
     @staticmethod
     def _match(parts: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        out = torch.full((parts.shape[0],), UNKNOWN, dtype=torch.long)
-        zero = parts.abs().amax(dim=1) < _TOL
-        out[zero] = NONE
-        ids = parts[:, 0].round().long() - 1
-        ok = (~zero) & (ids >= 0) & (ids < table.shape[0])
-        if ok.any():
-            cand = ids[ok]
-            same = (parts[ok] - table[cand]).abs().amax(dim=1) < _TOL
-            out[ok] = torch.where(same, cand, torch.full_like(cand, UNKNOWN))
-        return out
+        """Index of the table row each part equals (within ``_TOL``), ``NONE`` or ``UNKNOWN``."""
+        return torch.from_numpy(_match_np(parts.detach().to(torch.float32).numpy(),
+                                          table.detach().to(torch.float32).numpy()))
+
+
+def _match_np(parts: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """The id in dimension 0 (``id + 1``), confirmed by the whole part equalling that table row."""
+    out = np.full(parts.shape[0], UNKNOWN, dtype=np.int64)
+    zero = np.abs(parts).max(axis=1) < _TOL
+    out[zero] = NONE
+    first = parts[:, 0]
+    # Out-of-range, inf and NaN ids can never match; clamp them before the integer cast.
+    first = np.where(np.isfinite(first), np.clip(first, -2.0, table.shape[0] + 1.0), -2.0)
+    ids = np.rint(first).astype(np.int64) - 1
+    ok = ~zero & (ids >= 0) & (ids < table.shape[0])
+    if ok.any():
+        cand = ids[ok]
+        same = np.abs(parts[ok] - table[cand]).max(axis=1) < _TOL
+        out[ok] = np.where(same, cand, UNKNOWN)
+    return out

@@ -75,7 +75,7 @@ class SimRunner:
         inputs_embeds = self.model.talker.embed_input_ids(span_ids)
         arm, deploy, repeat = self.cell
         try:
-            req_ids, req_embeds, update_dict = self.model.talker_preprocess(
+            _ids, req_embeds, update_dict = self.model.talker_preprocess(
                 input_ids=span_ids.clone(), input_embeds=inputs_embeds, **req_infos)
             rows = int(req_embeds.shape[0])
         except Exception as exc:  # the arm's failure is this request's failure, not the run's

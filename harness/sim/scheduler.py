@@ -102,7 +102,7 @@ def make_scheduler(deploy: Deploy, spec_tokens: int = 0) -> tuple[Any, ResolvedT
     cache_config = CacheConfig(block_size=r.block_size, enable_prefix_caching=r.enable_prefix_caching)
     kwargs: dict[str, Any] = {}
     if spec_tokens:
-        from harness.sim.specdec import speculative_config  # noqa: PLC0415
+        from harness.sim.specdec import speculative_config
 
         kwargs["speculative_config"] = speculative_config(model_config, spec_tokens)
     vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,

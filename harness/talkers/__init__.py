@@ -2,7 +2,9 @@
 
 Built-ins: ``main`` (vLLM-Omni 0.30.0, routing by span length) and ``pr`` (the fix, absolute
 positions). A plugin arm is any ``package.module:attr`` naming a class with a
-``talker_preprocess`` method or a function with the same signature plus ``self``.
+``talker_preprocess`` method or a function with the same signature plus ``self``. An upstream
+arm ``vllm-omni:<source>`` runs vLLM-Omni's own code from a file, checkout, wheel or version
+(``harness.talkers.upstream``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from harness.errors import ConfigError
 
 
 def load_impl(arm: ArmSpec) -> Any:
+    if arm.talker.startswith("vllm-omni:"):  # the real upstream code, extracted from its source
+        from harness.talkers.upstream import load_upstream
+
+        return load_upstream(arm)
     module_name, _, attr = arm.talker.partition(":")
     where = f"arm {arm.name!r} ({arm.talker}, from {arm.source})"
     try:

@@ -1,0 +1,120 @@
+"""The sim backend: vLLM's scheduler driven step by step, rows, the Talker's rules, Code2Wav."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.config import SamplingSettings, load_arms, load_deploy, load_prompts
+from harness.sim.backend import run_cell
+from harness.sim.codec import CODEC_EOS, PAUSE, SYLLABLES, WORD_BASE, CodecVocab, collapse, oracle_transcript
+from harness.sim.rows import NONE, TEXT_DIMS, UNKNOWN, RowSpace
+from harness.sim.scheduler import make_scheduler, resolve_talker
+from harness.sim.talker import SimTalker, TalkerKV
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return load_prompts(str(DATA / "prompts_e2e.yaml"))
+
+
+def test_resolve_talker_fills_vllm_defaults():
+    ref = resolve_talker(load_deploy("reference"))
+    assert (ref.max_num_batched_tokens, ref.max_model_len, ref.num_blocks, ref.enable_chunked_prefill) == \
+        (32768, 32768, 4 * 2048 + 1, True)
+    stress = resolve_talker(load_deploy("stress"))
+    assert (stress.max_num_batched_tokens, stress.max_model_len, stress.num_blocks, stress.block_size) == \
+        (32, 1984, 128, 16)
+
+
+def test_real_vllm_scheduler_reserves_block_zero():
+    scheduler, resolved = make_scheduler(load_deploy("stress"))
+    assert type(scheduler).__module__ == "vllm.v1.core.sched.scheduler"
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 127
+    assert scheduler.scheduler_config.max_num_batched_tokens == 32
+
+
+def test_rows_identify_exactly():
+    space = RowSpace(0)
+    rows_a, first_a = space.make("output", ["hello", "world"], "a")
+    rows_b, first_b = space.make("output", ["other"], "b")
+    codec = space.embed_codec(torch.tensor([5, 8292]))
+    mixed = torch.cat([rows_a + codec, rows_b, codec[:1], torch.zeros(1, 64), rows_a[:1] * 0.5])
+    text, codec_ids = space.identify(mixed)
+    assert text.tolist() == [first_a, first_a + 1, first_b, NONE, NONE, UNKNOWN]
+    assert codec_ids.tolist() == [5, 8292, NONE, 5, NONE, NONE]
+    again = RowSpace(0)  # rows are deterministic in (seed, request, source, index)
+    assert torch.equal(again.make("output", ["hello", "world"], "a")[0][:, 1:TEXT_DIMS], rows_a[:, 1:TEXT_DIMS])
+
+
+def test_collapse_codes_into_words_pauses_and_babble():
+    vocab = CodecVocab.build(["the", "cat", "sat", ","])
+    assert vocab.words == ("cat", "sat", "the")
+    assert vocab.word_id("The") == vocab.word_id("the") == 2 and vocab.word_id(",") is None
+    on = lambda w: WORD_BASE + 4 * vocab.word_id(w)
+    codes = [8293, on("the"), on("the") + 2, on("the") + 3, on("cat") + 2, 0, 0, on("cat"), on("cat"),
+             5, 6, 7, 8, 9, CODEC_EOS]
+    units = collapse(codes, vocab, frames_per_token=4)
+    assert units == ["the", "cat", PAUSE, "cat", "cat", SYLLABLES[4], SYLLABLES[8]]
+    assert oracle_transcript(units) == f"the cat cat cat {SYLLABLES[4]} {SYLLABLES[8]}"
+
+
+def _talker(space, words):
+    vocab = CodecVocab.build(words)
+    t = SimTalker(space, vocab, SamplingSettings(), frames_per_token=2)
+    return t, vocab
+
+
+def test_talker_speaks_aligned_row_and_stops_at_end_of_text():
+    space = RowSpace(0)
+    from harness.sim.model import SimTalkerModelBase
+
+    model = SimTalkerModelBase(space)
+    spk = int(space.identify(model.embed_text_spk_tokens["Chelsie"])[0][0])
+    eos = int(space.identify(model.embed_text_eos_token)[0][0])
+    _, out0 = space.make("output", ["hi", "there", "."], "r")
+    talker, vocab = _talker(space, ["hi", "there"])
+    talker.freeze()
+    P = 4
+    kv = TalkerKV("r", P, spk, out0, 64)
+    kv.write(0, torch.tensor([NONE, NONE, spk, out0, out0 + 1, out0 + 2, eos]),
+             torch.tensor([NONE, NONE, 8292, 8293, 300, 301, 302]))
+    assert kv.started()
+    tokens = [talker.next_token(kv, g) for g in range(8)]
+    hi, there = vocab.word_id("hi"), vocab.word_id("there")
+    assert tokens[0] in vocab.onset_codes(hi) and tokens[1] in vocab.sustain_codes(hi)
+    assert tokens[2] in vocab.onset_codes(there) and tokens[3] in vocab.sustain_codes(there)
+    assert tokens[4] == tokens[5] == 0  # "." is silence
+    assert tokens[6] == CODEC_EOS  # text-EOS at the aligned position
+    # same KV, same position -> same token (batch invariance)
+    assert [talker.next_token(kv, g) for g in range(8)] == tokens
+    # a wrong start row -> babble (noise codes), still ending at the end of the text
+    kv.write(0, torch.tensor([NONE, NONE, out0, out0, out0 + 1, out0 + 2, eos]),
+             torch.tensor([NONE, NONE, 8292, 8293, 300, 301, 302]))
+    babble = [talker.next_token(kv, g) for g in range(7)]
+    assert all(1 <= t <= 64 for t in babble[:6]) and babble[6] == CODEC_EOS
+
+
+def test_scheduler_driver_forces_preemption_and_replays(prompts):
+    arms = load_arms()
+    deploy = load_deploy(str(DATA / "deploy_tiny_kv.yaml"))
+    results = {}
+    for arm in ("main", "pr"):
+        got = []
+        stats = run_cell(arms[arm], deploy, prompts, 1, 42, got.append)
+        results[arm] = (stats, {r.record.prompt_id: r.record for r in got})
+    pr_stats, pr = results["pr"]
+    assert pr_stats.preemptions > 0
+    assert sum(s.cross_boundary for s in pr_stats.spans) > 0
+    assert sum(s.nonzero_offset for s in pr_stats.spans) > 0
+    assert all(s.misaligned == 0 and not s.row_mismatch for s in pr_stats.spans)
+    assert set(pr) == {"p01-weather", "p03-sleep", "p05-garden"}
+    assert all(r.oracle_wer == 0.0 for r in pr.values())
+    main_stats, main = results["main"]
+    assert all(s.row_mismatch for s in main_stats.spans if s.c < s.P and s.n != s.P)
+    assert sum(s.misaligned for s in main_stats.spans) > 0
+    assert all(r.oracle_wer > 0.5 for r in main.values())

@@ -324,6 +324,12 @@ class Prompt:
     id: str
     user: str
     reply: str  # the scripted Thinker reply (sim) and the WER reference
+    audio_seconds: float = 0.0  # sim: an audio input of this length in the Thinker prompt
+
+    def thinker_prompt(self, system_prompt: str) -> str:
+        from harness.tokenizer import chat_prompt
+
+        return chat_prompt(system_prompt, self.user, self.audio_seconds)
 
 
 @dataclass(frozen=True)
@@ -353,7 +359,7 @@ def load_prompts(name_or_path: str) -> PromptSet:
     prompts = []
     for i, item in enumerate(items):
         f = _Fields(path, item, f"prompts[{i}].")
-        f.reject_unknown({"id", "user", "reply"})
+        f.reject_unknown({"id", "user", "reply", "audio_seconds"})
         pid = f.str_("id", required=True)
         user = f.str_("user", required=True)
         reply = f.str_("reply", required=True)
@@ -364,7 +370,8 @@ def load_prompts(name_or_path: str) -> PromptSet:
         n = len(tokenize(reply))
         if n > MAX_REPLY_TOKENS:
             raise f.fail("reply", f"{n} tokens, over the Thinker limit of {MAX_REPLY_TOKENS}")
-        prompts.append(Prompt(id=pid, user=user, reply=reply))
+        audio = f.float_("audio_seconds", 0.0, 0.0, 3600.0) or 0.0
+        prompts.append(Prompt(id=pid, user=user, reply=reply, audio_seconds=audio))
     assert system is not None
     return PromptSet(name=top.str_("name", default=path.stem) or path.stem,
                      description=top.str_("description", default="") or "",

@@ -13,17 +13,27 @@ import re
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
-_TOKEN_RE = re.compile(r"<\|[a-z_]+\|>|[A-Za-z0-9]+(?:'[A-Za-z]+)?|\n|[^\sA-Za-z0-9]")
+AUDIO_BOS, AUDIO, AUDIO_EOS = "<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"
+AUDIO_TOKENS_PER_SECOND = 25  # Qwen2.5-Omni's audio encoder: 50 Hz frames pooled by 2
+
+_TOKEN_RE = re.compile(r"<\|[A-Za-z_]+\|>|[A-Za-z0-9]+(?:'[A-Za-z]+)?|\n|[^\sA-Za-z0-9]")
 
 
 def tokenize(text: str) -> list[str]:
     return _TOKEN_RE.findall(text)
 
 
-def chat_prompt(system_prompt: str, user: str) -> str:
-    """Qwen2.5-Omni's chat template for one user turn with the generation prompt."""
+def chat_prompt(system_prompt: str, user: str, audio_seconds: float = 0.0) -> str:
+    """Qwen2.5-Omni's chat template for one user turn with the generation prompt.
+
+    ``audio_seconds`` > 0 puts an audio input before the text, as the processor expands it:
+    ``<|audio_bos|>`` + one ``<|AUDIO|>`` placeholder per 40 ms + ``<|audio_eos|>``.
+    """
+    audio = ""
+    if audio_seconds > 0:
+        audio = AUDIO_BOS + AUDIO * round(audio_seconds * AUDIO_TOKENS_PER_SECOND) + AUDIO_EOS
     return (f"{IM_START}system\n{system_prompt}{IM_END}\n"
-            f"{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n")
+            f"{IM_START}user\n{audio}{user}{IM_END}\n{IM_START}assistant\n")
 
 
 def is_spoken(token: str) -> bool:

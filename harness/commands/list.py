@@ -8,7 +8,7 @@ import click
 
 from harness.config import DEPLOY_DIR, PROMPT_DIR, list_yaml, load_arms, load_deploy, load_prompts
 from harness.sim.scheduler import resolve_talker
-from harness.tokenizer import chat_prompt, tokenize
+from harness.tokenizer import tokenize
 
 
 def _settings(obj: object) -> str:
@@ -39,7 +39,7 @@ def command(what: str) -> None:
         click.echo("Prompt sets (prompts/):")
         for name in list_yaml(PROMPT_DIR):
             ps = load_prompts(name)
-            lens = [len(tokenize(chat_prompt(ps.system_prompt, p.user))) + 2 for p in ps.prompts]
+            lens = [len(tokenize(p.thinker_prompt(ps.system_prompt))) + 2 for p in ps.prompts]
             replies = [len(tokenize(p.reply)) for p in ps.prompts]
             click.echo(f"  {ps.name:<10} {len(ps.prompts)} prompts; Talker prompt length P {min(lens)}-{max(lens)}; "
                        f"reply tokens {min(replies)}-{max(replies)}\n  {'':<10} {ps.description}")

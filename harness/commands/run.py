@@ -64,6 +64,11 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
     if backend == "vllm-omni":
         from harness.serve.backend import ServeOptions, describe_cell
 
+        with_audio = [p.id for p in prompts.prompts if p.audio_seconds]
+        if with_audio:
+            raise UserError(f"{prompts.path}: prompt {with_audio[0]!r}: audio_seconds inputs are simulated only; "
+                            "the vllm-omni backend sends text prompts")
+
         options.serve = ServeOptions(model=model, health_timeout_s=health_timeout, request_timeout_s=request_timeout)
         if dry_run:
             run_dir = (resume_dir or out / (run_id or new_run_id(arm_specs, deploy_specs)))

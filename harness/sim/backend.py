@@ -23,6 +23,7 @@ from harness.sim.model import bind_arm
 from harness.sim.rows import RowSpace
 from harness.sim.runner import SimRunner
 from harness.sim.scheduler import make_scheduler
+from harness.sim.specdec import Drafter, verify
 from harness.sim.talker import SimTalker
 from harness.sim.thinker import run_thinker, token_id_table
 from harness.talkers import load_impl
@@ -51,7 +52,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
     schedule of the others, but are not reported again.
     """
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
     t0 = time.perf_counter()
@@ -64,7 +65,10 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
     sampling = SamplingSettings(**{**deploy.sampling.__dict__, "seed": seed})
     talker = SimTalker(space, vocab, sampling, deploy.sim.frames_per_text_token)
     talker.freeze()
-    scheduler, resolved = make_scheduler(deploy)
+    spec = deploy.speculative
+    scheduler, resolved = make_scheduler(deploy, spec.num_speculative_tokens if spec else 0)
+    drafter = Drafter(talker, spec.num_speculative_tokens, spec.acceptance_rate, seed) if spec else None
+    verify_steps: dict[str, list[int]] = {o.request_id: [] for o in outputs}
     model.profile_run(resolved.max_num_batched_tokens)
     runner = SimRunner(model, space, (arm.name, deploy.name, repeat))
 
@@ -89,6 +93,8 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
             finish_reason=str(reason) if reason is not None else None,
             oracle_transcript=oracle_transcript(units), preemptions=req.num_preemptions,
             events=count_events(spans_by_req[rid]), error=errors.get(rid),
+            accepted_tokens_per_step=(round(sum(verify_steps[rid]) / len(verify_steps[rid]), 3)
+                                      if verify_steps[rid] else None),
             wall_s=round(time.perf_counter() - started[rid], 4),
         )
         from harness.scoring import wer
@@ -123,10 +129,12 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         failed: list[str] = []
+        drafts_by_req = sched_out.scheduled_spec_decode_tokens
         for rid, n in sched_out.num_scheduled_tokens.items():
             req = live[rid]
             c = before[rid]
-            result = runner.call(req, c, n, step)
+            drafts = list(drafts_by_req.get(rid, ()))
+            result = runner.call(req, c, n, step, drafts)
             spans_by_req[rid].append(result.span)
             stats.scheduled_tokens += n
             if result.error is not None:
@@ -134,15 +142,23 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
                 failed.append(rid)
                 continue
             req_ids.append(rid)
-            if c + n >= req.num_tokens:
-                sampled.append([talker.next_token(runner.kv[rid], req.num_output_tokens)])
+            if c + n < req.num_tokens + len(drafts):
+                sampled.append([])  # a partial prefill chunk samples nothing
+            elif drafts:
+                tokens = verify(talker, runner.kv[rid], req.num_output_tokens, drafts)
+                verify_steps[rid].append(len(tokens))
+                sampled.append(tokens)
             else:
-                sampled.append([])
+                sampled.append([talker.next_token(runner.kv[rid], req.num_output_tokens)])
         if failed:
             scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
         scheduler.update_from_output(sched_out, mro)
+        if drafter is not None:  # the runner proposes drafts after sampling; the engine hands them over
+            ids = [r for r, toks in zip(req_ids, sampled) if toks and not live[r].is_finished()]
+            scheduler.update_draft_token_ids(DraftTokenIds(
+                ids, [drafter.propose(runner.kv[r], live[r].num_output_tokens) for r in ids]))
         for rid in [r for r, q in live.items() if q.is_finished()]:
             finish(live.pop(rid))
             runner.remove_request(rid)

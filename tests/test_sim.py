@@ -118,3 +118,43 @@ def test_scheduler_driver_forces_preemption_and_replays(prompts):
     assert all(s.row_mismatch for s in main_stats.spans if s.c < s.P and s.n != s.P)
     assert sum(s.misaligned for s in main_stats.spans) > 0
     assert all(r.oracle_wer > 0.5 for r in main.values())
+
+
+def test_specdec_verify_spans_carry_k_plus_one_positions(prompts):
+    arms = load_arms()
+    specdec, reference = load_deploy("specdec"), load_deploy("reference")
+    got: dict[tuple[str, str], dict] = {}
+    spans = {}
+    for arm in ("main", "pr"):
+        for deploy in (reference, specdec):
+            recs = []
+            stats = run_cell(arms[arm], deploy, prompts, 1, 42, recs.append)
+            got[arm, deploy.name] = {r.record.prompt_id: r.record for r in recs}
+            spans[arm, deploy.name] = stats.spans
+    pr_spans = spans["pr", "specdec"]
+    verify = [s for s in pr_spans if s.multi_decode]
+    # k = 2 drafts + 1; a drafter that proposes codec EOS stops drafting there (n = 2)
+    assert verify and {s.n for s in verify} == {2, 3}
+    assert sum(s.n == 3 for s in verify) > sum(s.n == 2 for s in verify)
+    assert all(s.misaligned == 0 for s in pr_spans)
+    pr_spec, pr_ref = got["pr", "specdec"], got["pr", "reference"]
+    assert {k: r.oracle_transcript for k, r in pr_spec.items()} == {k: r.oracle_transcript for k, r in pr_ref.items()}
+    assert {k: r.codec_tokens for k, r in pr_spec.items()} == {k: r.codec_tokens for k, r in pr_ref.items()}
+    assert all(1.0 < r.accepted_tokens_per_step <= 3.0 for r in pr_spec.values())
+    assert all(r.accepted_tokens_per_step is None for r in pr_ref.values())
+    # main routes every verify span into its prefill branch (P rows back, prompt rows at decode positions)
+    main_verify = [s for s in spans["main", "specdec"] if s.multi_decode]
+    assert main_verify and all(s.rows == s.P for s in main_verify)
+    assert all(r.oracle_wer > 0.5 for r in got["main", "specdec"].values())
+
+
+def test_long_input_prompts_expand_audio_placeholders():
+    from harness.tokenizer import tokenize
+
+    ps = load_prompts("long_inputs")
+    first = ps.prompts[0]
+    tokens = tokenize(first.thinker_prompt(ps.system_prompt))
+    assert first.audio_seconds == 8
+    assert tokens.count("<|AUDIO|>") == 200 and tokens.count("<|audio_bos|>") == 1
+    plain = tokenize(ps.prompts[0].__class__(first.id, first.user, first.reply).thinker_prompt(ps.system_prompt))
+    assert len(tokens) == len(plain) + 202

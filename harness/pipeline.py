@@ -99,6 +99,13 @@ def config_hashes(arms: list[ArmSpec], deploys: list[Deploy], prompts: PromptSet
     out[f"prompts:{prompts.name}"] = prompts.config_hash
     for a in arms:
         out[f"arm:{a.name}"] = a.talker
+        if a.talker.startswith("vllm-omni:"):  # the upstream file's content, not just its path
+            from harness.talkers import load_impl
+            from harness.talkers.upstream import upstream_info
+
+            info = upstream_info(load_impl(a))
+            if info is not None:
+                out[f"arm:{a.name}"] = f"{a.talker}@sha256:{info.source.sha256}"
     return out
 
 

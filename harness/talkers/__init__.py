@@ -16,7 +16,18 @@ from harness.config import ArmSpec
 from harness.errors import ConfigError
 
 
+_LOADED: dict[tuple[str, str, str], Any] = {}
+
+
 def load_impl(arm: ArmSpec) -> Any:
+    """The arm's implementation, loaded once per process so every cell runs the same code."""
+    key = (arm.name, arm.talker, arm.source)
+    if key not in _LOADED:
+        _LOADED[key] = _load(arm)
+    return _LOADED[key]
+
+
+def _load(arm: ArmSpec) -> Any:
     if arm.talker.startswith("vllm-omni:"):  # the real upstream code, extracted from its source
         from harness.talkers.upstream import load_upstream
 

@@ -1,0 +1,217 @@
+"""Offline text-to-speech for the sim's Code2Wav: espeak-ng driven through ctypes.
+
+Why espeak-ng from ``espeakng-loader``: it is a PyPI wheel that bundles libespeak-ng and its
+voice data, so speech works offline after ``pip install`` with no Debian package. The PyPI
+``espeakng`` binding would shell out to a system binary instead.
+
+``speak`` is deterministic (same units give the same bytes), so a Talker that emits the same
+words under two schedules produces identical WAVs, and the transcript cache answers the second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import wave
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from harness.errors import UserError
+
+SAMPLE_RATE = 24_000  # Qwen2.5-Omni's Code2Wav rate; every WAV we write uses it
+PAUSE = "<pause>"  # a unit that stands for silence (punctuation, text-PAD frames)
+PAUSE_SECONDS = 0.25
+EMPTY_SECONDS = 0.5  # what an empty unit list becomes: a short silent WAV
+LEAD_SECONDS = 0.2  # silence before the first word: Whisper drops a word that starts at 0.0 s
+
+# espeak_lib.h constants (espeak-ng 1.52)
+_AUDIO_OUTPUT_SYNCHRONOUS = 2
+_POS_CHARACTER = 1
+_CHARS_UTF8 = 1
+_EE_OK = 0
+_PARAM = {"rate": 1, "volume": 2, "pitch": 3, "range": 4, "wordgap": 7}
+
+
+@dataclass(frozen=True)
+class Voice:
+    """espeak-ng voice settings (tuned with bench/asr.py for Whisper round trips)."""
+
+    name: str = "en-us"
+    rate: int = 140  # words per minute (espeak's default is 175)
+    pitch: int = 50  # 0..100
+    range: int = 50  # pitch range 0..100
+    wordgap: int = 2  # extra gap between words, units of 10 ms
+    volume: int = 100
+
+
+DEFAULT_VOICE = Voice()
+
+# The worker: a tiny stdlib-only program run as ``python -I -S -c _WORKER LIB DATA``. Why a
+# fresh process per call: libespeak-ng keeps wave-generator state across syntheses (pitch
+# flutter index, gain control, echo buffer), so in one process the same text gives different
+# samples depending on what was spoken before. A new process starts from the same state every
+# time, costs about 40 ms, and never shares espeak's global state between threads.
+_WORKER = r"""
+import ctypes, json, struct, sys
+lib = ctypes.CDLL(sys.argv[1])
+CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
+chunks = []
+def on_samples(wav, n, events):
+    if n > 0 and wav:
+        chunks.append(ctypes.string_at(wav, n * 2))
+    return 0
+callback = CB(on_samples)
+lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+lib.espeak_SetSynthCallback.argtypes = [CB]
+lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
+lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+lib.espeak_Synth.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int,
+                             ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+req = json.loads(sys.stdin.buffer.read())
+out = sys.stdout.buffer
+rate = lib.espeak_Initialize(req["output"], 0, sys.argv[2].encode(), 0)
+if rate <= 0:
+    sys.stderr.write("espeak_Initialize failed\n"); sys.exit(3)
+lib.espeak_SetSynthCallback(callback)
+if lib.espeak_SetVoiceByName(req["voice"].encode()) != 0:
+    sys.stderr.write("no voice " + repr(req["voice"]) + "\n"); sys.exit(4)
+for key, value in req["params"]:
+    lib.espeak_SetParameter(key, value, 0)
+out.write(struct.pack("<i", rate))
+for text in req["segments"]:
+    del chunks[:]
+    data = text.encode("utf-8") + b"\0"
+    buf = ctypes.create_string_buffer(data, len(data))
+    err = lib.espeak_Synth(buf, len(data), 0, req["position_type"], 0, req["flags"], None, None)
+    lib.espeak_Synchronize()
+    pcm = b"".join(chunks)
+    out.write(struct.pack("<iq", err, len(pcm)))
+    out.write(pcm)
+out.flush()
+"""
+
+WORKER_TIMEOUT_S = 60.0  # bound on one synthesis call (espeak speaks ~85 s of audio per CPU second)
+
+
+def _library_paths() -> tuple[str, str]:
+    try:
+        import espeakng_loader
+    except ImportError:
+        raise UserError("speech synthesis needs the 'espeakng-loader' package: pip install espeakng-loader") from None
+    try:
+        return espeakng_loader.get_library_path(), espeakng_loader.get_data_path()
+    except RuntimeError as exc:
+        raise UserError(f"espeakng-loader is broken: {exc}") from None
+
+
+def espeak_segments(texts: Sequence[str], voice: Voice = DEFAULT_VOICE) -> tuple[int, list[np.ndarray]]:
+    """Synthesise each text with espeak-ng in a fresh worker; returns (rate, int16 arrays)."""
+    lib, data = _library_paths()
+    request = {"voice": voice.name, "segments": list(texts), "output": _AUDIO_OUTPUT_SYNCHRONOUS,
+               "position_type": _POS_CHARACTER, "flags": _CHARS_UTF8,
+               "params": [[_PARAM[k], getattr(voice, k)] for k in ("rate", "pitch", "range", "wordgap", "volume")]}
+    timeout = WORKER_TIMEOUT_S + sum(len(t) for t in texts) / 100.0
+    try:
+        proc = subprocess.run([sys.executable, "-I", "-S", "-c", _WORKER, lib, data],
+                              input=json.dumps(request).encode(), capture_output=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"espeak-ng synthesis did not finish within {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        detail = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise UserError(f"espeak-ng synthesis failed (exit {proc.returncode}): {detail[-1] if detail else 'no message'}")
+    raw, pos = proc.stdout, 4
+    (rate,) = struct.unpack_from("<i", raw, 0)
+    arrays: list[np.ndarray] = []
+    for _ in texts:
+        err, size = struct.unpack_from("<iq", raw, pos)
+        pos += 12
+        if err != _EE_OK:
+            raise UserError(f"espeak_Synth failed with code {err}")
+        arrays.append(np.frombuffer(raw[pos:pos + size], dtype="<i2").copy())
+        pos += size
+    return rate, arrays
+
+
+def resample_linear(samples: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
+    """Linear-interpolation resampling (upsampling 22050 -> 24000 needs no anti-alias filter)."""
+    if src_rate == dst_rate or samples.size == 0:
+        return samples.astype(np.float64)
+    n_out = round(samples.size * dst_rate / src_rate)
+    t = np.arange(n_out, dtype=np.float64) * (src_rate / dst_rate)
+    return np.interp(t, np.arange(samples.size, dtype=np.float64), samples.astype(np.float64))
+
+
+def units_from_text(text: str) -> list[str]:
+    """The unit sequence a correctly conditioned Talker speaks for ``text``: its spoken tokens as
+    words, every other token (punctuation, newline) as a pause. Used for references and tests."""
+    from harness.tokenizer import is_spoken, tokenize
+
+    return [tok if is_spoken(tok) else PAUSE for tok in tokenize(text)]
+
+
+def _segments(units: Sequence[str]) -> list[str | None]:
+    """Group words into stretches spoken in one breath; ``None`` marks one pause."""
+    out: list[str | None] = []
+    words: list[str] = []
+    for unit in units:
+        if unit == PAUSE:
+            if words:
+                out.append(" ".join(words))
+                words = []
+            out.append(None)
+        else:
+            text = " ".join(unit.split())  # no control characters or newlines reach espeak
+            if text:
+                words.append(text)
+    if words:
+        out.append(" ".join(words))
+    return out
+
+
+def synthesize(units: Sequence[str], voice: Voice = DEFAULT_VOICE) -> np.ndarray:
+    """int16 mono samples at 24 kHz for ``units`` (words and ``<pause>``)."""
+    parts: list[np.ndarray] = [np.zeros(round(LEAD_SECONDS * SAMPLE_RATE), dtype=np.int16)]
+    pause = np.zeros(round(PAUSE_SECONDS * SAMPLE_RATE), dtype=np.int16)
+    segments = _segments(units)
+    texts = [seg for seg in segments if seg is not None]
+    rate, spoken = espeak_segments(texts, voice) if texts else (SAMPLE_RATE, [])
+    it = iter(spoken)
+    for seg in segments:
+        if seg is None:
+            parts.append(pause)
+            continue
+        audio = resample_linear(next(it), rate, SAMPLE_RATE)
+        parts.append(np.clip(np.round(audio), -32768, 32767).astype(np.int16))
+    if not segments:  # no units at all: a short silent WAV, so every request has audio
+        return np.zeros(round(EMPTY_SECONDS * SAMPLE_RATE), dtype=np.int16)
+    return np.concatenate(parts)
+
+
+def write_wav(samples: np.ndarray, wav_path: Path, rate: int = SAMPLE_RATE) -> None:
+    """16-bit mono PCM WAV, written to a temporary name and renamed (no half-written files)."""
+    wav_path = Path(wav_path)
+    wav_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = wav_path.with_name(f".{wav_path.name}.{os.getpid()}.tmp")
+    with wave.open(str(tmp), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.astype("<i2").tobytes())
+    os.replace(tmp, wav_path)
+
+
+def speak(units: Sequence[str], wav_path: Path, voice: Voice = DEFAULT_VOICE) -> float:
+    """Speak ``units`` into a 24 kHz mono 16-bit WAV at ``wav_path``; returns its seconds.
+
+    Units are words (babble syllables are just words too); ``"<pause>"`` is 0.25 s of silence.
+    No units gives 0.5 s of silence, so every request has a WAV to transcribe.
+    """
+    samples = synthesize(units, voice)
+    write_wav(samples, wav_path)
+    return samples.size / SAMPLE_RATE

@@ -217,6 +217,8 @@ def load_deploy(name_or_path: str) -> Deploy:
     if talker.num_gpu_blocks_override is not None and talker.num_gpu_blocks_override < 2:
         raise ConfigError(f"{path}: talker.num_gpu_blocks_override: must be >= 2 (block 0 is reserved)")
     sampling = _dataclass_from(top.sub("sampling"), SamplingSettings, {"temperature": (0.0, 10.0), "top_p": (0.0, 1.0)})
+    if sampling.top_p <= 0.0:  # nothing would survive the top-p filter
+        raise ConfigError(f"{path}: sampling.top_p: must be above 0 (vLLM takes top_p in (0, 1]), got {sampling.top_p!r}")
     sim = _dataclass_from(top.sub("sim"), SimSettings, {"thinker_steps_per_token": (0.0, 1000.0)})
     spec = None
     if top.has("speculative"):

@@ -10,6 +10,7 @@ spans are appended when the cell's simulation completes; the manifest is updated
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import socket
@@ -173,9 +174,12 @@ def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
     except ValueError as exc:
         raise UserError(f"{run_dir / MANIFEST_FILE}: unreadable manifest ({exc})") from None
     for key in ("config_hashes", "cells", "seed", "backend"):
-        if old.get(key) != plan_manifest.get(key):
+        was, now = old.get(key), plan_manifest.get(key)
+        if key == "cells":  # a finished run's cells also carry their wall_s
+            was, now = _cell_keys(was), _cell_keys(now)
+        if was != now:
             raise UserError(f"--resume {run_dir}: {key} differ from the manifest "
-                            f"(was {old.get(key)!r}, now {plan_manifest.get(key)!r}); start a new run instead")
+                            f"(was {was!r}, now {now!r}); start a new run instead")
     truncate_torn_tail(run_dir / REQUESTS_FILE)
     truncate_torn_tail(run_dir / SPANS_FILE)
     try:
@@ -184,6 +188,12 @@ def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     return ResumeState(done, span_cells)
+
+
+def _cell_keys(cells: Any) -> list[tuple]:
+    if not isinstance(cells, list):
+        return []
+    return [(c.get("arm"), c.get("deploy"), c.get("repeat")) if isinstance(c, dict) else c for c in cells]
 
 
 class Progress:
@@ -267,10 +277,11 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
     done = resume.done
     times = StageTimes()
     scorer = AudioScorer(plan.options, plan.run_dir, times)  # locates the ASR model before any work
+    prompt_ids = [p.id for p in plan.prompts.prompts]
+    _drop_partial_span_cells(plan.run_dir, resume, prompt_ids)  # before the writers open the file
     requests_out = JsonlWriter(plan.run_dir / REQUESTS_FILE)
     spans_out = JsonlWriter(plan.run_dir / SPANS_FILE)
     progress = Progress(plan.options.quiet)
-    prompt_ids = [p.id for p in plan.prompts.prompts]
     cell_walls: dict[str, float] = {}
     try:
         for cell in plan.cells:
@@ -308,6 +319,25 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
             c["wall_s"] = manifest["cell_wall_s"][key]
     write_manifest(plan.run_dir, manifest)
     return times
+
+
+def _drop_partial_span_cells(run_dir: Path, resume: ResumeState, prompt_ids: list[str]) -> None:
+    """A cell with records missing runs again and writes all of its spans again, so the spans it
+    left (possibly a write cut short by a kill) are dropped first: no duplicates, no holes."""
+    partial = {k for k in resume.span_cells if not all((*k, pid) in resume.done for pid in prompt_ids)}
+    if not partial:
+        return
+    path = run_dir / SPANS_FILE
+    keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+            if line.strip() and _span_cell(json.loads(line)) not in partial]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    os.replace(tmp, path)
+    resume.span_cells -= partial
+
+
+def _span_cell(span: dict[str, Any]) -> tuple:
+    return (span["arm"], span["deploy"], span["repeat"])
 
 
 def _run_sim_cell(plan: RunPlan, cell: Cell, skip: frozenset[str], scorer: AudioScorer,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from harness.config import load_arms, load_deploy, load_prompts, resolve_arm
+from harness.config import ArmSpec, load_arms, load_deploy, load_prompts, resolve_arm
 from harness.errors import UserError
 from harness.pipeline import RunOptions, RunPlan, check_resume, execute, manifest_for, new_run_id, prepare_run_dir
 from harness.records import read_manifest, write_manifest
@@ -78,6 +78,7 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
             return
     elif dry_run:
         raise UserError("--dry-run applies to --backend vllm-omni (the sim has no commands to print)")
+    _preflight(backend, arm_specs, options)
 
     if resume_dir is not None:
         plan = RunPlan(resume_dir, arm_specs, deploy_specs, prompts, options)
@@ -102,3 +103,22 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
     click.echo(f"\nwall time per stage: sim {times.sim:.1f} s, TTS {times.tts:.1f} s, ASR {times.asr:.1f} s "
                f"({times.asr_transcribed} transcribed, {times.asr_cache_hits} cache hits)")
     click.echo(f"results: {plan.run_dir}")
+
+
+def _preflight(backend: str, arm_specs: list[ArmSpec], options: RunOptions) -> None:
+    """Checks that need no run: a broken plugin arm, a real-backend arm that cannot be started, or a
+    missing ASR model is refused before a run directory exists (nothing is loaded yet)."""
+    if backend == "sim":
+        from harness.talkers import load_impl
+
+        for arm in arm_specs:
+            load_impl(arm)
+    else:
+        from harness.serve.backend import server_prefix
+
+        for arm in arm_specs:
+            server_prefix(arm)
+    if options.asr != "none":
+        from harness.audio.asr import make_transcriber
+
+        make_transcriber(options.asr, options.asr_model, options.beam_size)

@@ -22,7 +22,7 @@ from harness.sim.codec import CODEC_EOS, CodecVocab, collapse, oracle_transcript
 from harness.sim.model import bind_arm
 from harness.sim.rows import RowSpace
 from harness.sim.runner import SimRunner
-from harness.sim.scheduler import make_scheduler
+from harness.sim.scheduler import _quiet_vllm, make_scheduler
 from harness.sim.specdec import Drafter, verify
 from harness.sim.talker import SimTalker
 from harness.sim.thinker import run_thinker, token_id_table
@@ -51,6 +51,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
     ``skip``: prompt ids already recorded (``--resume``); they still run, since they shape the
     schedule of the others, but are not reported again.
     """
+    _quiet_vllm()  # before vLLM's first import, which logs its start-up warnings to stderr
     from vllm.sampling_params import SamplingParams
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus

@@ -16,6 +16,7 @@ arithmetic is the same float32 arithmetic, so the ids are identical.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,31 +103,53 @@ class RowSpace:
 
     def identify(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(text ids, codec ids) per row: registry/codec index, ``NONE`` or ``UNKNOWN``."""
-        flat = rows.detach().to(torch.float32).reshape(-1, DIM).numpy()
+        if rows.requires_grad:
+            rows = rows.detach()
+        flat = rows.to(torch.float32).reshape(-1, DIM).numpy()
         if self._text_np is None:
             self._text_np = np.ascontiguousarray(self.text_matrix.numpy())
-        return (torch.from_numpy(_match_np(flat[:, :TEXT_DIMS], self._text_np)),
-                torch.from_numpy(_match_np(flat[:, TEXT_DIMS:], self._codec_parts_np)))
+        if flat.shape[0] == 1:  # a decode step: scalar path, a third of the array calls
+            row = flat[0]
+            return (torch.tensor([_match_row(row[:TEXT_DIMS], self._text_np)]),
+                    torch.tensor([_match_row(row[TEXT_DIMS:], self._codec_parts_np)]))
+        ids = _match_segments(flat, (0, TEXT_DIMS), (self._text_np, self._codec_parts_np))
+        return torch.from_numpy(ids[:, 0].copy()), torch.from_numpy(ids[:, 1].copy())
 
     @staticmethod
     def _match(parts: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Index of the table row each part equals (within ``_TOL``), ``NONE`` or ``UNKNOWN``."""
-        return torch.from_numpy(_match_np(parts.detach().to(torch.float32).numpy(),
-                                          table.detach().to(torch.float32).numpy()))
+        ids = _match_segments(parts.detach().to(torch.float32).numpy(), (0,), (table.detach().to(torch.float32).numpy(),))
+        return torch.from_numpy(ids[:, 0].copy())
 
 
-def _match_np(parts: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """The id in dimension 0 (``id + 1``), confirmed by the whole part equalling that table row."""
-    out = np.full(parts.shape[0], UNKNOWN, dtype=np.int64)
-    zero = np.abs(parts).max(axis=1) < _TOL
-    out[zero] = NONE
-    first = parts[:, 0]
-    # Out-of-range, inf and NaN ids can never match; clamp them before the integer cast.
-    first = np.where(np.isfinite(first), np.clip(first, -2.0, table.shape[0] + 1.0), -2.0)
-    ids = np.rint(first).astype(np.int64) - 1
-    ok = ~zero & (ids >= 0) & (ids < table.shape[0])
-    if ok.any():
-        cand = ids[ok]
-        same = np.abs(parts[ok] - table[cand]).max(axis=1) < _TOL
-        out[ok] = np.where(same, cand, UNKNOWN)
+def _match_row(part: np.ndarray, table: np.ndarray) -> int:
+    """``_match_segments`` for one part of one row."""
+    first = float(part[0])
+    if math.isfinite(first):
+        cand = round(first) - 1  # half to even, as np.rint
+        if 0 <= cand < table.shape[0] and float(np.abs(part - table[cand]).max()) < _TOL:
+            return cand
+    return NONE if float(np.abs(part).max()) < _TOL else UNKNOWN
+
+
+def _match_segments(rows: np.ndarray, starts: tuple[int, ...], tables: tuple[np.ndarray, ...]) -> np.ndarray:
+    """Per row and segment (columns ``starts[k]`` up to the next start), the id of the table row
+    the segment equals within ``_TOL``, ``NONE`` for an all-zero segment, else ``UNKNOWN``.
+
+    The id is read from the segment's first column (``id + 1``) and confirmed by the whole
+    segment; all segments are handled by the same few array operations (one per step, not per
+    segment), which is what makes the per-span lookup cheap.
+    """
+    n = rows.shape[0]
+    limits = np.array([t.shape[0] for t in tables], dtype=np.float32)
+    guess = np.rint(rows[:, list(starts)]) - 1  # NaN/inf fail the range test below
+    valid = (guess >= 0) & (guess < limits)
+    cand = np.where(valid, guess, 0).astype(np.int64)
+    expected = np.concatenate(
+        [t[cand[:, k]] if t.shape[0] else np.zeros((n, t.shape[1]), dtype=np.float32) for k, t in enumerate(tables)],
+        axis=1)
+    diff = np.maximum.reduceat(np.abs(rows - expected), list(starts), axis=1)
+    size = np.maximum.reduceat(np.abs(rows), list(starts), axis=1)
+    out = np.where(valid & (diff < _TOL), cand, UNKNOWN)
+    out[size < _TOL] = NONE
     return out

@@ -16,12 +16,22 @@ Rules (arm-agnostic; README "How the simulation works"):
    with no text component) makes it emit codec EOS, which ends the request.
 4. Sampling: temperature / top-k / top-p over the sim codec vocabulary with a generator seeded
    by (seed, request, position), so identical KV rows give identical tokens under any schedule.
+
+Speed without changing a token: the logits depend only on the target (noise, silence, or a
+word's onset / sustain codes), so each target's filtered distribution is computed once per
+cell. The draw is ``torch.multinomial(probs, 1, generator)`` with the same per-position
+generator, computed the way PyTorch computes it for one sample (``argmax(probs / q)``,
+``q ~ Exp(1)`` drawn by ``exponential_`` from that generator) but only over the prefix of the
+vocabulary that holds the target's support; ``exponential_`` on the CPU is prefix-consistent,
+so the prefix's draws are the same numbers. A self-check against ``torch.multinomial`` runs
+once per process and falls back to it if a PyTorch version ever differs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from harness.config import SamplingSettings
@@ -45,19 +55,47 @@ class TalkerKV:
     length: int = 0
 
     def __post_init__(self) -> None:
-        self.text = torch.full((self.capacity,), NONE, dtype=torch.long)
-        self.codec = torch.full((self.capacity,), NONE, dtype=torch.long)
+        # NumPy arrays for the per-token reads; ``text``/``codec`` are torch views of the same memory.
+        self._text_np = np.full(self.capacity, NONE, dtype=np.int64)
+        self._codec_np = np.full(self.capacity, NONE, dtype=np.int64)
+        self.text = torch.from_numpy(self._text_np)
+        self.codec = torch.from_numpy(self._codec_np)
+        self._started = False
 
     def write(self, c: int, text_ids: torch.Tensor, codec_ids: torch.Tensor) -> None:
         n = text_ids.shape[0]
-        self.text[c:c + n] = text_ids
-        self.codec[c:c + n] = codec_ids
+        self._text_np[c:c + n] = _as_np(text_ids)
+        self._codec_np[c:c + n] = _as_np(codec_ids)
+        old = self.length
         self.length = c + n
+        if c < self.P or old < self.P:  # only then can the start rows (P-2, P-1) or length < P change
+            self._started = self._check_started()
+
+    def _check_started(self) -> bool:
+        P, text, codec = self.P, self._text_np, self._codec_np
+        return bool(self.length >= P and text[P - 2] == self.spk_id and codec[P - 2] == CODEC_PAD
+                    and text[P - 1] == self.out0_id and codec[P - 1] == CODEC_BOS)
 
     def started(self) -> bool:
-        P = self.P
-        return bool(self.length >= P and self.text[P - 2] == self.spk_id and self.codec[P - 2] == CODEC_PAD
-                    and self.text[P - 1] == self.out0_id and self.codec[P - 1] == CODEC_BOS)
+        return self._started
+
+
+def _as_np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
+    return ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+
+
+@dataclass(frozen=True)
+class _Dist:
+    """One target's filtered distribution: dense probabilities over its vocabulary prefix."""
+
+    probs: np.ndarray  # float32, length = last supported code + 1
+    full: torch.Tensor  # the whole filtered vector, for the torch.multinomial fallback
+    noise: torch.Tensor  # scratch for exponential_ draws, same length as probs
+    noise_np: np.ndarray
+
+
+_NOISE, _SILENCE, _ONSET, _SUSTAIN = 0, 1, 2, 3
+_FAST_DRAW: bool | None = None  # the exponential trick reproduces torch.multinomial here (checked once)
 
 
 class SimTalker:
@@ -65,6 +103,10 @@ class SimTalker:
         self.space, self.vocab, self.sampling, self.R = space, vocab, sampling, frames_per_token
         self.vocab_size = WORD_BASE + 4 * len(vocab.words)
         self._classes: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cls_np = np.zeros(0, dtype=np.int64)
+        self._word_np = np.zeros(0, dtype=np.int64)
+        self._dists: dict[tuple[int, int], _Dist] = {}
+        self._gen = torch.Generator()
 
     def freeze(self) -> None:
         """Speech class and word of every registered text row (call once all rows exist)."""
@@ -79,30 +121,50 @@ class SimTalker:
                 if w is not None:
                     cls[i], word[i] = WORD, w
         self._classes = (cls, word)
+        self._cls_np, self._word_np = cls.numpy(), word.numpy()
 
     def next_token(self, kv: TalkerKV, generated: int) -> int:
         assert self._classes is not None, "freeze() first"
         pos = kv.P - 1 + generated // self.R
-        tid = int(kv.text[pos]) if pos < kv.length else UNKNOWN
+        tid = int(kv._text_np[pos]) if pos < kv.length else UNKNOWN
         if tid == NONE:
             return CODEC_EOS
-        cls, word = self._classes
+        cls = self._cls_np
         if tid >= 0 and cls[tid] == END:
             return CODEC_EOS
-        logits = torch.full((self.vocab_size,), float("-inf"))
-        logits[1:NOISE_CODES + 1] = 0.0
+        key = (_NOISE, 0)
         if kv.started() and tid != UNKNOWN:
             if cls[tid] == WORD:
-                w = int(word[tid])
-                codes = self.vocab.onset_codes(w) if generated % self.R == 0 else self.vocab.sustain_codes(w)
-                logits[codes] = TARGET_LOGIT
+                key = (_ONSET if generated % self.R == 0 else _SUSTAIN, int(self._word_np[tid]))
             else:
-                logits[SILENCE] = TARGET_LOGIT
-        return self._sample(logits, kv.request_id, kv.P + generated)
+                key = (_SILENCE, 0)
+        return self._draw(self._dist(key), kv.request_id, kv.P + generated)
 
-    def _sample(self, logits: torch.Tensor, request_id: str, position: int) -> int:
+    def _logits(self, key: tuple[int, int]) -> torch.Tensor:
+        kind, w = key
+        logits = torch.full((self.vocab_size,), float("-inf"))
+        logits[1:NOISE_CODES + 1] = 0.0
+        if kind == _ONSET:
+            logits[self.vocab.onset_codes(w)] = TARGET_LOGIT
+        elif kind == _SUSTAIN:
+            logits[self.vocab.sustain_codes(w)] = TARGET_LOGIT
+        elif kind == _SILENCE:
+            logits[SILENCE] = TARGET_LOGIT
+        return logits
+
+    def _dist(self, key: tuple[int, int]) -> _Dist:
+        dist = self._dists.get(key)
+        if dist is None:
+            full = self._filtered(self._logits(key))
+            length = int(torch.nonzero(full).max()) + 1
+            noise = torch.empty(length)
+            dist = _Dist(full[:length].numpy().copy(), full, noise, noise.numpy())
+            self._dists[key] = dist
+        return dist
+
+    def _filtered(self, logits: torch.Tensor) -> torch.Tensor:
+        """Temperature, top-k, then top-p (smallest set reaching ``top_p``); zeros elsewhere."""
         s = self.sampling
-        gen = torch.Generator().manual_seed(_seed(s.seed, request_id, position))
         logits = logits / max(s.temperature, 1e-5)
         if s.top_k and s.top_k > 0:
             kth = torch.topk(logits, min(s.top_k, logits.shape[0])).values[-1]
@@ -113,4 +175,38 @@ class SimTalker:
         keep = cum - probs[order] < s.top_p  # smallest set reaching top_p
         filtered = torch.zeros_like(probs)
         filtered[order[keep]] = probs[order[keep]]
-        return int(torch.multinomial(filtered, 1, generator=gen))
+        return filtered
+
+    def _draw(self, dist: _Dist, request_id: str, position: int) -> int:
+        """``torch.multinomial(dist, 1)`` with the generator seeded by (seed, request, position)."""
+        gen = self._gen.manual_seed(_seed(self.sampling.seed, request_id, position))
+        if not _fast_draw_ok():
+            return int(torch.multinomial(dist.full, 1, generator=gen))
+        dist.noise.exponential_(1, generator=gen)
+        return int(np.argmax(dist.probs / dist.noise_np))
+
+    def _sample(self, logits: torch.Tensor, request_id: str, position: int) -> int:
+        """Reference implementation (one token from raw logits); ``next_token`` gives the same."""
+        gen = torch.Generator().manual_seed(_seed(self.sampling.seed, request_id, position))
+        return int(torch.multinomial(self._filtered(logits), 1, generator=gen))
+
+
+def _fast_draw_ok() -> bool:
+    """Whether ``argmax(p / Exp(1)[:len])`` equals ``torch.multinomial(p, 1)`` in this PyTorch."""
+    global _FAST_DRAW
+    if _FAST_DRAW is None:
+        ok = True
+        check = torch.Generator().manual_seed(1234)
+        for trial in range(32):
+            size = 64 + 97 * trial
+            probs = torch.zeros(size)
+            support = torch.randperm(size, generator=check)[: 1 + trial % 7]
+            probs[support] = torch.rand(support.shape[0], generator=check) + 0.01
+            probs /= probs.sum()
+            length = int(support.max()) + 1
+            want = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(trial)))
+            noise = torch.empty(length).exponential_(1, generator=torch.Generator().manual_seed(trial))
+            got = int(np.argmax(probs[:length].numpy() / noise.numpy()))
+            ok = ok and want == got
+        _FAST_DRAW = ok
+    return _FAST_DRAW

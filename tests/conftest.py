@@ -1,0 +1,61 @@
+"""Shared test helpers: the repository root, the small prompt set, and the CLI run as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures"
+SMALL_PROMPTS = FIXTURES / "prompts_small.yaml"
+
+# Plugin arms of the tests are named ``tests.fixtures.plugins:ATTR``; the repository root must be
+# importable for that, in this process and in the CLI subprocesses (which run from REPO).
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+@dataclass
+class CliResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args: str, timeout: float = 300.0, env: dict[str, str] | None = None) -> CliResult:
+    """``omni-stress ARGS`` in a subprocess (``python -m harness.cli``), from the repository root."""
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, check=False)
+    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def invoke_cli(*args: str) -> CliResult:
+    """``omni-stress ARGS`` in this process (click's CliRunner): the same code path, no interpreter start-up."""
+    from click.testing import CliRunner
+
+    from harness.cli import main
+
+    result = CliRunner().invoke(main, list(args), catch_exceptions=True)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception  # a traceback the user would see: let the test show it
+    return CliResult(result.exit_code, result.stdout, result.stderr)
+
+
+@pytest.fixture
+def cli():
+    return invoke_cli
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory) -> Path:
+    """One uninterrupted sim run of the small prompt set (main, pr x reference, stress), shared."""
+    out = tmp_path_factory.mktemp("small-run")
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS), "--out", str(out),
+                     "--run-id", "full")
+    assert res.exit_code == 0, res.stderr
+    return out / "full"

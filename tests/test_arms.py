@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
+from simkit import FakeRequest
 
 from harness.config import load_prompts
 from harness.contract import ContractError
@@ -19,22 +19,6 @@ from harness.talkers.main import MainTalker
 from harness.talkers.pr import FixedTalker
 
 PROMPTS = Path(__file__).parent / "data" / "prompts_e2e.yaml"
-
-
-@dataclass
-class _SP:
-    max_tokens: int = 1900
-    seed: int = 42
-
-
-@dataclass
-class FakeRequest:
-    """The fields of vllm.v1.request.Request the runner reads."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    all_token_ids: list[int]
-    sampling_params: _SP = field(default_factory=_SP)
 
 
 class Harness:

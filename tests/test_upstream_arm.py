@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import zipfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from click.testing import CliRunner
+from simkit import FakeRequest
 
 from harness.cli import main as cli_main
 from harness.config import ArmSpec, load_arms, load_prompts, resolve_arm
@@ -78,22 +78,6 @@ def test_fixture_is_the_pinned_upstream_file(upstream_cls: type) -> None:
 
 
 # ----------------------------------------------------------------------------- same spans, same rows
-
-
-@dataclass
-class _SP:
-    max_tokens: int = 1900
-    seed: int = 42
-
-
-@dataclass
-class FakeRequest:
-    """The fields of vllm.v1.request.Request the runner reads."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    all_token_ids: list[int]
-    sampling_params: _SP = field(default_factory=_SP)
 
 
 def _snapshot(value: Any) -> Any:

@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ class RunOptions:
     cache_dir: Path | None = None
     use_cache: bool = True
     quiet: bool = False
+    asr_workers: int = -1  # -1: two worker processes on two or more cores; 0: in this process
     serve: Any = None  # harness.serve.backend.ServeOptions for the real backend
 
 
@@ -56,7 +58,8 @@ class RunOptions:
 class StageTimes:
     sim: float = 0.0
     tts: float = 0.0
-    asr: float = 0.0
+    asr: float = 0.0  # decode seconds summed over transcripts (workers run in parallel with the sim)
+    asr_wait: float = 0.0  # seconds the run waited for Whisper after everything else was done
     asr_cache_hits: int = 0
     asr_transcribed: int = 0
     scheduled_tokens: int = 0
@@ -197,54 +200,96 @@ def _cell_keys(cells: Any) -> list[tuple]:
 
 
 class Progress:
-    """One bar per cell (requests done / total); silent when quiet or not a TTY."""
+    """One bar per cell (requests done / total); silent when quiet or not a TTY.
+
+    Bars are keyed by cell: Whisper finishes a cell's requests while the next cell simulates,
+    so several bars can be open at once; each closes when its cell's last request is written.
+    """
 
     def __init__(self, quiet: bool) -> None:
         self.enabled = not quiet and sys.stderr.isatty()
         self.quiet = quiet
-        self._bar: Any = None
+        self._bars: dict[str, Any] = {}
 
-    def start(self, label: str, total: int) -> None:
+    def start(self, key: str, label: str, total: int) -> None:
         if self.enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=label, unit="req", leave=True, file=sys.stderr)
+            self._bars[key] = tqdm(total=total, desc=label, unit="req", leave=True, file=sys.stderr)
         elif not self.quiet:
             print(f"[omni-stress] {label}: {total} requests", file=sys.stderr, flush=True)
 
-    def update(self, postfix: str = "") -> None:
-        if self._bar is not None:
-            self._bar.update(1)
+    def update(self, key: str, postfix: str = "") -> None:
+        bar = self._bars.get(key)
+        if bar is not None:
             if postfix:
-                self._bar.set_postfix_str(postfix, refresh=False)
+                bar.set_postfix_str(postfix, refresh=False)
+            bar.update(1)
+            if bar.n >= bar.total:
+                bar.close()
+                del self._bars[key]
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        for bar in self._bars.values():
+            bar.close()
+        self._bars.clear()
 
     def note(self, text: str) -> None:
         if not self.quiet:
             print(f"[omni-stress] {text}", file=sys.stderr, flush=True)
 
 
+ASR_STALL_S = 900.0  # no transcript at all for this long: a worker hangs (one 30 s window takes ~1 s)
+
+
+@dataclass
+class PendingScore:
+    """A finished request waiting for its transcript (``future`` None: nothing to wait for)."""
+
+    record: RequestRecord
+    cell: str
+    digest: str | None = None
+    future: Future | None = None
+    owner: bool = False  # this request's audio started the decode; duplicates count as cache hits
+
+    def ready(self) -> bool:
+        return self.future is None or self.future.done()
+
+
 class AudioScorer:
-    """Speaks the sim's units into a WAV and scores Whisper's transcript of it."""
+    """Speaks the sim's units into a WAV and scores Whisper's transcript of it.
+
+    Transcription runs in worker processes (``harness.audio.pool``) while the caller goes on
+    simulating; ``submit`` returns at once, ``finish`` fills the record when its transcript is
+    in. ``asr_workers=0`` transcribes in this process instead, synchronously.
+    """
 
     def __init__(self, options: RunOptions, run_dir: Path, times: StageTimes) -> None:
         self.options, self.run_dir, self.times = options, run_dir, times
         self.transcriber = None
         self.cache = None
+        self.tts_cache = None
+        self.pool = None
         if options.asr != "none":
             from harness.audio.asr import make_transcriber
-            from harness.audio.cache import TranscriptCache
+            from harness.audio.cache import AudioCache, TranscriptCache
 
             self.transcriber = make_transcriber(options.asr, options.asr_model, options.beam_size)
-            if options.use_cache:
-                self.cache = TranscriptCache(options.cache_dir / "transcripts" if options.cache_dir else None) \
-                    if options.cache_dir else TranscriptCache.default()
+            if not options.use_cache:
+                self.cache, self.tts_cache = TranscriptCache(None), AudioCache(None)
+            elif options.cache_dir:
+                self.cache = TranscriptCache(options.cache_dir / "transcripts")
+                self.tts_cache = AudioCache(options.cache_dir / "tts")
             else:
-                self.cache = TranscriptCache(None)
+                self.cache, self.tts_cache = TranscriptCache.default(), AudioCache.default()
+            if options.asr_workers != 0:
+                from harness.audio.pool import AsrPool, PoolSpec, default_workers
+
+                workers, threads = default_workers()
+                if options.asr_workers > 0:
+                    workers = options.asr_workers
+                    threads = max(1, (os.cpu_count() or 1) // workers)
+                self.pool = AsrPool(PoolSpec(options.asr, options.asr_model, options.beam_size, workers, threads))
 
     def speak(self, record: RequestRecord, units: list[str]) -> None:
         if self.transcriber is None:
@@ -253,22 +298,94 @@ class AudioScorer:
 
         rel = f"audio/{record.arm}-{record.deploy}-r{record.repeat}-{record.prompt_id}.wav"
         t0 = time.perf_counter()
-        record.audio_seconds = round(speak(units, self.run_dir / rel), 3)
+        record.audio_seconds = round(speak(units, self.run_dir / rel, cache=self.tts_cache), 3)
         self.times.tts += time.perf_counter() - t0
         record.audio_path = rel
 
-    def score(self, record: RequestRecord) -> None:
+    def submit(self, record: RequestRecord, cell: str) -> PendingScore:
+        pending = PendingScore(record, cell)
         if self.transcriber is None or record.audio_path is None or not record.reference_text:
-            return  # nothing to score: ASR off, no audio (a failed request), or no reference text
-        from harness.audio.pipeline import transcribe_and_score
+            return pending  # nothing to score: ASR off, no audio (a failed request), or no reference text
+        assert self.cache is not None
+        from harness.audio.cache import sha256_file
 
-        result = transcribe_and_score(self.run_dir / record.audio_path, record.reference_text,
-                                      self.transcriber, self.cache)
-        record.transcript, record.wer = result.transcript, result.wer
-        record.asr_seconds, record.asr_cached = round(result.seconds, 3), result.cached
-        self.times.asr += result.seconds
-        self.times.asr_cache_hits += result.cached
-        self.times.asr_transcribed += not result.cached
+        wav = self.run_dir / record.audio_path
+        if not wav.is_file():
+            raise UserError(f"{wav}: audio file not found")
+        pending.digest = digest = sha256_file(wav)
+        cached = self.cache.get(digest, self.transcriber.cache_key)
+        if cached is not None:
+            self._fill(record, cached, 0.0, cached=True)
+        elif self.pool is None:
+            t0 = time.perf_counter()
+            text = self.transcriber.transcribe(wav)
+            self.cache.put(digest, self.transcriber.cache_key, text)
+            self._fill(record, text, time.perf_counter() - t0, cached=False)
+        else:
+            pending.future, pending.owner = self.pool.submit(digest, wav)
+        return pending
+
+    def finish(self, pending: PendingScore) -> None:
+        """Fills the record from its finished decode (``pending.ready()`` must be true)."""
+        if pending.future is None:
+            return
+        from harness.audio.pool import result_of
+
+        assert self.cache is not None and self.transcriber is not None and self.pool is not None
+        text, seconds = result_of(pending.future, timeout=0)
+        if pending.owner:
+            self.cache.put(pending.digest, self.transcriber.cache_key, text)
+            self.pool.forget(pending.digest)
+        self._fill(pending.record, text, seconds if pending.owner else 0.0, cached=not pending.owner)
+
+    def _fill(self, record: RequestRecord, transcript: str, seconds: float, cached: bool) -> None:
+        from harness.scoring import wer
+
+        record.transcript, record.wer = transcript, wer(record.reference_text, transcript)
+        record.asr_seconds, record.asr_cached = round(seconds, 3), cached
+        self.times.asr += seconds
+        self.times.asr_cache_hits += cached
+        self.times.asr_transcribed += not cached
+
+    def close(self, cancel: bool = False) -> None:
+        if self.pool is not None:
+            self.pool.close(cancel=cancel)
+
+
+class RecordSink:
+    """Writes each request record once its transcript is in, in completion order."""
+
+    def __init__(self, scorer: AudioScorer, out: JsonlWriter, progress: Progress, times: StageTimes) -> None:
+        self.scorer, self.out, self.progress, self.times = scorer, out, progress, times
+        self.pending: list[PendingScore] = []
+
+    def add(self, record: RequestRecord, cell: str) -> None:
+        self.pending.append(self.scorer.submit(record, cell))
+        self.flush(block=False)
+
+    def flush(self, block: bool) -> None:
+        """Writes every finished record; with ``block``, waits (bounded) until none is left."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        while self.pending:
+            done = [p for p in self.pending if p.ready()]
+            if not done:
+                if not block:
+                    return
+                t0 = time.perf_counter()
+                finished, _ = wait({p.future for p in self.pending if p.future is not None},
+                                   timeout=ASR_STALL_S, return_when=FIRST_COMPLETED)
+                self.times.asr_wait += time.perf_counter() - t0
+                if not finished:
+                    raise UserError(f"ASR: no transcript finished in {ASR_STALL_S:.0f} s; "
+                                    f"the records written so far are kept, rerun with --resume")
+                continue
+            for p in done:
+                self.pending.remove(p)
+                self.scorer.finish(p)
+                self.out.write(p.record)
+                r = p.record
+                self.progress.update(p.cell, f"WER {r.score:.2f}" if r.score is not None else "")
 
 
 def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
@@ -282,29 +399,32 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
     requests_out = JsonlWriter(plan.run_dir / REQUESTS_FILE)
     spans_out = JsonlWriter(plan.run_dir / SPANS_FILE)
     progress = Progress(plan.options.quiet)
+    sink = RecordSink(scorer, requests_out, progress, times)
     cell_walls: dict[str, float] = {}
+    ok = False
     try:
         for cell in plan.cells:
+            key = f"{cell.arm.name}/{cell.deploy.name}/{cell.repeat}"
             skip = frozenset(pid for pid in prompt_ids if (cell.arm.name, cell.deploy.name, cell.repeat, pid) in done)
             if len(skip) == len(prompt_ids):
                 progress.note(f"{cell.label}: already complete, skipped")
                 continue
             t_cell = time.perf_counter()
-            progress.start(cell.label, len(prompt_ids) - len(skip))
+            progress.start(key, cell.label, len(prompt_ids) - len(skip))
 
-            def emit(record: RequestRecord) -> None:
-                scorer.score(record)
-                requests_out.write(record)
-                progress.update(f"WER {record.score:.2f}" if record.score is not None else "")
+            def emit(record: RequestRecord, key: str = key) -> None:
+                sink.add(record, key)
 
             write_spans = (cell.arm.name, cell.deploy.name, cell.repeat) not in resume.span_cells
             if plan.options.backend == "sim":
                 _run_sim_cell(plan, cell, skip, scorer, emit, spans_out if write_spans else None, times)
             else:
                 _run_serve_cell(plan, cell, skip, emit, spans_out if write_spans else None)
-            progress.close()
-            cell_walls[f"{cell.arm.name}/{cell.deploy.name}/{cell.repeat}"] = round(time.perf_counter() - t_cell, 3)
+            cell_walls[key] = round(time.perf_counter() - t_cell, 3)  # simulation and audio; ASR may go on
+        sink.flush(block=True)
+        ok = True
     finally:
+        scorer.close(cancel=not ok)
         progress.close()
         requests_out.close()
         spans_out.close()

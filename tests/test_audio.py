@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import wave
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,10 +12,22 @@ import pytest
 from click.testing import CliRunner
 
 from harness.audio import asr as asr_mod
+from harness.audio import tts as tts_mod
 from harness.audio.asr import FasterWhisperTranscriber, make_transcriber
-from harness.audio.cache import TranscriptCache, sha256_file
+from harness.audio.cache import AudioCache, TranscriptCache, sha256_file
 from harness.audio.pipeline import transcribe_and_score
-from harness.audio.tts import EMPTY_SECONDS, LEAD_SECONDS, PAUSE, PAUSE_SECONDS, SAMPLE_RATE, speak, units_from_text
+from harness.audio.tts import (
+    EMPTY_SECONDS,
+    LEAD_SECONDS,
+    PAUSE,
+    PAUSE_SECONDS,
+    SAMPLE_RATE,
+    Voice,
+    espeak_identity,
+    speak,
+    speak_key,
+    units_from_text,
+)
 from harness.cli import main
 from harness.errors import UserError
 from harness.scoring import wer
@@ -97,6 +110,151 @@ def test_empty_units_give_short_silence(tmp_path: Path) -> None:
 
 def test_units_from_text() -> None:
     assert units_from_text("Hi, it's me.") == ["Hi", PAUSE, "it's", "me", PAUSE]
+
+
+# --------------------------------------------------------------------------- TTS audio cache
+
+CACHED_UNITS = ["the", "moon", PAUSE, "is", "round"]
+
+
+def count_espeak(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts real espeak-ng worker calls (one per uncached ``speak``)."""
+    calls: list[int] = []
+    real = tts_mod.espeak_segments
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tts_mod, "espeak_segments", counted)
+    return calls
+
+
+def forbid_espeak(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("espeak-ng was called on a cache hit")
+
+    monkeypatch.setattr(tts_mod, "espeak_segments", refuse)
+
+
+def test_tts_cache_hit_is_identical_and_skips_espeak(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh_seconds = speak(CACHED_UNITS, tmp_path / "fresh.wav")  # no cache: plain synthesis
+    cache = AudioCache(tmp_path / "tts")
+    assert speak(CACHED_UNITS, tmp_path / "miss.wav", cache=cache) == fresh_seconds
+    assert (cache.hits, cache.misses) == (0, 1)
+    key = speak_key(CACHED_UNITS)
+    entry = tmp_path / "tts" / key[:2] / f"{key}.wav"
+    assert entry.read_bytes() == (tmp_path / "fresh.wav").read_bytes()
+    forbid_espeak(monkeypatch)
+    assert speak(CACHED_UNITS, tmp_path / "out" / "hit.wav", cache=cache) == fresh_seconds
+    assert (tmp_path / "out" / "hit.wav").read_bytes() == (tmp_path / "fresh.wav").read_bytes()
+    assert os.stat(tmp_path / "out" / "hit.wav").st_ino == os.stat(entry).st_ino  # hard link, same fs
+    # a new cache object (a later run) hits on disk; re-speaking onto the same linked path works
+    again = AudioCache(tmp_path / "tts")
+    assert speak(CACHED_UNITS, tmp_path / "out" / "hit.wav", cache=again) == fresh_seconds
+    assert (again.hits, again.misses) == (1, 0)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["hit.wav"]  # no temporaries left
+    assert not list((tmp_path / "tts").rglob("*.tmp"))
+
+
+def test_speak_key_names_what_is_spoken(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = speak_key(CACHED_UNITS)
+    assert len(key) == 64 and int(key, 16) >= 0
+    assert speak_key(list(CACHED_UNITS)) == key and speak_key(tuple(CACHED_UNITS)) == key
+    others = {speak_key(CACHED_UNITS[:-1]), speak_key([*CACHED_UNITS, PAUSE]), speak_key(["the moon"]),
+              speak_key(CACHED_UNITS, Voice(rate=150)), speak_key(CACHED_UNITS, Voice(name="en-gb")),
+              speak_key([])}
+    assert key not in others and len(others) == 6
+    assert dict(espeak_identity())["espeak"]  # the espeak-ng version string is part of the key
+    monkeypatch.setattr(tts_mod, "TTS_CACHE_VERSION", 2)
+    assert speak_key(CACHED_UNITS) != key
+    monkeypatch.setattr(tts_mod, "PAUSE_SECONDS", 0.3)
+    monkeypatch.setattr(tts_mod, "TTS_CACHE_VERSION", 1)
+    assert speak_key(CACHED_UNITS) != key
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_tts_cache_corrupt_entry_is_a_miss_then_repaired(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         damage: str) -> None:
+    units = ["hello", "there"]
+    cache = AudioCache(tmp_path / "tts")
+    seconds = speak(units, tmp_path / "first.wav", cache=cache)
+    good = (tmp_path / "first.wav").read_bytes()
+    (entry,) = (tmp_path / "tts").rglob("*.wav")
+    entry.write_bytes({"truncate": good[: len(good) // 2], "garbage": b"RIFF not a wav", "empty": b""}[damage])
+    calls = count_espeak(monkeypatch)
+    fresh = AudioCache(tmp_path / "tts")
+    assert speak(units, tmp_path / "second.wav", cache=fresh) == seconds  # no exception: a miss
+    assert calls == [1] and (fresh.hits, fresh.misses) == (0, 1)
+    assert (tmp_path / "second.wav").read_bytes() == good and entry.read_bytes() == good  # repaired
+    assert speak(units, tmp_path / "third.wav", cache=fresh) == seconds and calls == [1]
+
+
+def test_tts_memory_only_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = AudioCache(None)
+    seconds = speak(CACHED_UNITS, tmp_path / "a.wav", cache=cache)
+    assert speak([], tmp_path / "e1.wav", cache=cache) == EMPTY_SECONDS
+    forbid_espeak(monkeypatch)
+    assert speak(CACHED_UNITS, tmp_path / "b.wav", cache=cache) == seconds
+    assert speak([], tmp_path / "e2.wav", cache=cache) == EMPTY_SECONDS
+    assert (tmp_path / "a.wav").read_bytes() == (tmp_path / "b.wav").read_bytes()
+    assert (tmp_path / "e1.wav").read_bytes() == (tmp_path / "e2.wav").read_bytes()
+    assert (cache.hits, cache.misses) == (2, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.wav", "b.wav", "e1.wav", "e2.wav"]
+
+
+def test_tts_unwritable_cache_dir_warns_once_and_keeps_speaking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")  # unwritable even for root
+    cache = AudioCache(blocker / "tts")
+    seconds = speak(["hello"], tmp_path / "a.wav", cache=cache)
+    speak(["goodbye"], tmp_path / "b.wav", cache=cache)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"omni-stress: warning: TTS cache {blocker / 'tts'}: cannot write")
+    assert not cache.writable
+    forbid_espeak(monkeypatch)  # what it spoke is still remembered in memory
+    assert speak(["hello"], tmp_path / "c.wav", cache=cache) == seconds
+    assert (tmp_path / "a.wav").read_bytes() == (tmp_path / "c.wav").read_bytes()
+
+
+def ignores_permissions(folder: Path) -> bool:
+    """True where this process may write into a mode-0555 folder anyway (root, CAP_DAC_OVERRIDE)."""
+    probe = folder / "probe"
+    probe.mkdir(mode=0o555)
+    try:
+        (probe / "x").touch()
+        return True
+    except PermissionError:
+        return False
+    finally:
+        probe.chmod(0o755)
+        (probe / "x").unlink(missing_ok=True)
+        probe.rmdir()
+
+
+def test_tts_read_only_cache_dir_still_serves_hits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    if ignores_permissions(tmp_path):
+        pytest.skip("this process ignores directory permissions (root)")
+    speak(["hello"], tmp_path / "a.wav", cache=AudioCache(tmp_path / "tts"))
+    for folder in [tmp_path / "tts", *(tmp_path / "tts").iterdir()]:
+        folder.chmod(0o555)
+    try:
+        cache = AudioCache(tmp_path / "tts")
+        speak(["new", "words"], tmp_path / "b.wav", cache=cache)  # cannot store: warns, speaks
+        assert "cannot write" in capsys.readouterr().err and (tmp_path / "b.wav").is_file()
+        forbid_espeak(monkeypatch)
+        speak(["hello"], tmp_path / "c.wav", cache=cache)  # an old entry is still read
+        assert (tmp_path / "a.wav").read_bytes() == (tmp_path / "c.wav").read_bytes()
+    finally:
+        for folder in [tmp_path / "tts", *(tmp_path / "tts").iterdir()]:
+            folder.chmod(0o755)
+
+
+def test_audio_cache_default_honours_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNI_STRESS_CACHE_DIR", str(tmp_path / "c"))
+    assert AudioCache.default().directory == tmp_path / "c" / "tts"
 
 
 # --------------------------------------------------------------------------- ASR round trip

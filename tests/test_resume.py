@@ -184,17 +184,21 @@ def test_progress_bar_per_cell_on_a_tty(monkeypatch):
     err = Tty()
     monkeypatch.setattr(sys, "stderr", err)
     progress = Progress(quiet=False)
-    progress.start("pr x stress (run 1)", 4)
+    progress.start("pr/stress/1", "pr x stress (run 1)", 4)
+    progress.start("main/stress/1", "main x stress (run 1)", 2)  # Whisper overlaps cells: two bars open
     for _ in range(4):
-        progress.update("WER 0.00")
+        progress.update("pr/stress/1", "WER 0.00")
+    assert list(progress._bars) == ["main/stress/1"]  # a bar closes with its cell's last request
+    progress.update("main/stress/1")
     progress.close()
     assert "pr x stress (run 1)" in err.getvalue() and "4/4" in err.getvalue()
+    assert "main x stress (run 1)" in err.getvalue() and "1/2" in err.getvalue()
 
     quiet_err = Tty()
     monkeypatch.setattr(sys, "stderr", quiet_err)
     quiet = Progress(quiet=True)
-    quiet.start("pr x stress (run 1)", 4)
-    quiet.update()
+    quiet.start("pr/stress/1", "pr x stress (run 1)", 4)
+    quiet.update("pr/stress/1")
     quiet.note("anything")
     quiet.close()
     assert quiet_err.getvalue() == ""

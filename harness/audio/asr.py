@@ -224,6 +224,7 @@ class OpenAIWhisperTranscriber:
     model_name: str
     checkpoint: Path
     beam_size: int = 1
+    cpu_threads: int = CPU_THREADS
     cache_key: str = ""
     calls: int = 0
     _model: Any = field(default=None, repr=False)
@@ -236,8 +237,10 @@ class OpenAIWhisperTranscriber:
 
     def _load(self) -> Any:
         if self._model is None:
+            import torch
             import whisper
 
+            torch.set_num_threads(self.cpu_threads)
             try:  # a path, never a name: load_model(name) would download
                 self._model = whisper.load_model(str(self.checkpoint), device="cpu")
             except (RuntimeError, ValueError, OSError, EOFError, KeyError, pickle.UnpicklingError) as exc:  # torch.load on a bad .pt
@@ -263,14 +266,19 @@ class OpenAIWhisperTranscriber:
 # --------------------------------------------------------------------------- factory
 
 
-def make_transcriber(backend: str = "faster-whisper", model: str = "base", beam_size: int = 1) -> Transcriber:
-    """The transcriber for ``--asr BACKEND --asr-model MODEL --beam-size N`` (UserError on bad input)."""
+def make_transcriber(backend: str = "faster-whisper", model: str = "base", beam_size: int = 1,
+                     cpu_threads: int = CPU_THREADS) -> Transcriber:
+    """The transcriber for ``--asr BACKEND --asr-model MODEL --beam-size N`` (UserError on bad input).
+
+    ``cpu_threads`` is not part of the cache key: greedy decoding gives the same text on any
+    number of threads."""
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or not 1 <= beam_size <= 20:
         raise UserError(f"--beam-size {beam_size!r}: must be an integer from 1 to 20")
     if backend == "faster-whisper":
         name, folder = _faster_whisper_model(model)
-        return FasterWhisperTranscriber(model_name=name, model_dir=folder, beam_size=beam_size)
+        return FasterWhisperTranscriber(model_name=name, model_dir=folder, beam_size=beam_size, cpu_threads=cpu_threads)
     if backend == "openai-whisper":
         name, checkpoint = _openai_checkpoint(model)
-        return OpenAIWhisperTranscriber(model_name=name, checkpoint=checkpoint, beam_size=beam_size)
+        return OpenAIWhisperTranscriber(model_name=name, checkpoint=checkpoint, beam_size=beam_size,
+                                        cpu_threads=cpu_threads)
     raise UserError(f"--asr {backend!r}: unknown ASR backend (use {', '.join(BACKENDS)}, or none)")

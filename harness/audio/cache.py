@@ -1,19 +1,28 @@
-"""Transcript cache: (WAV sha256, ASR key) -> transcript, as small JSON files on disk.
+"""Caches for the audio path: transcripts by (WAV sha256, ASR key), and spoken WAVs by TTS key.
 
 Why: a run speaks the same audio many times (pr under stress speaks exactly what pr speaks
 under the reference deploy; repeats repeat), and Whisper on CPU is the slowest part of a run.
 The key holds everything that changes a transcript (backend, model, options, versions), so a
 hit is always valid. A memory layer makes repeats within one process free even with
 ``--no-cache`` (``directory=None`` turns off only the disk).
+
+``AudioCache`` does the same one step earlier: the transcript key needs the WAV's bytes, so
+without it a warm run still re-runs espeak-ng for every request. Its key (built by
+``harness.audio.tts.speak_key``) holds everything that changes the synthesised samples.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import shutil
+import sys
 import threading
+import wave
 from pathlib import Path
+from typing import BinaryIO
 
 from harness.errors import UserError
 
@@ -32,6 +41,10 @@ def cache_root() -> Path:
 
 def default_transcript_dir() -> Path:
     return cache_root() / "transcripts"
+
+
+def default_tts_dir() -> Path:
+    return cache_root() / "tts"
 
 
 def sha256_file(path: Path) -> str:
@@ -116,3 +129,147 @@ class TranscriptCache:
             return None
         transcript = entry.get("transcript")
         return transcript if isinstance(transcript, str) else None
+
+
+class AudioCache:
+    """Spoken WAVs by TTS key (see ``tts.speak_key``); ``directory=None`` = memory only.
+
+    On disk an entry is ``<dir>/<key[:2]>/<key>.wav``, a plain WAV written by temporary file +
+    ``os.replace``. ``get`` hard-links the entry to the caller's path when both sit on one file
+    system (a warm run then costs no disk), else copies it; either way ``dest`` appears whole or
+    not at all. A missing, truncated or foreign entry is a miss and is overwritten by the next
+    ``put``. A cache directory that cannot be written is no error: speaking goes on, new entries
+    are kept in memory only, and one warning line goes to stderr.
+    """
+
+    MAX_MEMORY_BYTES = 256 << 20  # WAV bytes kept in memory (a reply is ~0.2-1 MB), then cleared
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = Path(directory).expanduser() if directory is not None else None
+        self._memory: dict[str, bytes] = {}
+        self._memory_bytes = 0
+        self._lock = threading.Lock()
+        self.writable = self.directory is not None
+        self.hits = 0
+        self.misses = 0
+
+    @classmethod
+    def default(cls) -> AudioCache:
+        return cls(default_tts_dir())
+
+    def _file(self, key: str) -> Path:
+        assert self.directory is not None
+        return self.directory / key[:2] / f"{key}.wav"
+
+    def get(self, key: str, dest: Path) -> float | None:
+        """Put the WAV cached under ``key`` at ``dest`` and return its seconds; ``None`` on a miss."""
+        dest = Path(dest)
+        with self._lock:
+            data = self._memory.get(key)
+        seconds: float | None = None
+        if data is not None:
+            seconds = wav_seconds_bytes(data)
+            if seconds is not None:
+                _atomic_write_bytes(dest, data)
+        elif self.directory is not None:
+            entry = self._file(key)
+            seconds = wav_seconds(entry)
+            if seconds is not None:
+                _atomic_link_or_copy(entry, dest)
+        with self._lock:
+            if seconds is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+        return seconds
+
+    def put(self, key: str, wav_path: Path) -> None:
+        """Store a copy of ``wav_path`` under ``key`` (a copy: later edits of the source never leak in)."""
+        if self.writable:
+            try:
+                _atomic_copy(Path(wav_path), self._file(key))
+                return
+            except OSError as exc:
+                self._disable_disk(exc)
+        data = Path(wav_path).read_bytes()
+        with self._lock:
+            if self._memory_bytes + len(data) > self.MAX_MEMORY_BYTES:
+                self._memory.clear()
+                self._memory_bytes = 0
+            self._memory_bytes += len(data) - len(self._memory.get(key, b""))
+            self._memory[key] = data
+
+    def _disable_disk(self, exc: OSError) -> None:
+        with self._lock:
+            if not self.writable:
+                return
+            self.writable = False
+        reason = exc.strerror or type(exc).__name__
+        sys.stderr.write(f"omni-stress: warning: TTS cache {self.directory}: cannot write ({reason}); "
+                         "new audio is cached in memory only\n")
+        sys.stderr.flush()
+
+
+def wav_seconds(path: Path) -> float | None:
+    """Seconds of a complete 16-bit mono WAV at ``path``; ``None`` if missing, truncated or not one."""
+    try:
+        with open(path, "rb") as f:
+            return _wav_seconds(f)
+    except OSError:
+        return None
+
+
+def wav_seconds_bytes(data: bytes) -> float | None:
+    return _wav_seconds(io.BytesIO(data))
+
+
+def _wav_seconds(f: BinaryIO) -> float | None:
+    try:
+        with wave.open(f, "rb") as w:
+            if w.getnchannels() != 1 or w.getsampwidth() != 2 or w.getframerate() <= 0:
+                return None
+            frames = w.getnframes()
+            if len(w.readframes(frames)) != frames * 2:  # the header promises more than is there
+                return None
+            return frames / w.getframerate()
+    except (wave.Error, EOFError, ValueError):
+        return None
+
+
+def _tmp_beside(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
+def _atomic_copy(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_beside(dest)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _atomic_write_bytes(dest: Path, data: bytes) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_beside(dest)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _atomic_link_or_copy(src: Path, dest: Path) -> None:
+    """Hard link ``src`` at ``dest`` (same file system), else copy; ``dest`` appears whole."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_beside(dest)
+    try:
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(src, tmp)
+        except OSError:  # another file system (EXDEV), or one without hard links
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)

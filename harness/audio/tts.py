@@ -6,10 +6,16 @@ voice data, so speech works offline after ``pip install`` with no Debian package
 
 ``speak`` is deterministic (same units give the same bytes), so a Talker that emits the same
 words under two schedules produces identical WAVs, and the transcript cache answers the second.
+Given an ``AudioCache`` it also skips espeak-ng for units it has spoken before (``speak_key``
+names everything that shapes the samples), so a warm run synthesises nothing.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import hashlib
+import importlib.metadata
 import json
 import os
 import struct
@@ -17,11 +23,12 @@ import subprocess
 import sys
 import wave
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from harness.audio.cache import AudioCache
 from harness.errors import UserError
 
 SAMPLE_RATE = 24_000  # Qwen2.5-Omni's Code2Wav rate; every WAV we write uses it
@@ -29,6 +36,9 @@ PAUSE = "<pause>"  # a unit that stands for silence (punctuation, text-PAD frame
 PAUSE_SECONDS = 0.25
 EMPTY_SECONDS = 0.5  # what an empty unit list becomes: a short silent WAV
 LEAD_SECONDS = 0.2  # silence before the first word: Whisper drops a word that starts at 0.0 s
+# Bump when a change here alters the samples for the same units, voice and espeak-ng build
+# (segmenting, resampling, WAV layout): old AudioCache entries then stop matching.
+TTS_CACHE_VERSION = 1
 
 # espeak_lib.h constants (espeak-ng 1.52)
 _AUDIO_OUTPUT_SYNCHRONOUS = 2
@@ -206,12 +216,76 @@ def write_wav(samples: np.ndarray, wav_path: Path, rate: int = SAMPLE_RATE) -> N
     os.replace(tmp, wav_path)
 
 
-def speak(units: Sequence[str], wav_path: Path, voice: Voice = DEFAULT_VOICE) -> float:
+@functools.lru_cache(maxsize=1)
+def espeak_identity() -> tuple[tuple[str, str | int], ...]:
+    """What identifies the espeak-ng build that speaks: its version (``espeak_Info``), the
+    espeakng-loader release (which also ships the voice data) and the library's size. Where no
+    version can be read, the library's mtime stands in for it. Computed once per process."""
+    lib, _data = _library_paths()
+    try:
+        stat = os.stat(lib)
+    except OSError as exc:
+        raise UserError(f"espeak-ng library {lib}: {exc.strerror}") from None
+    ident: dict[str, str | int] = {"library_bytes": stat.st_size}
+    try:
+        ident["loader"] = importlib.metadata.version("espeakng-loader")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    version = _espeak_version(lib)
+    if version:
+        ident["espeak"] = version
+    else:
+        ident["library_mtime_ns"] = stat.st_mtime_ns
+    return tuple(sorted(ident.items()))
+
+
+def _espeak_version(lib: str) -> str | None:
+    """``espeak_Info(NULL)``: only returns a static string, so loading the library here is safe
+    (synthesis itself stays in the worker process)."""
+    try:
+        handle = ctypes.CDLL(lib)
+        handle.espeak_Info.restype = ctypes.c_char_p
+        handle.espeak_Info.argtypes = [ctypes.c_void_p]
+        raw = handle.espeak_Info(None)
+    except (OSError, AttributeError):
+        return None
+    return raw.decode("utf-8", "replace") if raw else None
+
+
+def speak_key(units: Sequence[str], voice: Voice = DEFAULT_VOICE) -> str:
+    """sha256 hex of a canonical JSON of everything that shapes ``speak``'s bytes: the units,
+    the voice, the WAV rate, the silence lengths, the espeak-ng build and TTS_CACHE_VERSION."""
+    payload = {
+        "version": TTS_CACHE_VERSION,
+        "units": [str(u) for u in units],
+        "voice": asdict(voice),
+        "sample_rate": SAMPLE_RATE,
+        "lead_seconds": LEAD_SECONDS,
+        "pause_seconds": PAUSE_SECONDS,
+        "empty_seconds": EMPTY_SECONDS,
+        "espeak": dict(espeak_identity()),
+    }
+    text = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def speak(units: Sequence[str], wav_path: Path, voice: Voice = DEFAULT_VOICE,
+          cache: AudioCache | None = None) -> float:
     """Speak ``units`` into a 24 kHz mono 16-bit WAV at ``wav_path``; returns its seconds.
 
     Units are words (babble syllables are just words too); ``"<pause>"`` is 0.25 s of silence.
     No units gives 0.5 s of silence, so every request has a WAV to transcribe.
+    With ``cache``, a hit places the cached WAV (the same bytes a synthesis would give) at
+    ``wav_path`` without running espeak-ng; a miss synthesises and stores the result.
     """
+    wav_path = Path(wav_path)
+    key = speak_key(units, voice) if cache is not None else ""
+    if cache is not None:
+        seconds = cache.get(key, wav_path)
+        if seconds is not None:
+            return seconds
     samples = synthesize(units, voice)
     write_wav(samples, wav_path)
+    if cache is not None:
+        cache.put(key, wav_path)
     return samples.size / SAMPLE_RATE

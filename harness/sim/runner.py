@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from harness.contract import classify_span, expected_rows
+from harness.contract import classify_span
 from harness.records import SpanRecord
 from harness.sim.codec import CODEC_BOS, CODEC_PAD
 from harness.sim.model import VOICE, SimTalkerModelBase
@@ -67,7 +68,10 @@ class SimRunner:
         """
         rid = request.request_id
         P = len(request.prompt_token_ids)
-        span_ids = torch.tensor((list(request.all_token_ids) + list(drafts or []))[c:c + n], dtype=torch.long)
+        ids = request.all_token_ids[c:c + n]
+        if drafts and len(ids) < n:  # a verify span: the scheduled drafts follow the last token
+            ids = list(ids) + list(drafts)[:n - len(ids)]
+        span_ids = torch.tensor(ids, dtype=torch.long)
         req_infos = self.buffer.setdefault(rid, {})
         req_infos["request_id"] = rid
         req_infos["_omni_prompt_len"] = P
@@ -100,22 +104,22 @@ class SimRunner:
 
     def _misaligned(self, kv: TalkerKV, out: ThinkerOutput, span_ids: torch.Tensor, c: int, n: int,
                     text_ids: torch.Tensor, codec_ids: torch.Tensor) -> int:
-        """Positions whose row differs from the contract's expected row (exact, by identity)."""
-        Pt = out.P - 2
-        exp_text = torch.empty(n, dtype=torch.long)
-        exp_codec = torch.empty(n, dtype=torch.long)
-        for i, ref in enumerate(expected_rows(out.P, c, n, out.output_rows.shape[0])):
-            if ref.source == "prompt":
-                if ref.index < Pt:
-                    exp_text[i], exp_codec[i] = out.prompt_first_id + ref.index, NONE
-                elif ref.index == Pt:
-                    exp_text[i], exp_codec[i] = kv.spk_id, CODEC_PAD
-                else:
-                    exp_text[i], exp_codec[i] = out.output_first_id, CODEC_BOS
-                continue
-            exp_codec[i] = span_ids[i]
-            if ref.source == "reply":
-                exp_text[i] = out.output_first_id + 1 + ref.index
-            else:
-                exp_text[i] = self._eos_id if ref.source == "text_eos" else self._pad_id
-        return int(((exp_text != text_ids) | (exp_codec != codec_ids)).sum())
+        """Positions whose row differs from the contract's expected row (exact, by identity).
+
+        The rule is ``contract.expected_rows`` written as array arithmetic over the span (one
+        decode position is the common case; a Python loop over RowRefs cost more than the arm).
+        """
+        P, Pt, eos_k = out.P, out.P - 2, out.output_rows.shape[0] - 1
+        if n == 1 and c >= P:  # a decode position: scalar arithmetic, no array set-up
+            k = c - P
+            want = (out.output_first_id + 1 + k if k < eos_k else self._eos_id if k == eos_k else self._pad_id)
+            return int(int(text_ids[0]) != want or int(codec_ids[0]) != int(span_ids[0]))
+        p = np.arange(c, c + n)
+        k = p - P
+        exp_text = np.select(
+            [p < Pt, p == Pt, k < 0, k < eos_k, k == eos_k],
+            [out.prompt_first_id + p, kv.spk_id, out.output_first_id, out.output_first_id + 1 + k, self._eos_id],
+            self._pad_id)
+        exp_codec = np.where(p < Pt, NONE, np.where(p == Pt, CODEC_PAD, CODEC_BOS))
+        exp_codec = np.where(k >= 0, span_ids.numpy(), exp_codec)
+        return int(((exp_text != text_ids.numpy()) | (exp_codec != codec_ids.numpy())).sum())

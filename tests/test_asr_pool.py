@@ -1,0 +1,77 @@
+"""Whisper worker processes: sizing, in-flight de-duplication, same transcripts as in-process,
+and one clear error when a model cannot load or a worker dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.audio.asr import make_transcriber
+from harness.audio.pool import AsrPool, PoolSpec, default_workers, result_of
+from harness.audio.tts import speak, units_from_text
+from harness.errors import UserError
+
+SENTENCE = "Mix four cups of flour with a spoon of salt."
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [(1, (1, 1)), (2, (2, 1)), (3, (2, 1)), (16, (2, 8))])
+def test_default_workers_split_the_cores(cpus: int, expected: tuple[int, int]) -> None:
+    assert default_workers(cpus) == expected
+
+
+@pytest.fixture(scope="module")
+def wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("pool") / "s.wav"
+    speak(units_from_text(SENTENCE), path)
+    return path
+
+
+@pytest.mark.slow
+def test_pool_transcribes_like_the_process_and_decodes_duplicates_once(wav: Path) -> None:
+    pool = AsrPool(PoolSpec("faster-whisper", "tiny.en", 1, workers=1, threads_per_worker=1))
+    try:
+        first, started = pool.submit("digest-a", wav)
+        again, started_again = pool.submit("digest-a", wav)
+        assert started is True and started_again is False and again is first
+        text, seconds = result_of(first, timeout=120)
+        assert seconds > 0
+        pool.forget("digest-a")
+        _, started_after = pool.submit("digest-a", wav)  # finished and forgotten: a new decode
+        assert started_after is True
+    finally:
+        pool.close()
+    assert text == make_transcriber("faster-whisper", "tiny.en", 1, cpu_threads=2).transcribe(wav)
+
+
+@pytest.mark.slow
+def test_a_model_that_cannot_load_is_one_user_error(wav: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "broken-model"
+    bad.mkdir()
+    (bad / "model.bin").write_bytes(b"not a ctranslate2 model")
+    pool = AsrPool(PoolSpec("faster-whisper", str(bad), 1, workers=1, threads_per_worker=1))
+    try:
+        fut, _ = pool.submit("d", wav)
+        with pytest.raises(UserError, match=r"^--asr-model .*broken-model.*: cannot load a CTranslate2 Whisper model"):
+            result_of(fut, timeout=120)
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_is_one_user_error(wav: Path) -> None:
+    pool = AsrPool(PoolSpec("faster-whisper", "tiny.en", 1, workers=1, threads_per_worker=1))
+    try:
+        fut, _ = pool.submit("d", wav)
+        deadline = time.monotonic() + 60
+        while not pool._executor._processes and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.05)
+        for pid in list(pool._executor._processes):  # type: ignore[union-attr]
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(UserError, match=r"^ASR worker process died .*rerun with --resume$"):
+            result_of(fut, timeout=120)
+    finally:
+        pool.close(cancel=True)

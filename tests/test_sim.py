@@ -158,3 +158,34 @@ def test_long_input_prompts_expand_audio_placeholders():
     assert tokens.count("<|AUDIO|>") == 200 and tokens.count("<|audio_bos|>") == 1
     plain = tokenize(ps.prompts[0].__class__(first.id, first.user, first.reply).thinker_prompt(ps.system_prompt))
     assert len(tokens) == len(plain) + 202
+
+
+def test_runner_expected_ids_follow_the_contract_on_every_span():
+    """The runner's array form of the expected rows names, position for position, the row
+    ``contract.expected_rows`` names: prompt rows, speaker/PAD, thinker_result[0]/BOS, reply,
+    text-EOS, then text-PAD for every later position."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from harness.contract import expected_rows
+    from harness.sim.codec import CODEC_BOS, CODEC_PAD
+    from harness.sim.runner import SimRunner
+
+    runner = SimRunner.__new__(SimRunner)
+    runner._eos_id, runner._pad_id = 900, 901
+    P, T = 7, 4  # Talker prompt of 7 rows, 4 Thinker output tokens
+    out = SimpleNamespace(P=P, output_rows=torch.zeros(T, 1), prompt_first_id=100, output_first_id=200)
+    kv = SimpleNamespace(spk_id=50)
+    want_text = {"reply": lambda k: 201 + k, "text_eos": lambda k: 900, "text_pad": lambda k: 901}
+    for c in range(0, 14):
+        for n in range(1, 6):
+            span_ids = np.arange(5000 + c, 5000 + c + n)
+            text, codec = runner.expected_ids(kv, out, span_ids, c, n)
+            for i, ref in enumerate(expected_rows(P, c, n, T)):
+                if ref.source == "prompt":
+                    exp = ((100 + ref.index, NONE) if ref.index < P - 2 else (50, CODEC_PAD) if ref.index == P - 2
+                           else (200, CODEC_BOS))
+                else:
+                    exp = (want_text[ref.source](ref.index), 5000 + c + i)
+                assert (int(text[i]), int(codec[i])) == exp, (c, n, i, ref)

@@ -56,6 +56,11 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
+    import torch
+
+    # The sim's tensors hold a few rows: intra-op threads only add hand-offs, and their
+    # spin-waits would take the second core from the Whisper workers transcribing alongside.
+    torch.set_num_threads(1)
     t0 = time.perf_counter()
     impl = load_impl(arm)
     space = RowSpace(seed)

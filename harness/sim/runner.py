@@ -104,16 +104,24 @@ class SimRunner:
 
     def _misaligned(self, kv: TalkerKV, out: ThinkerOutput, span_ids: torch.Tensor, c: int, n: int,
                     text_ids: torch.Tensor, codec_ids: torch.Tensor) -> int:
-        """Positions whose row differs from the contract's expected row (exact, by identity).
+        """Positions whose row differs from the contract's expected row (exact, by identity)."""
+        if n == 1 and c >= out.P:  # a decode position: scalar arithmetic, no array set-up
+            k, eos_k = c - out.P, out.output_rows.shape[0] - 1
+            want = out.output_first_id + 1 + k if k < eos_k else self._eos_id if k == eos_k else self._pad_id
+            return int(int(text_ids[0]) != want or int(codec_ids[0]) != int(span_ids[0]))
+        exp_text, exp_codec = self.expected_ids(kv, out, span_ids.numpy(), c, n)
+        return int(((exp_text != text_ids.numpy()) | (exp_codec != codec_ids.numpy())).sum())
 
-        The rule is ``contract.expected_rows`` written as array arithmetic over the span (one
-        decode position is the common case; a Python loop over RowRefs cost more than the arm).
+    def expected_ids(self, kv: TalkerKV, out: ThinkerOutput, span_ids: np.ndarray, c: int,
+                     n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(text id, codec id) the contract names for each position of the span.
+
+        ``contract.expected_rows`` written as array arithmetic (a Python loop over RowRefs cost
+        more than the arm itself): prompt rows ``p < P-2``, speaker + codec-PAD at ``P-2``,
+        ``thinker_result[0]`` + codec-BOS at ``P-1``, then ``reply[k]`` / text-EOS / text-PAD on
+        the position's own codec id.
         """
         P, Pt, eos_k = out.P, out.P - 2, out.output_rows.shape[0] - 1
-        if n == 1 and c >= P:  # a decode position: scalar arithmetic, no array set-up
-            k = c - P
-            want = (out.output_first_id + 1 + k if k < eos_k else self._eos_id if k == eos_k else self._pad_id)
-            return int(int(text_ids[0]) != want or int(codec_ids[0]) != int(span_ids[0]))
         p = np.arange(c, c + n)
         k = p - P
         exp_text = np.select(
@@ -121,5 +129,4 @@ class SimRunner:
             [out.prompt_first_id + p, kv.spk_id, out.output_first_id, out.output_first_id + 1 + k, self._eos_id],
             self._pad_id)
         exp_codec = np.where(p < Pt, NONE, np.where(p == Pt, CODEC_PAD, CODEC_BOS))
-        exp_codec = np.where(k >= 0, span_ids.numpy(), exp_codec)
-        return int(((exp_text != text_ids.numpy()) | (exp_codec != codec_ids.numpy())).sum())
+        return exp_text, np.where(k >= 0, span_ids, exp_codec)

@@ -101,8 +101,8 @@ class RowSpace:
         idx = ids.long().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids, dtype=np.int64)
         return torch.from_numpy(self._codec_np[idx])
 
-    def identify(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(text ids, codec ids) per row: registry/codec index, ``NONE`` or ``UNKNOWN``."""
+    def identify(self, rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(text ids, codec ids) per row: registry/codec index, ``NONE`` or ``UNKNOWN`` (int64 arrays)."""
         if rows.requires_grad:
             rows = rows.detach()
         flat = rows.to(torch.float32).reshape(-1, DIM).numpy()
@@ -110,10 +110,10 @@ class RowSpace:
             self._text_np = np.ascontiguousarray(self.text_matrix.numpy())
         if flat.shape[0] == 1:  # a decode step: scalar path, a third of the array calls
             row = flat[0]
-            return (torch.tensor([_match_row(row[:TEXT_DIMS], self._text_np)]),
-                    torch.tensor([_match_row(row[TEXT_DIMS:], self._codec_parts_np)]))
+            return (np.array([_match_row(row[:TEXT_DIMS], self._text_np)], dtype=np.int64),
+                    np.array([_match_row(row[TEXT_DIMS:], self._codec_parts_np)], dtype=np.int64))
         ids = _match_segments(flat, (0, TEXT_DIMS), (self._text_np, self._codec_parts_np))
-        return torch.from_numpy(ids[:, 0].copy()), torch.from_numpy(ids[:, 1].copy())
+        return ids[:, 0].copy(), ids[:, 1].copy()
 
     @staticmethod
     def _match(parts: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

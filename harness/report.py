@@ -5,10 +5,16 @@ Everything here is pure table building (pandas) over a loaded ``Run``, except th
 renders), which ``omni-stress run`` and ``omni-stress report`` call. The gate reuses
 ``summarize_cells`` so the numbers it judges are the numbers the tables show.
 
-Event counts come from ``spans.jsonl`` through ``harness.contract.count_events`` whenever the
-cell has spans (the definitive per-call trace), else from the per-request ``events`` the backend
-summed; the WER a table shows is ``RequestRecord.score`` (Whisper's when present, else the
-oracle transcript's), and the source is always labelled.
+Event counts come from ``spans.jsonl`` whenever the cell has spans (the definitive per-call
+trace), else from the per-request ``events`` the backend summed; the WER a table shows is
+``RequestRecord.score`` (Whisper's when present, else the oracle transcript's), and the source is
+always labelled.
+
+Speed: the default matrix writes ~65k spans, and one ``SpanRecord`` object per span cost more than
+the rest of the report. ``load_run`` therefore parses ``spans.jsonl`` in one ``json.loads`` call
+into plain columns (``SpanTable``) and counts events with numpy (``harness.contract.classify_spans``,
+the same predicates as ``classify_span``, checked against it in the tests); ``omni-stress
+run`` loads the run once and hands it to both the terminal table and ``write_reports``.
 """
 
 from __future__ import annotations
@@ -19,14 +25,16 @@ import json
 import math
 import statistics
 import textwrap
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from harness.contract import count_events
+from harness.contract import classify_spans
 from harness.errors import UserError
 from harness.records import (
     MANIFEST_FILE,
@@ -37,11 +45,12 @@ from harness.records import (
     SpanRecord,
     read_manifest,
     read_requests,
-    read_spans,
+    span_from_dict,
 )
 
 WER_THRESHOLD = 0.5
 NA = "n/a"
+NONE = "\u2013"  # a number that does not apply to the cell (accepted tokens/step without spec decode)
 
 CellKey = tuple[str, str, int]  # (arm, deploy, repeat)
 
@@ -64,14 +73,123 @@ WER_SOURCE_TEXT = {
 # --------------------------------------------------------------------------- loading
 
 
+SpanKey = tuple[str, str, int, str]  # (arm, deploy, repeat, request)
+
+_SPAN_STR_FIELDS = ("arm", "deploy", "request")
+_SPAN_INT_FIELDS = ("repeat", "step", "P", "c", "n", "rows")
+class SpanTable:
+    """``spans.jsonl`` as columns: what the report reads of 65k spans, without 65k objects.
+
+    Iterating yields ``SpanRecord`` objects (built on demand, for the few spans a plot draws or for
+    callers that want records); ``group_events`` is what the tables count.
+    """
+
+    def __init__(self, raw: list[dict[str, Any]] | None = None, path: Path | None = None,
+                 lines: list[int] | None = None) -> None:
+        """``raw``: one dict per span as in spans.jsonl; ``lines``: their line numbers (for errors)."""
+        self.raw = raw or []
+        self.path = path
+        where = str(path) if path is not None else SPANS_FILE
+        line_of = (lambda i: lines[i]) if lines is not None else (lambda i: i + 1)
+        cols: dict[str, Any] = {}
+        for i, rec in enumerate(self.raw):
+            if type(rec) is not dict:
+                raise UserError(f"{where}: line {line_of(i)}: malformed record (expected a JSON object)")
+        for name in _SPAN_STR_FIELDS + _SPAN_INT_FIELDS:
+            values = [rec.get(name) for rec in self.raw]
+            kind = str if name in _SPAN_STR_FIELDS else int
+            bad = next((i for i, v in enumerate(values) if type(v) is not kind), None)
+            if bad is not None:
+                got = "missing" if name not in self.raw[bad] else f"got {values[bad]!r}"
+                expected = "a string" if kind is str else "an integer"
+                raise UserError(f"{where}: line {line_of(bad)}: malformed record ({name}: expected {expected}, {got})")
+            cols[name] = values if kind is str else np.array(values, dtype=np.int64)
+        misaligned = [rec.get("misaligned") for rec in self.raw]
+        bad = next((i for i, v in enumerate(misaligned) if v is not None and type(v) is not int), None)
+        if bad is not None:
+            raise UserError(f"{where}: line {line_of(bad)}: malformed record "
+                            f"(misaligned: expected an integer or null, got {misaligned[bad]!r})")
+        cols["misaligned_known"] = np.array([v is not None for v in misaligned], dtype=bool)
+        cols["misaligned"] = np.array([v or 0 for v in misaligned], dtype=np.int64)
+        P, c, n = cols["P"], cols["c"], cols["n"]
+        invalid = np.flatnonzero((P < 0) | (c < 0) | (n < 1))
+        if invalid.size:
+            i = int(invalid[0])
+            raise UserError(f"{where}: line {line_of(i)}: invalid span P={P[i]} c={c[i]} n={n[i]}")
+        self.columns = cols
+
+    @classmethod
+    def from_records(cls, spans: Iterable[SpanRecord]) -> SpanTable:
+        return cls([asdict(s) for s in spans])
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __iter__(self) -> Iterator[SpanRecord]:
+        return (span_from_dict(d) for d in self.raw)
+
+    def records(self, indices: Iterable[int]) -> list[SpanRecord]:
+        return [span_from_dict(self.raw[int(i)]) for i in indices]
+
+    @cached_property
+    def flags(self) -> dict[str, np.ndarray]:
+        c = self.columns
+        return classify_spans(c["P"], c["c"], c["n"], c["rows"])
+
+    @cached_property
+    def group_codes(self) -> tuple[list[SpanKey], np.ndarray]:
+        """(keys, code of each span): one group per (arm, deploy, repeat, request), in first-seen order."""
+        index: dict[SpanKey, int] = {}
+        c = self.columns
+        codes = [index.setdefault(k, len(index))
+                 for k in zip(c["arm"], c["deploy"], c["repeat"].tolist(), c["request"])]
+        return list(index), np.array(codes, dtype=np.int64)
+
+    def group_sums(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Per-group sums of each column (bincount over the group codes)."""
+        keys, codes = self.group_codes
+        return {name: np.bincount(codes, weights=v, minlength=len(keys)).astype(np.int64)
+                for name, v in values.items()}
+
+    @cached_property
+    def group_events(self) -> dict[SpanKey, tuple[EventCounts, bool]]:
+        """{(arm, deploy, repeat, request): (EventCounts of its spans, any span's misaligned known)}.
+
+        Equals ``harness.contract.count_events`` over each group's spans (tested).
+        """
+        keys, _ = self.group_codes
+        f = self.flags
+        sums = self.group_sums({
+            "talker_calls": np.ones(len(self), dtype=np.int64),
+            "prefill_calls": f["is_prefill"],
+            "nonzero_offset_chunks": f["nonzero_offset"],
+            "cross_boundary_replays": f["cross_boundary"],
+            "multi_position_decode_spans": f["multi_decode"],
+            "one_token_tails": f["one_token_tail"],
+            "row_count_mismatches": f["row_mismatch"],
+            "prefill_row_count_mismatches": f["row_mismatch"] & f["is_prefill"],
+            "misaligned_positions": self.columns["misaligned"],
+            "misaligned_known": self.columns["misaligned_known"],
+        })
+        out = {}
+        for g, key in enumerate(keys):
+            counts = EventCounts(**{name: int(v[g]) for name, v in sums.items() if name != "misaligned_known"})
+            out[key] = (counts, bool(sums["misaligned_known"][g]))
+        return out
+
+
 @dataclass
 class Run:
-    """A run directory's records, read once."""
+    """A run directory's records, read once (``spans`` as columns, see ``SpanTable``)."""
 
     run_dir: Path
     manifest: dict[str, Any]
     requests: list[RequestRecord]
-    spans: list[SpanRecord]
+    spans: SpanTable = field(default_factory=SpanTable)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spans, SpanTable):  # a list of SpanRecord, for a Run built by hand
+            self.spans = SpanTable.from_records(self.spans)
 
     @property
     def run_id(self) -> str:
@@ -93,8 +211,57 @@ def load_run(run_dir: Path) -> Run:
     if not (run_dir / REQUESTS_FILE).is_file():
         raise UserError(f"{run_dir}: no {REQUESTS_FILE} (the run recorded no request)")
     requests = _read_records(run_dir, REQUESTS_FILE, read_requests)
-    spans = _read_records(run_dir, SPANS_FILE, read_spans)
-    return Run(run_dir=run_dir, manifest=manifest, requests=requests, spans=spans)
+    raw, lines = _read_jsonl_fast(run_dir / SPANS_FILE)
+    return Run(run_dir=run_dir, manifest=manifest, requests=requests,
+               spans=SpanTable(raw, path=run_dir / SPANS_FILE, lines=lines))
+
+
+def _read_jsonl_fast(path: Path) -> tuple[list[Any], list[int] | None]:
+    """(objects, their line numbers or None when line i+1 holds object i); same result as
+    ``records.iter_jsonl`` (torn last line dropped, a broken line in the middle an error).
+
+    The whole file is parsed as one JSON array (one ``json.loads`` call instead of 65k); any
+    doubt (a torn tail, a blank line, a line that is not exactly one value) falls back to the
+    line-by-line reader, which also names the broken line.
+    """
+    if not path.exists():
+        return [], None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc})") from None
+    body = text[:-1] if text.endswith("\n") else text
+    if not body.strip():
+        return [], None
+    try:
+        data = json.loads("[" + body.replace("\n", ",") + "]")
+        if isinstance(data, list) and len(data) == body.count("\n") + 1:
+            return data, None
+    except json.JSONDecodeError:
+        pass
+    objects, lines = [], []
+    try:
+        for number, obj in _numbered_jsonl(path):
+            objects.append(obj)
+            lines.append(number)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return objects, lines
+
+
+def _numbered_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """``iter_jsonl`` with line numbers (the slow path, for files the fast parse refused)."""
+    with open(path, encoding="utf-8") as fh:
+        lines = fh.readlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            yield i + 1, json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                return  # torn by a kill mid-write
+            raise ValueError(f"{path}: line {i + 1}: not valid JSON") from None
 
 
 def _read_records(run_dir: Path, name: str, reader: Any) -> list[Any]:
@@ -140,6 +307,12 @@ class CellSummary:
     wall_s: float
     wer_source: str  # key of WER_SOURCE_TEXT
     run_number: int  # the repeat as the tables show it ("run 1")
+    accepted: list[float] = field(default_factory=list)  # accepted_tokens_per_step of each request that has it
+
+    @property
+    def accepted_tokens_per_step(self) -> float | None:
+        """Plain mean over the cell's requests that report it (speculative decoding); None without."""
+        return statistics.fmean(self.accepted) if self.accepted else None
 
     @property
     def key(self) -> CellKey:
@@ -190,20 +363,13 @@ def cell_order(run: Run) -> list[CellKey]:
     return sorted(unique, key=lambda k: (arm_rank[k[0]], deploy_rank[k[1]], k[2]))
 
 
-def _group_spans(spans: Iterable[SpanRecord]) -> dict[tuple[str, str, int, str], list[SpanRecord]]:
-    groups: dict[tuple[str, str, int, str], list[SpanRecord]] = {}
-    for s in spans:
-        groups.setdefault((s.arm, s.deploy, s.repeat, s.request), []).append(s)
-    return groups
-
-
 def request_events(run: Run) -> dict[tuple[str, str, int, str], EventCounts]:
-    """Per-request events: recounted from spans where the request has spans, else the record's."""
-    groups = _group_spans(run.spans)
+    """Per-request events: counted from spans where the request has spans, else the record's."""
+    groups = run.spans.group_events
     out: dict[tuple[str, str, int, str], EventCounts] = {}
     for rec in run.requests:
-        spans = groups.get(rec.key)
-        out[rec.key] = count_events(spans) if spans else rec.events
+        counted = groups.get(rec.key)
+        out[rec.key] = counted[0] if counted else rec.events
     return out
 
 
@@ -214,9 +380,11 @@ def summarize_cells(run: Run) -> list[CellSummary]:
     by_cell: dict[CellKey, list[RequestRecord]] = {k: [] for k in order}
     for rec in run.requests:
         by_cell[(rec.arm, rec.deploy, rec.repeat)].append(rec)
-    spans_by_cell: dict[CellKey, list[SpanRecord]] = {}
-    for s in run.spans:
-        spans_by_cell.setdefault((s.arm, s.deploy, s.repeat), []).append(s)
+    span_cells: dict[CellKey, tuple[EventCounts, bool]] = {}  # every span of the cell, whether or not
+    for (arm, deploy, repeat, _), (counts, known) in run.spans.group_events.items():  # its request has a record
+        total, any_known = span_cells.get((arm, deploy, repeat), (EventCounts(), False))
+        total.add(counts)
+        span_cells[(arm, deploy, repeat)] = (total, any_known or known)
     manifest_wall = {
         (str(c["arm"]), str(c["deploy"]), int(c["repeat"])): c.get("wall_s") for c in run.manifest.get("cells", [])
     }
@@ -224,10 +392,9 @@ def summarize_cells(run: Run) -> list[CellSummary]:
     out = []
     for key in order:
         recs = by_cell[key]
-        cell_spans = spans_by_cell.get(key, [])
-        if cell_spans:
-            events, source = count_events(cell_spans), "spans"
-            misaligned_known = any(s.misaligned is not None for s in cell_spans)
+        if key in span_cells:
+            events, misaligned_known = span_cells[key]
+            source = "spans"
         else:
             events, source = EventCounts(), "requests"
             for rec in recs:
@@ -249,6 +416,7 @@ def summarize_cells(run: Run) -> list[CellSummary]:
             preemptions=sum(r.preemptions for r in recs),
             errors=sum(r.error is not None for r in recs),
             wall_s=float(wall), wer_source=wer_source, run_number=key[2] + offset,
+            accepted=[float(r.accepted_tokens_per_step) for r in recs if r.accepted_tokens_per_step is not None],
         ))
     return out
 
@@ -266,6 +434,11 @@ def group_rows(cells: list[CellSummary]) -> list[list[CellSummary]]:
 
 def fmt_wer(value: float | None) -> str:
     return NA if value is None or math.isnan(value) else f"{value:.3f}"
+
+
+def fmt_accepted(value: float | None) -> str:
+    """Accepted tokens per step, 2 decimals like the seed's 1.47; a dash where no request has it."""
+    return NONE if value is None else f"{value:.2f}"
 
 
 def fmt_ratio(num: int, den: int) -> str:
@@ -332,7 +505,7 @@ def seed_table(cells: list[CellSummary]) -> pd.DataFrame:
 EXTENDED_COLUMNS = [
     "Arm", "Deploy", "Run", "Requests", "WER source", "WER (mean)", "WER (median)", "Oracle WER (mean)",
     f"Requests with WER > {WER_THRESHOLD}", "Non-zero-offset chunks", "Cross-boundary replays",
-    "Multi-position decode spans", "One-token tails", "Row-count mismatches / prefill calls",
+    "Multi-position decode spans", "Accepted tokens/step", "One-token tails", "Row-count mismatches / prefill calls",
     "Misaligned positions", "Preemptions", "Errors", "Wall time (s)",
 ]
 
@@ -346,7 +519,7 @@ def extended_table(cells: list[CellSummary]) -> pd.DataFrame:
             c.arm, c.deploy, str(c.run_number), str(c.requests), WER_SOURCE_TEXT[c.wer_source].split(" (")[0],
             fmt_wer(c.mean_wer), fmt_wer(c.median_wer), fmt_wer(c.oracle_mean_wer),
             fmt_ratio(c.requests_over(), c.scored), str(ev.nonzero_offset_chunks), str(ev.cross_boundary_replays),
-            str(ev.multi_position_decode_spans), str(ev.one_token_tails),
+            str(ev.multi_position_decode_spans), fmt_accepted(c.accepted_tokens_per_step), str(ev.one_token_tails),
             fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls),
             str(ev.misaligned_positions) if c.misaligned_known else NA,
             str(c.preemptions), str(c.errors), f"{c.wall_s:.1f}",
@@ -367,6 +540,8 @@ def cells_frame(cells: list[CellSummary]) -> pd.DataFrame:
         row.update({k: v for k, v in vars(c.events).items()})
         if not c.misaligned_known:
             row["misaligned_positions"] = None
+        accepted = c.accepted_tokens_per_step
+        row["accepted_tokens_per_step"] = None if accepted is None else round(accepted, 4)
         row.update({"event_source": c.event_source, "preemptions": c.preemptions, "errors": c.errors,
                     "wall_s": round(c.wall_s, 3)})
         rows.append(row)
@@ -375,7 +550,7 @@ def cells_frame(cells: list[CellSummary]) -> pd.DataFrame:
 
 REQUEST_COLUMNS = [
     "Arm", "Deploy", "Run", "Prompt", "WER", "Oracle WER", "Codec tokens", "Finish", "Preemptions",
-    "Non-zero-offset chunks", "Cross-boundary replays", "Multi-position decode spans",
+    "Non-zero-offset chunks", "Cross-boundary replays", "Multi-position decode spans", "Accepted tokens/step",
     "Row-count mismatches / prefill calls", "Misaligned", "Error", "Transcript",
 ]
 
@@ -394,7 +569,7 @@ def requests_table(run: Run, cells: list[CellSummary], max_text: int = 80) -> pd
             rec.arm, rec.deploy, str(run_number[cell]), rec.prompt_id, fmt_wer(rec.score), fmt_wer(rec.oracle_wer),
             str(rec.num_codec_tokens), rec.finish_reason or NA, str(rec.preemptions),
             str(ev.nonzero_offset_chunks), str(ev.cross_boundary_replays), str(ev.multi_position_decode_spans),
-            fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls),
+            fmt_accepted(rec.accepted_tokens_per_step), fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls),
             str(ev.misaligned_positions) if rec.backend == "sim" else NA,
             _shorten(rec.error or "", max_text), _shorten(text or "", max_text),
         ])
@@ -489,7 +664,7 @@ def _wrap_header(header: str, data_width: int) -> list[str]:
 
 def _numeric_column(df: pd.DataFrame, i: int) -> bool:
     values = [str(v) for v in df.iloc[:, i]]
-    return bool(values) and all(v == NA or v[:1].isdigit() or v[:1] in "+-" for v in values)
+    return bool(values) and all(v in (NA, NONE) or v[:1].isdigit() or v[:1] in "+-" for v in values)
 
 
 def render_markdown(df: pd.DataFrame) -> str:
@@ -529,7 +704,10 @@ def markdown_text(run: Run, cells: list[CellSummary], with_requests: bool = True
     return "\n".join(parts) + "\n"
 
 
-def json_summary(run: Run, cells: list[CellSummary]) -> dict[str, Any]:
+def json_summary(run: Run, cells: list[CellSummary], full_requests: pd.DataFrame | None = None) -> dict[str, Any]:
+    """summary.json; ``full_requests``: ``requests_table(run, cells, max_text=10_000)`` if already built."""
+    if full_requests is None:
+        full_requests = requests_table(run, cells, max_text=10_000)
     return {
         "run_id": run.run_id,
         "backend": run.manifest.get("backend"),
@@ -540,7 +718,7 @@ def json_summary(run: Run, cells: list[CellSummary]) -> dict[str, Any]:
         "wer_threshold": WER_THRESHOLD,
         "seed_table": seed_table(cells).to_dict(orient="records"),
         "cells": _records(cells_frame(cells)),
-        "requests": requests_table(run, cells, max_text=10_000).to_dict(orient="records"),
+        "requests": full_requests.to_dict(orient="records"),
     }
 
 
@@ -605,32 +783,40 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> 
 # --------------------------------------------------------------------------- entry points (I/O)
 
 
-def terminal_table(run_dir: Path) -> str:
-    """The seed table, its WER-source note and the extended table as aligned text."""
-    run = load_run(run_dir)
-    return terminal_text(run, summarize_cells(run))
+def _loaded(run: Run | Path, cells: list[CellSummary] | None) -> tuple[Run, list[CellSummary]]:
+    run = run if isinstance(run, Run) else load_run(run)
+    return run, cells if cells is not None else summarize_cells(run)
 
 
-def write_reports(run_dir: Path) -> dict[str, Path]:
+def terminal_table(run: Run | Path, cells: list[CellSummary] | None = None) -> str:
+    """The seed table, its WER-source note and the extended table as aligned text.
+
+    Takes a loaded ``Run`` (and its cells) to reuse them, or a run directory to read.
+    """
+    return terminal_text(*_loaded(run, cells))
+
+
+def write_reports(run: Run | Path, cells: list[CellSummary] | None = None) -> dict[str, Path]:
     """Writes summary.csv, summary.md, summary.json, requests.csv, the plots and report.html.
 
-    Returns {kind: path}. Plots are written under ``plots/`` and embedded in the HTML.
+    Takes a loaded ``Run`` (and its cells, as ``omni-stress run`` does after printing them) or a
+    run directory. Returns {kind: path}. Plots are written under ``plots/`` and embedded in the HTML.
     """
     from harness import plots  # matplotlib is imported only when plots are drawn
 
-    run = load_run(run_dir)
-    cells = summarize_cells(run)
-    run_dir = Path(run_dir)
+    run, cells = _loaded(run, cells)
+    run_dir = run.run_dir
     out: dict[str, Path] = {}
 
+    full_requests = requests_table(run, cells, max_text=10_000)
     out["csv"] = run_dir / "summary.csv"
     cells_frame(cells).to_csv(out["csv"], index=False)
     out["requests_csv"] = run_dir / "requests.csv"
-    requests_table(run, cells, max_text=10_000).to_csv(out["requests_csv"], index=False)
+    full_requests.to_csv(out["requests_csv"], index=False)
     out["markdown"] = run_dir / "summary.md"
     out["markdown"].write_text(markdown_text(run, cells), encoding="utf-8")
     out["json"] = run_dir / "summary.json"
-    out["json"].write_text(json.dumps(json_summary(run, cells), indent=2) + "\n", encoding="utf-8")
+    out["json"].write_text(json.dumps(json_summary(run, cells, full_requests), indent=2) + "\n", encoding="utf-8")
 
     plot_dir = run_dir / "plots"
     plot_dir.mkdir(exist_ok=True)

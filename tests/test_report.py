@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from harness.contract import EVENT_FIELDS, classify_spans
 from harness import report
 from harness.cli import main
 from harness.records import EventCounts, JsonlWriter, RequestRecord, SpanRecord, write_manifest
@@ -335,3 +336,146 @@ def test_cell_in_manifest_without_records(tmp_path: Path) -> None:
     _, cells = _cells(run_dir)
     assert report.seed_table(cells).values.tolist()[2] == ["main, specdec deploy", "n/a", "0/0", "0", "0"]
     assert report.extended_table(cells)["WER source"].tolist()[3] == "none"
+
+
+# --------------------------------------------------------------------------- speculative decoding
+
+
+def _spec_run(root: Path) -> Path:
+    """Two cells: specdec (two requests with 1.5 and 2.0 accepted tokens/step, one without) and reference."""
+    run_dir = root / "spec"
+    run_dir.mkdir()
+    recs = [
+        RequestRecord(arm="pr", deploy="specdec", repeat=1, prompt_id="a", backend="sim", reference_text="x",
+                      oracle_wer=0.0, accepted_tokens_per_step=1.5),
+        RequestRecord(arm="pr", deploy="specdec", repeat=1, prompt_id="b", backend="sim", reference_text="x",
+                      oracle_wer=0.0, accepted_tokens_per_step=2.0),
+        RequestRecord(arm="pr", deploy="specdec", repeat=1, prompt_id="c", backend="sim", reference_text="x",
+                      oracle_wer=0.0, error="raised before its first verify step"),
+        RequestRecord(arm="pr", deploy="reference", repeat=1, prompt_id="a", backend="sim", reference_text="x",
+                      oracle_wer=0.0),
+    ]
+    w = JsonlWriter(run_dir / "requests.jsonl")
+    w.write_many(recs)
+    w.close()
+    # verify spans of k + 1 = 3 positions after a 10-position prefill
+    spans = [SpanRecord("pr", "specdec", 1, "a", 1, 10, 0, 10, 10, misaligned=0),
+             SpanRecord("pr", "specdec", 1, "a", 2, 10, 10, 3, 3, misaligned=0),
+             SpanRecord("pr", "specdec", 1, "a", 3, 10, 12, 3, 3, misaligned=0)]
+    w = JsonlWriter(run_dir / "spans.jsonl")
+    w.write_many(spans)
+    w.close()
+    write_manifest(run_dir, {"run_id": "spec", "cells": [{"arm": "pr", "deploy": "specdec", "repeat": 1},
+                                                         {"arm": "pr", "deploy": "reference", "repeat": 1}]})
+    return run_dir
+
+
+def test_accepted_tokens_per_step_column(tmp_path: Path) -> None:
+    run, cells = _cells(_spec_run(tmp_path))
+    spec, ref = cells
+    assert spec.accepted_tokens_per_step == 1.75 and ref.accepted_tokens_per_step is None
+    ext = report.extended_table(cells)
+    assert ext["Accepted tokens/step"].tolist() == ["1.75", "\u2013"]
+    assert ext["Multi-position decode spans"].tolist() == ["2", "0"]
+    assert list(ext.columns).index("Accepted tokens/step") == list(ext.columns).index("Multi-position decode spans") + 1
+    frame = report.cells_frame(cells)
+    assert frame["accepted_tokens_per_step"].tolist()[0] == 1.75
+    data = report.json_summary(run, cells)
+    assert [c["accepted_tokens_per_step"] for c in data["cells"]] == [1.75, None]
+    assert [r["Accepted tokens/step"] for r in data["requests"]] == ["1.50", "2.00", "\u2013", "\u2013"]
+    text = report.terminal_text(run, cells)
+    ext_lines = [ln.split() for ln in text.split("\n\n")[-1].splitlines()]  # "oracle transcript": 2 words
+    assert [ln[13] for ln in ext_lines if ln[:2] in (["pr", "specdec"], ["pr", "reference"])] == ["1.75", "\u2013"]
+    assert "| pr | specdec | 1 | 3 | oracle transcript | 0.000 | 0.000 | 0.000 | 0/3 | 0 | 0 | 2 | 1.75 |" in (
+        report.markdown_text(run, cells))
+
+    written = report.write_reports(run, cells)
+    with open(written["csv"], newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["accepted_tokens_per_step"] for r in rows] == ["1.75", ""]
+    assert "<td>1.75</td>" in written["html"].read_text()
+
+
+@pytest.mark.slow
+def test_specdec_run_shows_accepted_tokens(tmp_path: Path) -> None:
+    """The sim's speculative-decoding deploy end to end: every cell reports 1 < accepted/step < 3 (k = 2)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--asr", "none", "--deploy", "specdec",
+                           "--arm", "main", "--arm", "pr", "--prompts", str(root / "tests/fixtures/prompts_small.yaml"),
+                           "--out", str(tmp_path), "--run-id", "spec", "--quiet"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens/step" in proc.stdout and "Multi-position" in proc.stdout
+    cells = json.loads((tmp_path / "spec" / "summary.json").read_text())["cells"]
+    assert [(c["arm"], c["deploy"]) for c in cells] == [("main", "specdec"), ("pr", "specdec")]
+    for c in cells:
+        assert 1.0 < c["accepted_tokens_per_step"] < 3.0 and c["multi_position_decode_spans"] > 0
+    for arm in ("main", "pr"):
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(f"{arm} ") and "specdec" in ln)
+        assert f"{next(c for c in cells if c['arm'] == arm)['accepted_tokens_per_step']:.2f}" in line.split()
+
+
+# --------------------------------------------------------------------------- loading (fast path)
+
+
+def test_vectorised_events_match_the_contract(seed_run: Path) -> None:
+    import itertools
+
+    import numpy as np
+
+    from harness.contract import classify_span, count_events
+
+    grid = list(itertools.product(range(0, 5), range(0, 7), range(1, 6), range(0, 6)))
+    P, c, n, rows = (np.array(col) for col in zip(*grid))
+    flags = classify_spans(P, c, n, rows)
+    for i, args in enumerate(grid):
+        ev = classify_span(*args)
+        assert {k: bool(v[i]) for k, v in flags.items()} == {k: getattr(ev, k) for k in EVENT_FIELDS}, args
+
+    run = report.load_run(seed_run)
+    groups: dict = {}
+    for s in run.spans:
+        groups.setdefault((s.arm, s.deploy, s.repeat, s.request), []).append(s)
+    assert set(groups) == set(run.spans.group_events) and len(groups) == 96
+    for key, spans in groups.items():
+        assert run.spans.group_events[key] == (count_events(spans), True)
+
+
+def test_reports_reuse_a_loaded_run(seed_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``omni-stress run`` reads the run once: the files and the terminal table come from that Run."""
+    run, cells = _cells(seed_run)
+    monkeypatch.setattr(report, "load_run", lambda *_: pytest.fail("read the run directory again"))
+    assert "0.933 / 0.925" in report.terminal_table(run, cells)
+    assert report.write_reports(run, cells)["html"].is_file()
+
+
+def test_run_built_from_span_records(seed_run: Path) -> None:
+    run = report.load_run(seed_run)
+    by_hand = report.Run(run.run_dir, run.manifest, run.requests, list(run.spans))
+    assert report.seed_table(report.summarize_cells(by_hand)).values.tolist() == SEED_ROWS
+
+
+def test_spans_file_slow_path_and_errors(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path, "spans")
+    path = run_dir / "spans.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:3]) + "\n" + "".join(lines[3:]) + '{"arm": "main", "dep')  # blank line, torn tail
+    _, cells = _cells(run_dir)
+    assert report.seed_table(cells).values.tolist() == SEED_ROWS
+
+    cases = [
+        ("not json\n", "line 2: not valid JSON"),
+        ('{"arm": "main", "deploy": "stress", "repeat": 1, "request": "p01", "step": 1, "P": 9, "c": 0, "n": 3}\n',
+         "line 2: malformed record (rows: expected an integer, missing)"),
+        (lines[0].replace('"P": 90', '"P": "90"'), "line 2: malformed record (P: expected an integer, got '90')"),
+        (lines[0].replace('"n": 90', '"n": 0'), "line 2: invalid span P=90 c=0 n=0"),
+        ("[1, 2]\n", "line 2: malformed record (expected a JSON object)"),
+    ]
+    for bad, message in cases:
+        path.write_text(lines[0] + bad + "".join(lines[1:]))
+        with pytest.raises(report.UserError) as exc:
+            report.load_run(run_dir)
+        assert str(exc.value) == f"{path}: {message}", bad

@@ -35,5 +35,5 @@ def command(run_dir: Path, fmt: str, with_requests: bool, no_write: bool) -> Non
         text = json.dumps(report.json_summary(run, cells), indent=2) + "\n"
     click.echo(text, nl=False)
     if not no_write:
-        for kind, path in report.write_reports(run_dir).items():
+        for kind, path in report.write_reports(run, cells).items():
             click.echo(f"wrote {kind}: {path}", err=True)

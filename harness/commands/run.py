@@ -36,6 +36,8 @@ from harness.records import read_manifest, write_manifest
               show_default=True, help="'none' scores the oracle transcript only (no TTS, no Whisper).")
 @click.option("--asr-model", default="base", show_default=True, help="tiny.en, base, or a local model path.")
 @click.option("--beam-size", type=click.IntRange(1, 10), default=1, show_default=True)
+@click.option("--asr-workers", type=click.IntRange(0, 64), default=None,
+              help="Whisper worker processes (default: 2 on 2+ cores; 0: transcribe in the run's own process).")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Transcript/model cache (default $OMNI_STRESS_CACHE_DIR or ~/.cache/omni-stress).")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the transcript cache on disk.")
@@ -48,7 +50,7 @@ from harness.records import read_manifest, write_manifest
 @click.option("--request-timeout", type=float, default=900.0, show_default=True,
               help="vllm-omni backend: seconds per request.")
 def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
-            cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout) -> None:
+            asr_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout) -> None:
     """Run the prompts through every arm x deploy, transcribe the Talker audio, tabulate WER and events."""
     known = load_arms(arms_file) if arms_file else load_arms()
     arm_specs = [resolve_arm(a, known) for a in arms]
@@ -60,7 +62,8 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
         raise UserError(f"--deploy: deploy names must be unique, got {', '.join(d.name for d in deploy_specs)}")
     prompts = load_prompts(prompt_set)
     options = RunOptions(backend=backend, repeat=repeat, seed=seed, asr=asr, asr_model=asr_model,
-                         beam_size=beam_size, cache_dir=cache_dir, use_cache=not no_cache, quiet=quiet)
+                         beam_size=beam_size, cache_dir=cache_dir, use_cache=not no_cache, quiet=quiet,
+                         asr_workers=-1 if asr_workers is None else asr_workers)
     if backend == "vllm-omni":
         from harness.serve.backend import ServeOptions, describe_cell
 
@@ -96,12 +99,15 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
         click.echo(f"run directory: {plan.run_dir}", err=True)
     times = execute(plan, state)
 
-    from harness.report import terminal_table, write_reports
+    from harness.report import load_run, summarize_cells, terminal_table, write_reports
 
-    write_reports(plan.run_dir)
-    click.echo(terminal_table(plan.run_dir))
+    run = load_run(plan.run_dir)  # read once, for the files and the printed tables
+    cells = summarize_cells(run)
+    write_reports(run, cells)
+    click.echo(terminal_table(run, cells))
     click.echo(f"\nwall time per stage: sim {times.sim:.1f} s, TTS {times.tts:.1f} s, ASR {times.asr:.1f} s "
-               f"({times.asr_transcribed} transcribed, {times.asr_cache_hits} cache hits)")
+               f"({times.asr_transcribed} transcribed, {times.asr_cache_hits} cache hits)"
+               + (f", {times.asr_wait:.1f} s waiting for Whisper at the end" if times.asr_wait >= 0.05 else ""))
     click.echo(f"results: {plan.run_dir}")
 
 

@@ -75,3 +75,44 @@ def test_a_worker_that_dies_is_one_user_error(wav: Path) -> None:
             result_of(fut, timeout=120)
     finally:
         pool.close(cancel=True)
+
+
+@pytest.mark.slow
+def test_workers_exit_when_the_run_is_killed(wav: Path, tmp_path: Path) -> None:
+    """A SIGKILLed run leaves no Whisper worker behind (they would block on their queue forever)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from harness.audio.pool import AsrPool, PoolSpec\n"
+        "if __name__ == '__main__':\n"
+        "    pool = AsrPool(PoolSpec('faster-whisper', 'tiny.en', 1, workers=2, threads_per_worker=1))\n"
+        "    pool.submit('a', Path(sys.argv[1]))\n"
+        "    pool.submit('b', Path(sys.argv[1]))\n"
+        "    print(' '.join(str(p) for p in pool._executor._processes), flush=True)\n"
+        "    time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, str(script), str(wav)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]  # type: ignore[union-attr]
+        assert len(pids) == 2
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in pids if _alive(p)]
+    assert alive == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False

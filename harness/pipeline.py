@@ -51,6 +51,7 @@ class RunOptions:
     use_cache: bool = True
     quiet: bool = False
     asr_workers: int = -1  # -1: two worker processes on two or more cores; 0: in this process
+    sim_workers: int = -1  # -1: up to two forked processes when there are cells and cores for them
     serve: Any = None  # harness.serve.backend.ServeOptions for the real backend
 
 
@@ -404,14 +405,20 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
     progress = Progress(plan.options.quiet)
     sink = RecordSink(scorer, requests_out, progress, times)
     cell_walls: dict[str, float] = {}
+    todo: list[tuple[Cell, frozenset[str]]] = []
+    for cell in plan.cells:
+        skip = frozenset(pid for pid in prompt_ids if (cell.arm.name, cell.deploy.name, cell.repeat, pid) in done)
+        if len(skip) == len(prompt_ids):
+            progress.note(f"{cell.label}: already complete, skipped")
+        else:
+            todo.append((cell, skip))
+    sim_pool, futures = None, {}
     ok = False
     try:
-        for cell in plan.cells:
+        if plan.options.backend == "sim":
+            sim_pool, futures = _start_sim_pool(plan, todo)  # before any thread exists: it forks
+        for cell, skip in todo:
             key = f"{cell.arm.name}/{cell.deploy.name}/{cell.repeat}"
-            skip = frozenset(pid for pid in prompt_ids if (cell.arm.name, cell.deploy.name, cell.repeat, pid) in done)
-            if len(skip) == len(prompt_ids):
-                progress.note(f"{cell.label}: already complete, skipped")
-                continue
             t_cell = time.perf_counter()
             progress.start(key, cell.label, len(prompt_ids) - len(skip))
 
@@ -420,13 +427,17 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
 
             write_spans = (cell.arm.name, cell.deploy.name, cell.repeat) not in resume.span_cells
             if plan.options.backend == "sim":
-                _run_sim_cell(plan, cell, skip, scorer, emit, spans_out if write_spans else None, times)
+                seconds = _run_sim_cell(plan, cell, skip, scorer, emit, spans_out if write_spans else None, times,
+                                        futures.get(key))
             else:
                 _run_serve_cell(plan, cell, skip, emit, spans_out if write_spans else None)
-            cell_walls[key] = round(time.perf_counter() - t_cell, 3)  # simulation and audio; ASR may go on
+                seconds = time.perf_counter() - t_cell
+            cell_walls[key] = round(seconds, 3)
         sink.flush(block=True)
         ok = True
     finally:
+        if sim_pool is not None:
+            sim_pool.close(cancel=not ok)
         scorer.close(cancel=not ok)
         progress.close()
         requests_out.close()
@@ -463,20 +474,44 @@ def _span_cell(span: dict[str, Any]) -> tuple:
     return (span["arm"], span["deploy"], span["repeat"])
 
 
+def _start_sim_pool(plan: RunPlan, todo: list[tuple[Cell, frozenset[str]]]) -> tuple[Any, dict[str, Future]]:
+    """Sim worker processes with every cell already submitted, or (None, {}) to run in-process."""
+    from harness.sim.pool import SimPool, default_workers
+
+    workers = plan.options.sim_workers if plan.options.sim_workers >= 0 else default_workers(len(todo))
+    if workers < 2 or len(todo) < 2:
+        return None, {}
+    pool = SimPool(workers, todo[0][0].deploy)
+    futures = {f"{c.arm.name}/{c.deploy.name}/{c.repeat}": pool.submit(c.arm, c.deploy, plan.prompts, c.repeat,
+                                                                       plan.options.seed + c.repeat - 1, skip)
+               for c, skip in todo}
+    return pool, futures
+
+
 def _run_sim_cell(plan: RunPlan, cell: Cell, skip: frozenset[str], scorer: AudioScorer,
-                  emit: Callable[[RequestRecord], None], spans_out: JsonlWriter | None, times: StageTimes) -> None:
+                  emit: Callable[[RequestRecord], None], spans_out: JsonlWriter | None, times: StageTimes,
+                  future: Future | None = None) -> float:
+    """One cell's simulation (in a worker when ``future`` is given), spans, speech and ASR
+    submission; returns the cell's own seconds (simulation + speech)."""
     from harness.sim.backend import SimRequestResult, run_cell
 
-    finished: list[SimRequestResult] = []
-    seed = plan.options.seed + cell.repeat - 1
-    stats = run_cell(cell.arm, cell.deploy, plan.prompts, cell.repeat, seed, finished.append, skip)
+    if future is not None:
+        from harness.sim.pool import SimPool
+
+        stats, finished = SimPool.result(future, cell.label)
+    else:
+        finished: list[SimRequestResult] = []  # type: ignore[no-redef]
+        seed = plan.options.seed + cell.repeat - 1
+        stats = run_cell(cell.arm, cell.deploy, plan.prompts, cell.repeat, seed, finished.append, skip)
     times.sim += stats.sim_seconds
     times.scheduled_tokens += stats.scheduled_tokens
     if spans_out is not None:
         spans_out.write_many(stats.spans)
+    t0 = time.perf_counter()
     for result in finished:  # completion order
         scorer.speak(result.record, result.units)
         emit(result.record)
+    return stats.sim_seconds + time.perf_counter() - t0
 
 
 def _run_serve_cell(plan: RunPlan, cell: Cell, skip: frozenset[str], emit: Callable[[RequestRecord], None],

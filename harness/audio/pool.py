@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from harness.audio.asr import Transcriber, make_transcriber
 from harness.errors import UserError
+from harness.proc import exit_with_parent
 
 
 @dataclass(frozen=True)
@@ -44,25 +44,12 @@ def default_workers(cpus: int | None = None) -> tuple[int, int]:
 
 
 _WORKER: Transcriber | None = None
-WATCHDOG_S = 0.5  # how often a worker checks that the run that started it is alive
 
 
 def _init_worker(spec: PoolSpec, parent_pid: int) -> None:
     global _WORKER
-    _exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid)
     _WORKER = make_transcriber(spec.backend, spec.model, spec.beam_size, cpu_threads=spec.threads_per_worker)
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """A SIGKILLed run must not leave its workers behind: they block on a queue whose writer
-    ends they hold themselves, so they would wait forever. A daemon thread polls the parent."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(WATCHDOG_S)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="omni-stress-parent-watch", daemon=True).start()
 
 
 def _transcribe(wav_path: str) -> tuple[str, float]:

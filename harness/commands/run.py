@@ -38,6 +38,9 @@ from harness.records import read_manifest, write_manifest
 @click.option("--beam-size", type=click.IntRange(1, 10), default=1, show_default=True)
 @click.option("--asr-workers", type=click.IntRange(0, 64), default=None,
               help="Whisper worker processes (default: 2 on 2+ cores; 0: transcribe in the run's own process).")
+@click.option("--sim-workers", type=click.IntRange(0, 64), default=None,
+              help="Sim cells simulated at once in forked processes (default: 2 on 2+ cores; 0 or 1: one at a time, "
+                   "in the run's own process).")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Transcript/model cache (default $OMNI_STRESS_CACHE_DIR or ~/.cache/omni-stress).")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the transcript cache on disk.")
@@ -50,7 +53,7 @@ from harness.records import read_manifest, write_manifest
 @click.option("--request-timeout", type=float, default=900.0, show_default=True,
               help="vllm-omni backend: seconds per request.")
 def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
-            asr_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout) -> None:
+            asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout) -> None:
     """Run the prompts through every arm x deploy, transcribe the Talker audio, tabulate WER and events."""
     known = load_arms(arms_file) if arms_file else load_arms()
     arm_specs = [resolve_arm(a, known) for a in arms]
@@ -63,7 +66,8 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
     prompts = load_prompts(prompt_set)
     options = RunOptions(backend=backend, repeat=repeat, seed=seed, asr=asr, asr_model=asr_model,
                          beam_size=beam_size, cache_dir=cache_dir, use_cache=not no_cache, quiet=quiet,
-                         asr_workers=-1 if asr_workers is None else asr_workers)
+                         asr_workers=-1 if asr_workers is None else asr_workers,
+                         sim_workers=-1 if sim_workers is None else sim_workers)
     if backend == "vllm-omni":
         from harness.serve.backend import ServeOptions, describe_cell
 

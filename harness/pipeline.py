@@ -57,7 +57,8 @@ class RunOptions:
 
 @dataclass
 class StageTimes:
-    sim: float = 0.0
+    sim: float = 0.0  # simulation seconds summed over cells (cells may run in parallel workers)
+    sim_wall: float = 0.0  # seconds this process spent simulating or waiting for sim workers
     tts: float = 0.0
     asr: float = 0.0  # decode seconds summed over transcripts (workers run in parallel with the sim)
     asr_wait: float = 0.0  # seconds the run waited for Whisper after everything else was done
@@ -416,7 +417,7 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
     ok = False
     try:
         if plan.options.backend == "sim":
-            sim_pool, futures = _start_sim_pool(plan, todo)  # before any thread exists: it forks
+            sim_pool, futures = _start_sim_pool(plan, todo, times)  # before any thread exists: it forks
         for cell, skip in todo:
             key = f"{cell.arm.name}/{cell.deploy.name}/{cell.repeat}"
             t_cell = time.perf_counter()
@@ -474,14 +475,17 @@ def _span_cell(span: dict[str, Any]) -> tuple:
     return (span["arm"], span["deploy"], span["repeat"])
 
 
-def _start_sim_pool(plan: RunPlan, todo: list[tuple[Cell, frozenset[str]]]) -> tuple[Any, dict[str, Future]]:
+def _start_sim_pool(plan: RunPlan, todo: list[tuple[Cell, frozenset[str]]],
+                    times: StageTimes) -> tuple[Any, dict[str, Future]]:
     """Sim worker processes with every cell already submitted, or (None, {}) to run in-process."""
     from harness.sim.pool import SimPool, default_workers
 
     workers = plan.options.sim_workers if plan.options.sim_workers >= 0 else default_workers(len(todo))
     if workers < 2 or len(todo) < 2:
         return None, {}
-    pool = SimPool(workers, todo[0][0].deploy)
+    t0 = time.perf_counter()
+    pool = SimPool(workers, todo[0][0].deploy)  # imports vLLM: the in-process path pays it in its first cell
+    times.sim_wall += time.perf_counter() - t0
     futures = {f"{c.arm.name}/{c.deploy.name}/{c.repeat}": pool.submit(c.arm, c.deploy, plan.prompts, c.repeat,
                                                                        plan.options.seed + c.repeat - 1, skip)
                for c, skip in todo}
@@ -495,6 +499,7 @@ def _run_sim_cell(plan: RunPlan, cell: Cell, skip: frozenset[str], scorer: Audio
     submission; returns the cell's own seconds (simulation + speech)."""
     from harness.sim.backend import SimRequestResult, run_cell
 
+    t_sim = time.perf_counter()
     if future is not None:
         from harness.sim.pool import SimPool
 
@@ -503,6 +508,7 @@ def _run_sim_cell(plan: RunPlan, cell: Cell, skip: frozenset[str], scorer: Audio
         finished: list[SimRequestResult] = []  # type: ignore[no-redef]
         seed = plan.options.seed + cell.repeat - 1
         stats = run_cell(cell.arm, cell.deploy, plan.prompts, cell.repeat, seed, finished.append, skip)
+    times.sim_wall += time.perf_counter() - t_sim
     times.sim += stats.sim_seconds
     times.scheduled_tokens += stats.scheduled_tokens
     if spans_out is not None:

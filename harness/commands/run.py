@@ -109,7 +109,7 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
     cells = summarize_cells(run)
     write_reports(run, cells)
     click.echo(terminal_table(run, cells))
-    click.echo(f"\nwall time per stage: sim {times.sim:.1f} s, TTS {times.tts:.1f} s, ASR {times.asr:.1f} s "
+    click.echo(f"\nwall time per stage: sim {times.sim_wall:.1f} s, TTS {times.tts:.1f} s, ASR {times.asr:.1f} s "
                f"({times.asr_transcribed} transcribed, {times.asr_cache_hits} cache hits)"
                + (f", {times.asr_wait:.1f} s waiting for Whisper at the end" if times.asr_wait >= 0.05 else ""))
     click.echo(f"results: {plan.run_dir}")

@@ -15,6 +15,7 @@ import os
 import platform
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -481,8 +482,8 @@ def _start_sim_pool(plan: RunPlan, todo: list[tuple[Cell, frozenset[str]]],
     from harness.sim.pool import SimPool, default_workers
 
     workers = plan.options.sim_workers if plan.options.sim_workers >= 0 else default_workers(len(todo))
-    if workers < 2 or len(todo) < 2:
-        return None, {}
+    if workers < 2 or len(todo) < 2 or threading.active_count() > 1:
+        return None, {}  # forking a process with other threads (a host application, a test runner) is unsafe
     t0 = time.perf_counter()
     pool = SimPool(workers, todo[0][0].deploy)  # imports vLLM: the in-process path pays it in its first cell
     times.sim_wall += time.perf_counter() - t0

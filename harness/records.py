@@ -145,6 +145,12 @@ class JsonlWriter:
 
 def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
     """Yields complete lines; a torn (unparseable, unterminated) last line is dropped."""
+    for _number, obj in iter_jsonl_numbered(path):
+        yield obj
+
+
+def iter_jsonl_numbered(path: Path) -> Iterator[tuple[int, Any]]:
+    """``iter_jsonl`` with each object's line number (for errors that name the line)."""
     if not path.exists():
         return
     with open(path, encoding="utf-8") as fh:
@@ -153,7 +159,7 @@ def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
+            yield i + 1, json.loads(line)
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 return  # torn by a kill mid-write

@@ -43,6 +43,7 @@ from harness.records import (
     EventCounts,
     RequestRecord,
     SpanRecord,
+    iter_jsonl_numbered,
     read_manifest,
     read_requests,
     span_from_dict,
@@ -241,27 +242,12 @@ def _read_jsonl_fast(path: Path) -> tuple[list[Any], list[int] | None]:
         pass
     objects, lines = [], []
     try:
-        for number, obj in _numbered_jsonl(path):
+        for number, obj in iter_jsonl_numbered(path):
             objects.append(obj)
             lines.append(number)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     return objects, lines
-
-
-def _numbered_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """``iter_jsonl`` with line numbers (the slow path, for files the fast parse refused)."""
-    with open(path, encoding="utf-8") as fh:
-        lines = fh.readlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            yield i + 1, json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                return  # torn by a kill mid-write
-            raise ValueError(f"{path}: line {i + 1}: not valid JSON") from None
 
 
 def _read_records(run_dir: Path, name: str, reader: Any) -> list[Any]:

@@ -21,6 +21,7 @@ import shutil
 import sys
 import threading
 import wave
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -240,36 +241,33 @@ def _tmp_beside(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
-def _atomic_copy(src: Path, dest: Path) -> None:
+def _atomic_fill(dest: Path, fill: Callable[[Path], None]) -> None:
+    """``fill`` writes a temporary file beside ``dest``, which then replaces ``dest`` whole."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_beside(dest)
     try:
-        shutil.copyfile(src, tmp)
+        tmp.unlink(missing_ok=True)
+        fill(tmp)
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _atomic_copy(src: Path, dest: Path) -> None:
+    _atomic_fill(dest, lambda tmp: shutil.copyfile(src, tmp))
 
 
 def _atomic_write_bytes(dest: Path, data: bytes) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_beside(dest)
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _atomic_fill(dest, lambda tmp: tmp.write_bytes(data))
 
 
 def _atomic_link_or_copy(src: Path, dest: Path) -> None:
     """Hard link ``src`` at ``dest`` (same file system), else copy; ``dest`` appears whole."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_beside(dest)
-    try:
-        tmp.unlink(missing_ok=True)
+
+    def link_or_copy(tmp: Path) -> None:
         try:
             os.link(src, tmp)
         except OSError:  # another file system (EXDEV), or one without hard links
             shutil.copyfile(src, tmp)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    _atomic_fill(dest, link_or_copy)

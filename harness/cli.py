@@ -13,7 +13,8 @@ from harness.errors import UserError
 
 
 class _Group(click.Group):
-    """Turns UserError into one line on stderr and exit code 2, with no traceback."""
+    """Turns UserError, and click's own usage errors (a bad option value, an unknown option),
+    into one line on stderr and exit code 2, with no traceback and no usage block."""
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
@@ -21,6 +22,12 @@ class _Group(click.Group):
         except UserError as exc:
             click.echo(f"omni-stress: error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            sub = exc.ctx.command_path.split()[1:] if exc.ctx is not None else []
+            where = " ".join(["omni-stress", *sub])
+            message = " ".join(exc.format_message().split())
+            click.echo(f"omni-stress: error: {message} (see '{where} --help')", err=True)
+            sys.exit(2)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

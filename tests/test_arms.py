@@ -232,3 +232,24 @@ def test_plugin_function_arm_is_bound_as_method():
     r = h.call(0, 8)
     assert calls == [0] and r.span.rows == 8
     assert text(h, 0, 8) == [NONE] * 8  # the codec embedding alone: no Thinker rows at all
+
+
+@pytest.mark.slow
+def test_plugin_module_in_the_working_directory_imports_with_the_installed_script(tmp_path):
+    """``omni-stress run --arm fix=mytalker:Fix`` from the folder holding mytalker.py, as a user
+    runs it (the console script's folder, not the working directory, is on Python's path)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "mytalker.py").write_text("from harness.talkers.pr import FixedTalker\n\n\n"
+                                          "class Fix(FixedTalker):\n    pass\n")
+    script = Path(sys.executable).parent / "omni-stress"
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([str(script), "run", "--arm", "fix=mytalker:Fix", "--deploy", "reference", "--asr", "none",
+                           "--prompts", str(repo / "tests" / "fixtures" / "prompts_small.yaml"), "--out", "out",
+                           "--run-id", "r", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "out" / "r" / "requests.jsonl").read_text().splitlines()]
+    assert [r["arm"] for r in records] == ["fix"] * 4 and all(r["oracle_wer"] == 0.0 for r in records)

@@ -10,6 +10,8 @@ arm ``vllm-omni:<source>`` runs vLLM-Omni's own code from a file, checkout, whee
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 from harness.config import ArmSpec
@@ -27,6 +29,14 @@ def load_impl(arm: ArmSpec) -> Any:
     return _LOADED[key]
 
 
+def _importable_from_cwd() -> None:
+    """A plugin module in the folder the user runs from imports, as with ``python -m``: the
+    ``omni-stress`` script's own folder (the venv's bin) is what Python puts on the path."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
 def _load(arm: ArmSpec) -> Any:
     if arm.talker.startswith("vllm-omni:"):  # the real upstream code, extracted from its source
         from harness.talkers.upstream import load_upstream
@@ -34,6 +44,7 @@ def _load(arm: ArmSpec) -> Any:
         return load_upstream(arm)
     module_name, _, attr = arm.talker.partition(":")
     where = f"arm {arm.name!r} ({arm.talker}, from {arm.source})"
+    _importable_from_cwd()
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import failure is the user's module's problem

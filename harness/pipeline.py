@@ -430,7 +430,7 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
             write_spans = (cell.arm.name, cell.deploy.name, cell.repeat) not in resume.span_cells
             if plan.options.backend == "sim":
                 seconds = _run_sim_cell(plan, cell, skip, scorer, emit, spans_out if write_spans else None, times,
-                                        futures.get(key))
+                                        futures.get(key), idle=lambda: sink.flush(block=False))
             else:
                 _run_serve_cell(plan, cell, skip, emit, spans_out if write_spans else None)
                 seconds = time.perf_counter() - t_cell
@@ -495,7 +495,7 @@ def _start_sim_pool(plan: RunPlan, todo: list[tuple[Cell, frozenset[str]]],
 
 def _run_sim_cell(plan: RunPlan, cell: Cell, skip: frozenset[str], scorer: AudioScorer,
                   emit: Callable[[RequestRecord], None], spans_out: JsonlWriter | None, times: StageTimes,
-                  future: Future | None = None) -> float:
+                  future: Future | None = None, idle: Callable[[], None] = lambda: None) -> float:
     """One cell's simulation (in a worker when ``future`` is given), spans, speech and ASR
     submission; returns the cell's own seconds (simulation + speech)."""
     from harness.sim.backend import SimRequestResult, run_cell
@@ -504,7 +504,7 @@ def _run_sim_cell(plan: RunPlan, cell: Cell, skip: frozenset[str], scorer: Audio
     if future is not None:
         from harness.sim.pool import SimPool
 
-        stats, finished = SimPool.result(future, cell.label)
+        stats, finished = SimPool.result(future, cell.label, idle)
     else:
         finished: list[SimRequestResult] = []  # type: ignore[no-redef]
         seed = plan.options.seed + cell.repeat - 1

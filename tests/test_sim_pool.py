@@ -50,3 +50,22 @@ def test_a_sim_worker_that_dies_is_one_error_and_the_run_dir_stays_valid(tmp_pat
     assert [c["arm"] for c in manifest["cells"]] == ["pr", "dies"] and manifest["finished"] is None
     for line in (tmp_path / "r" / "requests.jsonl").read_text().splitlines():
         assert json.loads(line)["arm"] == "pr"  # whatever finished before the break is whole
+
+
+def test_waiting_for_a_cell_keeps_writing_finished_records() -> None:
+    """While a cell simulates in a worker, the run keeps calling ``idle`` (which writes the records
+    whose transcripts are in), and returns the cell's result once it is there."""
+    import threading
+    from concurrent.futures import Future
+
+    from harness.sim.pool import IDLE_S, SimPool
+
+    fut: Future = Future()
+    calls: list[int] = []
+    timer = threading.Timer(4.5 * IDLE_S, fut.set_result, args=(("stats", ["r1"]),))
+    timer.start()
+    try:
+        assert SimPool.result(fut, "pr x stress (run 1)", lambda: calls.append(1)) == ("stats", ["r1"])
+    finally:
+        timer.cancel()
+    assert len(calls) >= 2  # called again and again while the cell runs (about 5 times here)

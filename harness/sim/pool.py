@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from concurrent.futures import Future, ProcessPoolExecutor
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
@@ -22,6 +24,7 @@ from harness.proc import exit_with_parent
 from harness.sim.backend import CellStats, SimRequestResult, run_cell
 
 CELL_TIMEOUT_S = 3600.0  # a cell is bounded by sim.max_steps; this only guards a hung worker
+IDLE_S = 0.25
 
 
 def default_workers(cells: int, cpus: int | None = None) -> int:
@@ -44,8 +47,11 @@ def _warm_up(deploy: Deploy) -> None:
     make_scheduler(deploy)
 
 
+CellResult = tuple[CellStats, list[SimRequestResult]]  # the stats, and the requests in completion order
+
+
 def _cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed: int,
-          skip: frozenset[str]) -> tuple[CellStats, list[SimRequestResult]]:
+          skip: frozenset[str]) -> CellResult:
     finished: list[SimRequestResult] = []
     stats = run_cell(arm, deploy, prompts, repeat, seed, finished.append, skip)
     return stats, finished
@@ -64,9 +70,15 @@ class SimPool:
         return self._executor.submit(_cell, arm, deploy, prompts, repeat, seed, skip)
 
     @staticmethod
-    def result(fut: Future, label: str) -> tuple[CellStats, list[SimRequestResult]]:
+    def result(fut: Future, label: str, idle: Callable[[], None] = lambda: None) -> CellResult:
+        """The cell's result; ``idle`` runs every quarter second meanwhile (the run writes the
+        records whose transcripts came in, so a kill now loses none of them)."""
+        deadline = time.monotonic() + CELL_TIMEOUT_S
         try:
-            return fut.result(timeout=CELL_TIMEOUT_S)
+            while not fut.done() and time.monotonic() < deadline:
+                idle()
+                wait([fut], timeout=IDLE_S)
+            return fut.result(timeout=0)
         except FutureTimeout:
             raise UserError(f"cell {label}: no result from its sim worker in {CELL_TIMEOUT_S:.0f} s") from None
         except BrokenProcessPool:

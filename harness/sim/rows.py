@@ -115,12 +115,6 @@ class RowSpace:
         ids = _match_segments(flat, (0, TEXT_DIMS), (self._text_np, self._codec_parts_np))
         return ids[:, 0].copy(), ids[:, 1].copy()
 
-    @staticmethod
-    def _match(parts: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """Index of the table row each part equals (within ``_TOL``), ``NONE`` or ``UNKNOWN``."""
-        ids = _match_segments(parts.detach().to(torch.float32).numpy(), (0,), (table.detach().to(torch.float32).numpy(),))
-        return torch.from_numpy(ids[:, 0].copy())
-
 
 def _match_row(part: np.ndarray, table: np.ndarray) -> int:
     """``_match_segments`` for one part of one row."""

@@ -102,8 +102,7 @@ class SimTalker:
     def __init__(self, space: RowSpace, vocab: CodecVocab, sampling: SamplingSettings, frames_per_token: int) -> None:
         self.space, self.vocab, self.sampling, self.R = space, vocab, sampling, frames_per_token
         self.vocab_size = WORD_BASE + 4 * len(vocab.words)
-        self._classes: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._cls_np = np.zeros(0, dtype=np.int64)
+        self._cls_np: np.ndarray | None = None  # speech class of each registered text row (freeze)
         self._word_np = np.zeros(0, dtype=np.int64)
         self._dists: dict[tuple[int, int], _Dist] = {}
         self._gen = torch.Generator()
@@ -120,11 +119,10 @@ class SimTalker:
                 w = self.vocab.word_id(m.word)
                 if w is not None:
                     cls[i], word[i] = WORD, w
-        self._classes = (cls, word)
         self._cls_np, self._word_np = cls.numpy(), word.numpy()
 
     def next_token(self, kv: TalkerKV, generated: int) -> int:
-        assert self._classes is not None, "freeze() first"
+        assert self._cls_np is not None, "freeze() first"
         pos = kv.P - 1 + generated // self.R
         tid = int(kv._text_np[pos]) if pos < kv.length else UNKNOWN
         if tid == NONE:

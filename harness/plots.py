@@ -22,7 +22,6 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.path import Path
 
-from harness.contract import classify_span
 from harness.records import SpanRecord
 from harness.report import WER_THRESHOLD, CellSummary, Run
 
@@ -123,19 +122,10 @@ def plot_events(cells: list[CellSummary]) -> bytes:
     return _png(fig)
 
 
-def span_kind(span: SpanRecord) -> str:
-    ev = classify_span(span.P, span.c, span.n, span.rows)
-    if ev.cross_boundary:
-        return "replay"
-    if ev.nonzero_offset:
-        return "chunk"
-    if ev.is_prefill:
-        return "prefill"
-    return "multi" if ev.multi_decode else "decode"
-
-
 def _span_kinds(run: Run, indices: np.ndarray) -> list[str]:
-    """``span_kind`` of the spans at ``indices``, from the table's event flags."""
+    """What the timeline colours each span at ``indices`` as, from the table's event flags:
+    replay (crosses the prompt boundary) over chunk (non-zero offset) over prefill, else a
+    multi-position or single decode."""
     f = {k: v[indices] for k, v in run.spans.flags.items()}
     kinds = np.where(f["multi_decode"], "multi", "decode").astype(object)
     kinds[f["is_prefill"]] = "prefill"
@@ -186,9 +176,6 @@ def plot_timeline(run: Run, cells: list[CellSummary], max_arms: int = 4) -> byte
         by_arm.setdefault(s.arm, []).append(s)
         kind_of[id(s)] = kind
 
-    def kind_of_span(s: SpanRecord) -> str:  # ``span_kind(s)``
-        return kind_of[id(s)]
-
     arm_order = list(dict.fromkeys(c.arm for c in cells)) + sorted(by_arm)
     arms = [a for a in dict.fromkeys(arm_order) if a in by_arm][:max_arms]
     records = {(r.arm, r.deploy, r.repeat, r.prompt_id): r for r in run.requests}
@@ -197,7 +184,7 @@ def plot_timeline(run: Run, cells: list[CellSummary], max_arms: int = 4) -> byte
     firsts = {a: min(s.step for s in by_arm[a]) for a in arms}
     # The story is in the prefill chunks and replays: show the steps up to the last of them (plus a
     # margin), shared by all panels so arms stay comparable; the plain decode tail is summarised.
-    last_event = max((s.step - firsts[a] for a in arms for s in by_arm[a] if kind_of_span(s) != "decode"), default=0)
+    last_event = max((s.step - firsts[a] for a in arms for s in by_arm[a] if kind_of[id(s)] != "decode"), default=0)
     y_max = max(20, int(last_event * 1.3) + 10)
     visible = {a: [s for s in by_arm[a] if s.step - firsts[a] <= y_max] for a in arms}
     x_max = max(max(s.c + s.n, s.P) for a in arms for s in visible[a])
@@ -212,12 +199,12 @@ def plot_timeline(run: Run, cells: list[CellSummary], max_arms: int = 4) -> byte
         for s in spans:
             y = s.step - first
             box = [(s.c, y - half), (s.c + s.n, y - half), (s.c + s.n, y + half), (s.c, y + half)]
-            polys[kind_of_span(s)].append(box)
+            polys[kind_of[id(s)]].append(box)
             if s.misaligned:
                 bad.append(box)
         totals = {k: 0 for k in SPAN_KINDS}  # legend counts cover the whole request, not just the window
         for s in by_arm[arm]:
-            totals[kind_of_span(s)] += 1
+            totals[kind_of[id(s)]] += 1
         handles = []
         for kind, boxes in polys.items():
             if boxes:

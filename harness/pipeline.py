@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness import __version__
 from harness.config import ArmSpec, Deploy, PromptSet
@@ -38,6 +38,9 @@ from harness.records import (
     truncate_torn_tail,
     write_manifest,
 )
+
+if TYPE_CHECKING:
+    from harness.audio.pipeline import AsrResult
 
 
 @dataclass
@@ -302,10 +305,9 @@ class AudioScorer:
 
         rel = f"audio/{record.arm}-{record.deploy}-r{record.repeat}-{record.prompt_id}.wav"
         t0 = time.perf_counter()
-        hits = self.tts_cache.hits if self.tts_cache is not None else 0
         record.audio_seconds = round(speak(units, self.run_dir / rel, cache=self.tts_cache), 3)
         self.times.tts += time.perf_counter() - t0
-        self.times.tts_cache_hits += (self.tts_cache.hits if self.tts_cache is not None else 0) - hits
+        self.times.tts_cache_hits = self.tts_cache.hits if self.tts_cache is not None else 0  # one cache per run
         record.audio_path = rel
 
     def submit(self, record: RequestRecord, cell: str) -> PendingScore:
@@ -313,22 +315,19 @@ class AudioScorer:
         if self.transcriber is None or record.audio_path is None or not record.reference_text:
             return pending  # nothing to score: ASR off, no audio (a failed request), or no reference text
         assert self.cache is not None
-        from harness.audio.cache import sha256_file
-
         wav = self.run_dir / record.audio_path
-        if not wav.is_file():
-            raise UserError(f"{wav}: audio file not found")
-        pending.digest = digest = sha256_file(wav)
-        cached = self.cache.get(digest, self.transcriber.cache_key)
+        if self.pool is None:
+            from harness.audio.pipeline import transcribe_and_score
+
+            self._fill(record, transcribe_and_score(wav, record.reference_text, self.transcriber, self.cache))
+            return pending
+        from harness.audio.pipeline import cached_transcript
+
+        pending.digest, cached = cached_transcript(wav, self.transcriber, self.cache)
         if cached is not None:
-            self._fill(record, cached, 0.0, cached=True)
-        elif self.pool is None:
-            t0 = time.perf_counter()
-            text = self.transcriber.transcribe(wav)
-            self.cache.put(digest, self.transcriber.cache_key, text)
-            self._fill(record, text, time.perf_counter() - t0, cached=False)
+            self._fill(record, self._scored(record, cached, 0.0, cached=True))
         else:
-            pending.future, pending.owner = self.pool.submit(digest, wav)
+            pending.future, pending.owner = self.pool.submit(pending.digest, wav)
         return pending
 
     def finish(self, pending: PendingScore) -> None:
@@ -342,16 +341,22 @@ class AudioScorer:
         if pending.owner:
             self.cache.put(pending.digest, self.transcriber.cache_key, text)
             self.pool.forget(pending.digest)
-        self._fill(pending.record, text, seconds if pending.owner else 0.0, cached=not pending.owner)
+        self._fill(pending.record, self._scored(pending.record, text, seconds if pending.owner else 0.0,
+                                                cached=not pending.owner))
 
-    def _fill(self, record: RequestRecord, transcript: str, seconds: float, cached: bool) -> None:
+    @staticmethod
+    def _scored(record: RequestRecord, transcript: str, seconds: float, cached: bool) -> AsrResult:
+        from harness.audio.pipeline import AsrResult
         from harness.scoring import wer
 
-        record.transcript, record.wer = transcript, wer(record.reference_text, transcript)
-        record.asr_seconds, record.asr_cached = round(seconds, 3), cached
-        self.times.asr += seconds
-        self.times.asr_cache_hits += cached
-        self.times.asr_transcribed += not cached
+        return AsrResult(transcript, wer(record.reference_text, transcript), seconds, cached)
+
+    def _fill(self, record: RequestRecord, result: AsrResult) -> None:
+        record.transcript, record.wer = result.transcript, result.wer
+        record.asr_seconds, record.asr_cached = round(result.seconds, 3), result.cached
+        self.times.asr += result.seconds
+        self.times.asr_cache_hits += result.cached
+        self.times.asr_transcribed += not result.cached
 
     def close(self, cancel: bool = False) -> None:
         if self.pool is not None:

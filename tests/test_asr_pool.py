@@ -116,3 +116,22 @@ def _alive(pid: int) -> bool:
             return fh.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.slow
+def test_in_process_and_worker_transcription_record_the_same(tmp_path: Path) -> None:
+    """``--asr-workers 0`` (this process) and ``--asr-workers 1`` give the same records; the
+    in-flight de-duplication makes pr's stress audio (identical to its reference audio) a hit."""
+    import json
+
+    from tests.conftest import run_cli
+
+    for workers in ("0", "1"):
+        res = run_cli("run", "--arm", "pr", "--prompts", "tests/fixtures/prompts_small.yaml", "--asr-model", "tiny.en",
+                      "--no-cache", "--asr-workers", workers, "--out", str(tmp_path), "--run-id", f"w{workers}", "-q")
+        assert res.exit_code == 0, res.stderr
+        assert "(4 transcribed, 4 cache hits)" in res.stdout
+    rows = {w: sorted((r["deploy"], r["prompt_id"], r["transcript"], r["wer"]) for r in
+                      map(json.loads, (tmp_path / f"w{w}" / "requests.jsonl").read_text().splitlines()))
+            for w in ("0", "1")}
+    assert rows["0"] == rows["1"] and len(rows["0"]) == 8

@@ -27,16 +27,21 @@ class AsrResult:
 _PROCESS_MEMO = TranscriptCache(None)  # used when the caller passes no cache
 
 
-def transcribe_and_score(wav_path: Path, reference: str, transcriber: Transcriber,
-                         cache: TranscriptCache | None = None) -> AsrResult:
-    """Transcribe ``wav_path`` (or reuse a cached transcript) and score it against ``reference``."""
+def cached_transcript(wav_path: Path, transcriber: Transcriber, cache: TranscriptCache) -> tuple[str, str | None]:
+    """(sha256 of the WAV, its cached transcript or None); a missing WAV is a UserError."""
     wav_path = Path(wav_path)
     if not wav_path.is_file():
         raise UserError(f"{wav_path}: audio file not found")
-    cache = cache if cache is not None else _PROCESS_MEMO
     digest = sha256_file(wav_path)
+    return digest, cache.get(digest, transcriber.cache_key)
+
+
+def transcribe_and_score(wav_path: Path, reference: str, transcriber: Transcriber,
+                         cache: TranscriptCache | None = None) -> AsrResult:
+    """Transcribe ``wav_path`` (or reuse a cached transcript) and score it against ``reference``."""
+    cache = cache if cache is not None else _PROCESS_MEMO
     start = time.perf_counter()
-    transcript = cache.get(digest, transcriber.cache_key)
+    digest, transcript = cached_transcript(wav_path, transcriber, cache)
     cached = transcript is not None
     if transcript is None:
         transcript = transcriber.transcribe(wav_path)

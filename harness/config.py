@@ -258,6 +258,10 @@ class ArmSpec:
     description: str = ""
     serve: ServeSettings | None = None
     source: str = "builtin"
+    role: str = "candidate"  # ARM_ROLES: which gate rules apply (baseline: expected to show the bug)
+
+
+ARM_ROLES = ("baseline", "candidate")
 
 
 ARMS_FILE = DEPLOY_DIR / "arms.yaml"
@@ -271,7 +275,10 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
     arms: dict[str, ArmSpec] = {}
     for name in arms_f.data:
         f = arms_f.sub(str(name))
-        f.reject_unknown({"talker", "description", "serve"})
+        f.reject_unknown({"talker", "description", "serve", "role"})
+        role = f.data.get("role", "candidate")
+        if role not in ARM_ROLES:
+            raise f.fail("role", f"must be one of {', '.join(ARM_ROLES)}, got {role!r}")
         talker = f.str_("talker", required=True)
         assert talker is not None
         if ":" not in talker:
@@ -291,7 +298,7 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
             serve = ServeSettings(python=s.str_("python"), command=tuple(command),
                                   env={str(k): str(v) for k, v in env.items()})
         arms[str(name)] = ArmSpec(name=str(name), talker=talker, description=f.str_("description") or "",
-                                  serve=serve, source=str(path))
+                                  serve=serve, source=str(path), role=role)
     return arms
 
 

@@ -7,67 +7,129 @@ computed-token count before the step (``_omni_num_computed_tokens``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from harness.records import EventCounts, SpanRecord
+if TYPE_CHECKING:  # records imports this module (a span computes its own flags): no import cycle
+    from harness.records import EventCounts, SpanRecord
+
+# The one definition of the span events: name -> predicate over (P, c, n, rows). The predicates use
+# only comparisons and ``&``, so they take Python ints (one span) and numpy columns (a whole
+# spans.jsonl) alike; ``classify_span``, ``classify_spans``, ``SpanRecord``'s flags, ``count_events``
+# and the report's vectorised counts are all generated from this table.
+EVENTS: dict[str, Callable[[Any, Any, Any, Any], Any]] = {
+    "is_prefill": lambda P, c, n, rows: c < P,
+    # 0 < c < P: a prefill chunk that does not start at row 0
+    "nonzero_offset": lambda P, c, n, rows: (c > 0) & (c < P),
+    # c < P < c + n: a replay covering prompt and generated positions
+    "cross_boundary": lambda P, c, n, rows: (c < P) & (P < c + n),
+    # c >= P and n > 1: replay of generated positions, or a speculative-decoding verify span
+    "multi_decode": lambda P, c, n, rows: (c >= P) & (n > 1),
+    # 0 < c < P and n == 1
+    "one_token_tail": lambda P, c, n, rows: (c > 0) & (c < P) & (n == 1),
+    # rows returned != n
+    "row_mismatch": lambda P, c, n, rows: rows != n,
+}
+EVENT_FIELDS = tuple(EVENTS)
+
+# EventCounts field -> the event flags whose conjunction it counts (``talker_calls`` counts every call).
+EVENT_COUNTS: dict[str, tuple[str, ...]] = {
+    "talker_calls": (),
+    "prefill_calls": ("is_prefill",),
+    "nonzero_offset_chunks": ("nonzero_offset",),
+    "cross_boundary_replays": ("cross_boundary",),
+    "multi_position_decode_spans": ("multi_decode",),
+    "one_token_tails": ("one_token_tail",),
+    "row_count_mismatches": ("row_mismatch",),
+    "prefill_row_count_mismatches": ("row_mismatch", "is_prefill"),
+}
+# EventCounts field -> the SpanRecord field summed into it (misaligned positions, by region).
+MISALIGNED_COUNTS: dict[str, str] = {
+    "misaligned_positions": "misaligned",
+    "misaligned_text_positions": "misaligned_text",
+    "misaligned_end_positions": "misaligned_end",
+}
 
 
 @dataclass(frozen=True)
 class SpanEvents:
     is_prefill: bool
-    nonzero_offset: bool  # 0 < c < P: a prefill chunk that does not start at row 0
-    cross_boundary: bool  # c < P < c + n: a replay covering prompt and generated positions
-    multi_decode: bool  # c >= P and n > 1: replay of generated positions, or a verify span
-    one_token_tail: bool  # 0 < c < P and n == 1
+    nonzero_offset: bool
+    cross_boundary: bool
+    multi_decode: bool
+    one_token_tail: bool
     row_mismatch: bool  # rows returned != n (None rows: not known)
 
 
-def classify_span(P: int, c: int, n: int, rows: int | None = None) -> SpanEvents:
+def span_flags(P: int, c: int, n: int, rows: int | None = None) -> dict[str, bool]:
+    """The event flags of one span ({name: bool}); ``rows`` None: no row-count mismatch claimed."""
     if P < 0 or c < 0 or n < 1:
         raise ValueError(f"invalid span: P={P} c={c} n={n}")
-    return SpanEvents(
-        is_prefill=c < P,
-        nonzero_offset=0 < c < P,
-        cross_boundary=c < P < c + n,
-        multi_decode=c >= P and n > 1,
-        one_token_tail=0 < c < P and n == 1,
-        row_mismatch=rows is not None and rows != n,
-    )
+    flags = {name: bool(pred(P, c, n, rows)) for name, pred in EVENTS.items()}
+    if rows is None:
+        flags["row_mismatch"] = False
+    return flags
 
 
-EVENT_FIELDS = ("is_prefill", "nonzero_offset", "cross_boundary", "multi_decode", "one_token_tail", "row_mismatch")
+def classify_span(P: int, c: int, n: int, rows: int | None = None) -> SpanEvents:
+    return SpanEvents(**span_flags(P, c, n, rows))
 
 
 def classify_spans(P: np.ndarray, c: np.ndarray, n: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
     """``classify_span`` over whole columns at once ({field: bool array}): reports count events
     of ~65k spans, where one call per span cost more than the rest of the report."""
-    return {
-        "is_prefill": c < P,
-        "nonzero_offset": (c > 0) & (c < P),
-        "cross_boundary": (c < P) & (P < c + n),
-        "multi_decode": (c >= P) & (n > 1),
-        "one_token_tail": (c > 0) & (c < P) & (n == 1),
-        "row_mismatch": rows != n,
-    }
+    return {name: np.asarray(pred(P, c, n, rows), dtype=bool) for name, pred in EVENTS.items()}
+
+
+def event_count_columns(flags: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+    """{EventCounts field: per-span 0/1 column} from ``classify_spans``' flags (``EVENT_COUNTS``)."""
+    out = {}
+    for name, needs in EVENT_COUNTS.items():
+        col = np.ones(length, dtype=bool)
+        for flag in needs:
+            col = col & flags[flag]
+        out[name] = col
+    return out
+
+
+def misaligned_regions(positions: Iterable[int] | np.ndarray, P: int, reply_len: int) -> tuple[int, int]:
+    """(text, end): how many of the misaligned ``positions`` lie in each region.
+
+    The **text** region is the prompt positions and the reply positions up to and including
+    text-EOS, ``p < P + reply_len + 1`` with ``reply_len = len(thinker_result[1:])``; the **end**
+    region is every position after text-EOS (where the contract wants the persistent text-PAD, and
+    vLLM-Omni 0.30.0 feeds a zero text row). Both backends split their counts with this function.
+    """
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    text = int((pos < P + reply_len + 1).sum())
+    return text, int(pos.size) - text
 
 
 def count_events(spans: Iterable[SpanRecord]) -> EventCounts:
+    from harness.records import EventCounts
+
     counts = EventCounts()
     for s in spans:
-        ev = classify_span(s.P, s.c, s.n, s.rows)
-        counts.talker_calls += 1
-        counts.prefill_calls += ev.is_prefill
-        counts.nonzero_offset_chunks += ev.nonzero_offset
-        counts.cross_boundary_replays += ev.cross_boundary
-        counts.multi_position_decode_spans += ev.multi_decode
-        counts.one_token_tails += ev.one_token_tail
-        counts.row_count_mismatches += ev.row_mismatch
-        counts.prefill_row_count_mismatches += ev.row_mismatch and ev.is_prefill
-        counts.misaligned_positions += s.misaligned or 0
+        flags = span_flags(s.P, s.c, s.n, s.rows)
+        for name, needs in EVENT_COUNTS.items():
+            if all(flags[f] for f in needs):
+                setattr(counts, name, getattr(counts, name) + 1)
+        text, end = span_regions(s)
+        counts.misaligned_text_positions += text
+        counts.misaligned_end_positions += end
+        counts.misaligned_positions += text + end
     return counts
+
+
+def span_regions(span: SpanRecord) -> tuple[int, int]:
+    """(text, end) misaligned positions of one span record; a record written before the split
+    (``misaligned`` alone) counts in the text region, the conservative reading."""
+    if span.misaligned_text is None and span.misaligned_end is None:
+        return span.misaligned or 0, 0
+    return span.misaligned_text or 0, span.misaligned_end or 0
 
 
 # --------------------------------------------------------------------------- expected rows

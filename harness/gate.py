@@ -39,7 +39,7 @@ from typing import Any
 
 from harness.config import DEPLOY_DIR, load_yaml
 from harness.errors import ConfigError
-from harness.report import CellKey, CellSummary
+from harness.summary import CellKey, CellSummary
 
 DEFAULT_RULES = DEPLOY_DIR / "gates.yaml"
 

@@ -157,9 +157,10 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "asr": {"backend": o.asr, "model": o.asr_model, "beam_size": o.beam_size},
         "seed": o.seed,
         "repeat": o.repeat,
-        "arms": [{"name": a.name, "talker": a.talker} for a in plan.arms],
+        "arms": [{"name": a.name, "talker": a.talker, "role": a.role} for a in plan.arms],
         "deploys": [d.name for d in plan.deploys],
         "prompts": plan.prompts.name,
+        "prompt_ids": [p.id for p in plan.prompts.prompts],  # the gate checks every cell has each one
         "cells": [{"arm": c.arm.name, "deploy": c.deploy.name, "repeat": c.repeat} for c in plan.cells],
         "config_hashes": config_hashes(plan.arms, plan.deploys, plan.prompts),
         "versions": _versions(),

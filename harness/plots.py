@@ -23,7 +23,7 @@ from matplotlib.patches import Patch
 from matplotlib.path import Path
 
 from harness.records import SpanRecord
-from harness.report import WER_THRESHOLD, CellSummary, Run
+from harness.summary import WER_THRESHOLD, CellSummary, Run
 
 matplotlib.use("Agg")  # headless: CI and servers have no display (safe here: no figure exists yet)
 

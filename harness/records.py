@@ -22,7 +22,15 @@ MANIFEST_FILE = "manifest.json"
 
 @dataclass
 class SpanRecord:
-    """One ``talker_preprocess`` call for one request (DESIGN.md "span")."""
+    """One ``talker_preprocess`` call for one request (DESIGN.md "span").
+
+    The event flags are not arguments: every record computes them from the phase contract
+    (``harness.contract.EVENTS``) when it is built, so no call site can get them wrong.
+    Misaligned positions (exact: rows that differ from the contract's) come in two regions,
+    ``misaligned_text`` (prompt and reply positions up to and including text-EOS) and
+    ``misaligned_end`` (after text-EOS); ``misaligned`` is their sum (given alone by records
+    written before the split). None: the backend does not know.
+    """
 
     arm: str
     deploy: str
@@ -32,19 +40,30 @@ class SpanRecord:
     P: int
     c: int
     n: int
-    rows: int  # rows returned by talker_preprocess
-    nonzero_offset: bool = False
-    cross_boundary: bool = False
-    multi_decode: bool = False
-    one_token_tail: bool = False
-    row_mismatch: bool = False
-    misaligned: int | None = None  # sim only: positions whose row differs from the oracle
+    rows: int  # rows returned by talker_preprocess (0 when the call raised)
+    misaligned_text: int | None = None
+    misaligned_end: int | None = None
+    misaligned: int | None = None  # misaligned_text + misaligned_end
     error: str | None = None
+    is_prefill: bool = field(default=False, init=False)
+    nonzero_offset: bool = field(default=False, init=False)
+    cross_boundary: bool = field(default=False, init=False)
+    multi_decode: bool = field(default=False, init=False)
+    one_token_tail: bool = field(default=False, init=False)
+    row_mismatch: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        from harness.contract import span_flags  # contract imports records for its annotations only
+
+        for name, value in span_flags(self.P, self.c, self.n, self.rows).items():
+            setattr(self, name, value)
+        if self.misaligned_text is not None or self.misaligned_end is not None:
+            self.misaligned = (self.misaligned_text or 0) + (self.misaligned_end or 0)
 
 
 @dataclass
 class EventCounts:
-    """Per-request (or per-cell) counts of the contract's events."""
+    """Per-request (or per-cell) counts of the contract's events (see ``harness.contract.EVENT_COUNTS``)."""
 
     talker_calls: int = 0
     prefill_calls: int = 0
@@ -54,7 +73,9 @@ class EventCounts:
     one_token_tails: int = 0
     row_count_mismatches: int = 0
     prefill_row_count_mismatches: int = 0
-    misaligned_positions: int = 0
+    misaligned_positions: int = 0  # text + end
+    misaligned_text_positions: int = 0
+    misaligned_end_positions: int = 0
 
     def add(self, other: EventCounts) -> None:
         for f in dataclasses.fields(self):
@@ -114,8 +135,12 @@ def request_from_dict(data: dict[str, Any]) -> RequestRecord:
     return RequestRecord(**{k: v for k, v in data.items() if k in known})
 
 
+_SPAN_ARGS = frozenset(f.name for f in dataclasses.fields(SpanRecord) if f.init)
+
+
 def span_from_dict(data: dict[str, Any]) -> SpanRecord:
-    known = {f.name for f in dataclasses.fields(SpanRecord)}
+    """A span from its JSON; the stored flags are recomputed from the contract, not trusted."""
+    known = _SPAN_ARGS
     return SpanRecord(**{k: v for k, v in data.items() if k in known})
 
 

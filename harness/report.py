@@ -1,20 +1,13 @@
-"""Tables for a run directory: the seed's table first, then the extended and per-request tables.
+"""Tables for a run directory: the seed's table first, then the extended, paired and per-request tables.
 
-Everything here is pure table building (pandas) over a loaded ``Run``, except the entry points
-``load_run`` (reads), ``write_reports`` (writes every format) and ``terminal_table`` (reads and
-renders), which ``omni-stress run`` and ``omni-stress report`` call. The gate reuses
-``summarize_cells`` so the numbers it judges are the numbers the tables show.
+Everything here is pure table building (pandas) over a loaded ``Run`` (``harness.summary``),
+except the entry points ``write_reports`` (writes every format) and ``terminal_table`` (reads and
+renders), which ``omni-stress run`` and ``omni-stress report`` call. The gate uses the same
+``summarize_cells`` (``harness.summary``), so the numbers it judges are the numbers the tables show.
 
-Event counts come from ``spans.jsonl`` whenever the cell has spans (the definitive per-call
-trace), else from the per-request ``events`` the backend summed; the WER a table shows is
-``RequestRecord.score`` (Whisper's when present, else the oracle transcript's), and the source is
-always labelled.
-
-Speed: the default matrix writes ~65k spans, and one ``SpanRecord`` object per span cost more than
-the rest of the report. ``load_run`` therefore parses ``spans.jsonl`` in one ``json.loads`` call
-into plain columns (``SpanTable``) and counts events with numpy (``harness.contract.classify_spans``,
-the same predicates as ``classify_span``, checked against it in the tests); ``omni-stress
-run`` loads the run once and hands it to both the terminal table and ``write_reports``.
+The WER a table shows is ``RequestRecord.score`` (Whisper's when present, else the oracle
+transcript's), and the source is always labelled. Misaligned positions are shown in their two
+regions, text (prompt and reply up to text-EOS) and end (after text-EOS).
 """
 
 from __future__ import annotations
@@ -25,35 +18,38 @@ import json
 import math
 import statistics
 import textwrap
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
-from functools import cached_property
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
-from harness.contract import classify_spans
 from harness.errors import UserError
-from harness.records import (
-    MANIFEST_FILE,
-    REQUESTS_FILE,
-    SPANS_FILE,
-    EventCounts,
-    RequestRecord,
-    SpanRecord,
-    iter_jsonl_numbered,
-    read_manifest,
-    read_requests,
-    span_from_dict,
+from harness.summary import (  # re-exported: callers and tests use report.load_run & co.
+    DEFAULT_ROLE,
+    ROLES,
+    WER_THRESHOLD,
+    CellKey,
+    CellSummary,
+    PairedRow,
+    Run,
+    SpanTable,
+    cell_order,
+    group_rows,
+    load_run,
+    paired_rows,
+    reference_deploy_of,
+    request_events,
+    run_problems,
+    summarize_cells,
 )
 
-WER_THRESHOLD = 0.5
+__all__ = ["DEFAULT_ROLE", "ROLES", "CellKey", "CellSummary", "PairedRow", "Run", "SpanTable", "UserError",
+           "cell_order", "group_rows", "load_run", "paired_rows", "reference_deploy_of", "request_events",
+           "run_problems", "summarize_cells"]
+
 NA = "n/a"
 NONE = "\u2013"  # a number that does not apply to the cell (accepted tokens/step without spec decode)
-
-CellKey = tuple[str, str, int]  # (arm, deploy, repeat)
 
 SEED_COLUMNS = [
     "Arm",
@@ -69,350 +65,6 @@ WER_SOURCE_TEXT = {
     "mixed": "mixed (Whisper where transcribed, else oracle transcript)",
     "none": "none (no request scored)",
 }
-
-
-# --------------------------------------------------------------------------- loading
-
-
-SpanKey = tuple[str, str, int, str]  # (arm, deploy, repeat, request)
-
-_SPAN_STR_FIELDS = ("arm", "deploy", "request")
-_SPAN_INT_FIELDS = ("repeat", "step", "P", "c", "n", "rows")
-class SpanTable:
-    """``spans.jsonl`` as columns: what the report reads of 65k spans, without 65k objects.
-
-    Iterating yields ``SpanRecord`` objects (built on demand, for the few spans a plot draws or for
-    callers that want records); ``group_events`` is what the tables count.
-    """
-
-    def __init__(self, raw: list[dict[str, Any]] | None = None, path: Path | None = None,
-                 lines: list[int] | None = None) -> None:
-        """``raw``: one dict per span as in spans.jsonl; ``lines``: their line numbers (for errors)."""
-        self.raw = raw or []
-        self.path = path
-        where = str(path) if path is not None else SPANS_FILE
-        line_of = (lambda i: lines[i]) if lines is not None else (lambda i: i + 1)
-        cols: dict[str, Any] = {}
-        for i, rec in enumerate(self.raw):
-            if type(rec) is not dict:
-                raise UserError(f"{where}: line {line_of(i)}: malformed record (expected a JSON object)")
-        for name in _SPAN_STR_FIELDS + _SPAN_INT_FIELDS:
-            values = [rec.get(name) for rec in self.raw]
-            kind = str if name in _SPAN_STR_FIELDS else int
-            bad = next((i for i, v in enumerate(values) if type(v) is not kind), None)
-            if bad is not None:
-                got = "missing" if name not in self.raw[bad] else f"got {values[bad]!r}"
-                expected = "a string" if kind is str else "an integer"
-                raise UserError(f"{where}: line {line_of(bad)}: malformed record ({name}: expected {expected}, {got})")
-            cols[name] = values if kind is str else np.array(values, dtype=np.int64)
-        misaligned = [rec.get("misaligned") for rec in self.raw]
-        bad = next((i for i, v in enumerate(misaligned) if v is not None and type(v) is not int), None)
-        if bad is not None:
-            raise UserError(f"{where}: line {line_of(bad)}: malformed record "
-                            f"(misaligned: expected an integer or null, got {misaligned[bad]!r})")
-        cols["misaligned_known"] = np.array([v is not None for v in misaligned], dtype=bool)
-        cols["misaligned"] = np.array([v or 0 for v in misaligned], dtype=np.int64)
-        P, c, n = cols["P"], cols["c"], cols["n"]
-        invalid = np.flatnonzero((P < 0) | (c < 0) | (n < 1))
-        if invalid.size:
-            i = int(invalid[0])
-            raise UserError(f"{where}: line {line_of(i)}: invalid span P={P[i]} c={c[i]} n={n[i]}")
-        self.columns = cols
-
-    @classmethod
-    def from_records(cls, spans: Iterable[SpanRecord]) -> SpanTable:
-        return cls([asdict(s) for s in spans])
-
-    def __len__(self) -> int:
-        return len(self.raw)
-
-    def __iter__(self) -> Iterator[SpanRecord]:
-        return (span_from_dict(d) for d in self.raw)
-
-    def records(self, indices: Iterable[int]) -> list[SpanRecord]:
-        return [span_from_dict(self.raw[int(i)]) for i in indices]
-
-    @cached_property
-    def flags(self) -> dict[str, np.ndarray]:
-        c = self.columns
-        return classify_spans(c["P"], c["c"], c["n"], c["rows"])
-
-    @cached_property
-    def group_codes(self) -> tuple[list[SpanKey], np.ndarray]:
-        """(keys, code of each span): one group per (arm, deploy, repeat, request), in first-seen order."""
-        index: dict[SpanKey, int] = {}
-        c = self.columns
-        codes = [index.setdefault(k, len(index))
-                 for k in zip(c["arm"], c["deploy"], c["repeat"].tolist(), c["request"])]
-        return list(index), np.array(codes, dtype=np.int64)
-
-    def group_sums(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Per-group sums of each column (bincount over the group codes)."""
-        keys, codes = self.group_codes
-        return {name: np.bincount(codes, weights=v, minlength=len(keys)).astype(np.int64)
-                for name, v in values.items()}
-
-    @cached_property
-    def group_events(self) -> dict[SpanKey, tuple[EventCounts, bool]]:
-        """{(arm, deploy, repeat, request): (EventCounts of its spans, any span's misaligned known)}.
-
-        Equals ``harness.contract.count_events`` over each group's spans (tested).
-        """
-        keys, _ = self.group_codes
-        f = self.flags
-        sums = self.group_sums({
-            "talker_calls": np.ones(len(self), dtype=np.int64),
-            "prefill_calls": f["is_prefill"],
-            "nonzero_offset_chunks": f["nonzero_offset"],
-            "cross_boundary_replays": f["cross_boundary"],
-            "multi_position_decode_spans": f["multi_decode"],
-            "one_token_tails": f["one_token_tail"],
-            "row_count_mismatches": f["row_mismatch"],
-            "prefill_row_count_mismatches": f["row_mismatch"] & f["is_prefill"],
-            "misaligned_positions": self.columns["misaligned"],
-            "misaligned_known": self.columns["misaligned_known"],
-        })
-        out = {}
-        for g, key in enumerate(keys):
-            counts = EventCounts(**{name: int(v[g]) for name, v in sums.items() if name != "misaligned_known"})
-            out[key] = (counts, bool(sums["misaligned_known"][g]))
-        return out
-
-
-@dataclass
-class Run:
-    """A run directory's records, read once (``spans`` as columns, see ``SpanTable``)."""
-
-    run_dir: Path
-    manifest: dict[str, Any]
-    requests: list[RequestRecord]
-    spans: SpanTable = field(default_factory=SpanTable)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.spans, SpanTable):  # a list of SpanRecord, for a Run built by hand
-            self.spans = SpanTable.from_records(self.spans)
-
-    @property
-    def run_id(self) -> str:
-        return str(self.manifest.get("run_id") or self.run_dir.name)
-
-
-def load_run(run_dir: Path) -> Run:
-    """Reads manifest, requests and spans; any problem is one UserError naming the file."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir}: run directory not found")
-    if not (run_dir / MANIFEST_FILE).is_file():
-        raise UserError(f"{run_dir}: no {MANIFEST_FILE} (not a run directory?)")
-    try:
-        manifest = read_manifest(run_dir)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{run_dir / MANIFEST_FILE}: not valid JSON ({exc})") from None
-    _validate_manifest(manifest, run_dir / MANIFEST_FILE)
-    if not (run_dir / REQUESTS_FILE).is_file():
-        raise UserError(f"{run_dir}: no {REQUESTS_FILE} (the run recorded no request)")
-    requests = _read_records(run_dir, REQUESTS_FILE, read_requests)
-    raw, lines = _read_jsonl_fast(run_dir / SPANS_FILE)
-    return Run(run_dir=run_dir, manifest=manifest, requests=requests,
-               spans=SpanTable(raw, path=run_dir / SPANS_FILE, lines=lines))
-
-
-def _read_jsonl_fast(path: Path) -> tuple[list[Any], list[int] | None]:
-    """(objects, their line numbers or None when line i+1 holds object i); same result as
-    ``records.iter_jsonl`` (torn last line dropped, a broken line in the middle an error).
-
-    The whole file is parsed as one JSON array (one ``json.loads`` call instead of 65k); any
-    doubt (a torn tail, a blank line, a line that is not exactly one value) falls back to the
-    line-by-line reader, which also names the broken line.
-    """
-    if not path.exists():
-        return [], None
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text ({exc})") from None
-    body = text[:-1] if text.endswith("\n") else text
-    if not body.strip():
-        return [], None
-    try:
-        data = json.loads("[" + body.replace("\n", ",") + "]")
-        if isinstance(data, list) and len(data) == body.count("\n") + 1:
-            return data, None
-    except json.JSONDecodeError:
-        pass
-    objects, lines = [], []
-    try:
-        for number, obj in iter_jsonl_numbered(path):
-            objects.append(obj)
-            lines.append(number)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    return objects, lines
-
-
-def _read_records(run_dir: Path, name: str, reader: Any) -> list[Any]:
-    try:
-        return reader(run_dir)
-    except ValueError as exc:  # iter_jsonl: a broken line that is not the torn tail
-        raise UserError(str(exc)) from None
-    except TypeError as exc:  # a record missing a required field
-        raise UserError(f"{run_dir / name}: malformed record ({exc})") from None
-
-
-def _validate_manifest(manifest: Any, path: Path) -> None:
-    if not isinstance(manifest, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    cells = manifest.get("cells")
-    if not isinstance(cells, list):
-        raise UserError(f"{path}: cells: expected a list of {{arm, deploy, repeat}}")
-    for i, cell in enumerate(cells):
-        if not isinstance(cell, dict) or not all(k in cell for k in ("arm", "deploy", "repeat")):
-            raise UserError(f"{path}: cells[{i}]: expected an object with arm, deploy and repeat")
-        if isinstance(cell["repeat"], bool) or not isinstance(cell["repeat"], int):
-            raise UserError(f"{path}: cells[{i}].repeat: expected an integer, got {cell['repeat']!r}")
-
-
-# --------------------------------------------------------------------------- cells
-
-
-@dataclass
-class CellSummary:
-    """Everything the tables and the gate say about one arm x deploy x repeat."""
-
-    arm: str
-    deploy: str
-    repeat: int
-    requests: int
-    scores: list[float]  # RequestRecord.score of each scored request
-    oracle_scores: list[float]
-    events: EventCounts
-    event_source: str  # "spans" or "requests"
-    misaligned_known: bool
-    preemptions: int
-    errors: int
-    wall_s: float
-    wer_source: str  # key of WER_SOURCE_TEXT
-    run_number: int  # the repeat as the tables show it ("run 1")
-    accepted: list[float] = field(default_factory=list)  # accepted_tokens_per_step of each request that has it
-
-    @property
-    def accepted_tokens_per_step(self) -> float | None:
-        """Plain mean over the cell's requests that report it (speculative decoding); None without."""
-        return statistics.fmean(self.accepted) if self.accepted else None
-
-    @property
-    def key(self) -> CellKey:
-        return (self.arm, self.deploy, self.repeat)
-
-    @property
-    def scored(self) -> int:
-        return len(self.scores)
-
-    @property
-    def mean_wer(self) -> float | None:
-        return statistics.fmean(self.scores) if self.scores else None
-
-    @property
-    def median_wer(self) -> float | None:
-        return statistics.median(self.scores) if self.scores else None
-
-    @property
-    def oracle_mean_wer(self) -> float | None:
-        return statistics.fmean(self.oracle_scores) if self.oracle_scores else None
-
-    def requests_over(self, threshold: float = WER_THRESHOLD) -> int:
-        return sum(s > threshold for s in self.scores)
-
-
-def _run_offset(keys: Iterable[CellKey]) -> int:
-    """Repeats are shown 1-based like the seed ("run 1 / run 2") whether stored from 0 or 1."""
-    repeats = [k[2] for k in keys]
-    return 1 if repeats and min(repeats) == 0 else 0
-
-
-def cell_order(run: Run) -> list[CellKey]:
-    """Arms in manifest order, then deploys in manifest order (reference before stress), then repeat.
-
-    Cells that only the records name (a manifest written before a resumed run added cells) follow.
-    """
-    keys: list[CellKey] = []
-    for cell in run.manifest.get("cells", []):
-        keys.append((str(cell["arm"]), str(cell["deploy"]), int(cell["repeat"])))
-    for rec in run.requests:
-        keys.append((rec.arm, rec.deploy, rec.repeat))
-    arm_rank: dict[str, int] = {}
-    deploy_rank: dict[str, int] = {}
-    for arm, deploy, _ in keys:
-        arm_rank.setdefault(arm, len(arm_rank))
-        deploy_rank.setdefault(deploy, len(deploy_rank))
-    unique = list(dict.fromkeys(keys))
-    return sorted(unique, key=lambda k: (arm_rank[k[0]], deploy_rank[k[1]], k[2]))
-
-
-def request_events(run: Run) -> dict[tuple[str, str, int, str], EventCounts]:
-    """Per-request events: counted from spans where the request has spans, else the record's."""
-    groups = run.spans.group_events
-    out: dict[tuple[str, str, int, str], EventCounts] = {}
-    for rec in run.requests:
-        counted = groups.get(rec.key)
-        out[rec.key] = counted[0] if counted else rec.events
-    return out
-
-
-def summarize_cells(run: Run) -> list[CellSummary]:
-    """One CellSummary per cell, in table order (see ``cell_order``)."""
-    order = cell_order(run)
-    offset = _run_offset(order)
-    by_cell: dict[CellKey, list[RequestRecord]] = {k: [] for k in order}
-    for rec in run.requests:
-        by_cell[(rec.arm, rec.deploy, rec.repeat)].append(rec)
-    span_cells: dict[CellKey, tuple[EventCounts, bool]] = {}  # every span of the cell, whether or not
-    for (arm, deploy, repeat, _), (counts, known) in run.spans.group_events.items():  # its request has a record
-        total, any_known = span_cells.get((arm, deploy, repeat), (EventCounts(), False))
-        total.add(counts)
-        span_cells[(arm, deploy, repeat)] = (total, any_known or known)
-    manifest_wall = {
-        (str(c["arm"]), str(c["deploy"]), int(c["repeat"])): c.get("wall_s") for c in run.manifest.get("cells", [])
-    }
-
-    out = []
-    for key in order:
-        recs = by_cell[key]
-        if key in span_cells:
-            events, misaligned_known = span_cells[key]
-            source = "spans"
-        else:
-            events, source = EventCounts(), "requests"
-            for rec in recs:
-                events.add(rec.events)
-            misaligned_known = any(rec.backend == "sim" for rec in recs)
-        scores = [r.score for r in recs if r.score is not None]
-        whisper = sum(r.wer is not None for r in recs)
-        oracle_only = sum(r.wer is None and r.oracle_wer is not None for r in recs)
-        wer_source = ("whisper" if whisper and not oracle_only else "oracle" if oracle_only and not whisper
-                      else "mixed" if whisper else "none")
-        wall = manifest_wall.get(key)
-        if not isinstance(wall, (int, float)) or isinstance(wall, bool):
-            wall = sum(r.wall_s for r in recs)
-        out.append(CellSummary(
-            arm=key[0], deploy=key[1], repeat=key[2], requests=len(recs),
-            scores=[float(s) for s in scores],
-            oracle_scores=[float(r.oracle_wer) for r in recs if r.oracle_wer is not None],
-            events=events, event_source=source, misaligned_known=misaligned_known,
-            preemptions=sum(r.preemptions for r in recs),
-            errors=sum(r.error is not None for r in recs),
-            wall_s=float(wall), wer_source=wer_source, run_number=key[2] + offset,
-            accepted=[float(r.accepted_tokens_per_step) for r in recs if r.accepted_tokens_per_step is not None],
-        ))
-    return out
-
-
-def group_rows(cells: list[CellSummary]) -> list[list[CellSummary]]:
-    """Cells grouped per arm x deploy (the seed's rows), repeats in order."""
-    groups: dict[tuple[str, str], list[CellSummary]] = {}
-    for cell in cells:
-        groups.setdefault((cell.arm, cell.deploy), []).append(cell)
-    return list(groups.values())
 
 
 # --------------------------------------------------------------------------- formatting

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from harness.contract import classify_span
+from harness.contract import misaligned_regions
 from harness.records import SpanRecord
 from harness.sim.codec import CODEC_BOS, CODEC_PAD
 from harness.sim.model import VOICE, SimTalkerModelBase
@@ -86,9 +86,7 @@ class SimRunner:
                 input_ids=span_ids.clone(), input_embeds=inputs_embeds, **req_infos)
             rows = int(req_embeds.shape[0])
         except Exception as exc:  # the arm's failure is this request's failure, not the run's
-            ev = classify_span(P, c, n, None)
-            span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, 0, ev.nonzero_offset, ev.cross_boundary,
-                              ev.multi_decode, ev.one_token_tail, True, None, f"{type(exc).__name__}: {exc}")
+            span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows=0, error=f"{type(exc).__name__}: {exc}")
             return CallResult(span, span.error)
         self._update_buffer(rid, update_dict)
         seg = min(n, rows)
@@ -96,21 +94,23 @@ class SimRunner:
         text_ids, codec_ids = self.space.identify(inputs_embeds)
         kv = self.kv[rid]
         kv.write(c, text_ids, codec_ids)
-        misaligned = self._misaligned(kv, self.thinker[rid], span_ids, c, n, text_ids, codec_ids)
-        ev = classify_span(P, c, n, rows)
-        span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows, ev.nonzero_offset, ev.cross_boundary,
-                          ev.multi_decode, ev.one_token_tail, ev.row_mismatch, misaligned, None)
+        text, end = self._misaligned(kv, self.thinker[rid], span_ids, c, n, text_ids, codec_ids)
+        span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows, misaligned_text=text, misaligned_end=end)
         return CallResult(span, None)
 
     def _misaligned(self, kv: TalkerKV, out: ThinkerOutput, span_ids: torch.Tensor, c: int, n: int,
-                    text_ids: np.ndarray, codec_ids: np.ndarray) -> int:
-        """Positions whose row differs from the contract's expected row (exact, by identity)."""
+                    text_ids: np.ndarray, codec_ids: np.ndarray) -> tuple[int, int]:
+        """Positions whose row differs from the contract's expected row (exact, by identity), as
+        (text region, end region) counts (``contract.misaligned_regions``)."""
+        eos_k = out.output_rows.shape[0] - 1  # len(thinker_result[1:])
         if n == 1 and c >= out.P:  # a decode position: scalar arithmetic, no array set-up
-            k, eos_k = c - out.P, out.output_rows.shape[0] - 1
+            k = c - out.P
             want = out.output_first_id + 1 + k if k < eos_k else self._eos_id if k == eos_k else self._pad_id
-            return int(int(text_ids[0]) != want or int(codec_ids[0]) != int(span_ids[0]))
+            bad = int(int(text_ids[0]) != want or int(codec_ids[0]) != int(span_ids[0]))
+            return (bad, 0) if k <= eos_k else (0, bad)
         exp_text, exp_codec = self.expected_ids(kv, out, span_ids.numpy(), c, n)
-        return int(((exp_text != text_ids) | (exp_codec != codec_ids)).sum())
+        wrong = (exp_text != text_ids) | (exp_codec != codec_ids)
+        return misaligned_regions(np.flatnonzero(wrong) + c, out.P, eos_k)
 
     def expected_ids(self, kv: TalkerKV, out: ThinkerOutput, span_ids: np.ndarray, c: int,
                      n: int) -> tuple[np.ndarray, np.ndarray]:

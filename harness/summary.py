@@ -1,0 +1,587 @@
+"""A run directory, loaded once, and what every consumer says about its cells.
+
+``load_run`` reads ``manifest.json``, ``requests.jsonl`` and ``spans.jsonl`` (spans as numpy
+columns, ``SpanTable``); ``summarize_cells`` turns a ``Run`` into one ``CellSummary`` per arm x
+deploy x repeat; ``run_problems`` says why a run is not complete. ``report`` (tables), ``plots``
+and ``gate`` all import these, so the numbers the gate judges are the numbers the tables show.
+
+Event counts come from ``spans.jsonl`` whenever the cell has spans (the definitive per-call
+trace), else from the per-request ``events`` the backend summed; events are counted with numpy
+from the same predicate table as the contract (``harness.contract.EVENTS``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from harness.contract import MISALIGNED_COUNTS, classify_spans, event_count_columns
+from harness.errors import UserError
+from harness.records import (
+    MANIFEST_FILE,
+    REQUESTS_FILE,
+    SPANS_FILE,
+    EventCounts,
+    RequestRecord,
+    SpanRecord,
+    iter_jsonl_numbered,
+    read_manifest,
+    read_requests,
+    span_from_dict,
+)
+
+WER_THRESHOLD = 0.5
+CellKey = tuple[str, str, int]  # (arm, deploy, repeat)
+ROLES = ("baseline", "candidate")
+DEFAULT_ROLE = "candidate"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+SpanKey = tuple[str, str, int, str]  # (arm, deploy, repeat, request)
+
+_SPAN_STR_FIELDS = ("arm", "deploy", "request")
+_SPAN_INT_FIELDS = ("repeat", "step", "P", "c", "n", "rows")
+class SpanTable:
+    """``spans.jsonl`` as columns: what the report reads of 65k spans, without 65k objects.
+
+    Iterating yields ``SpanRecord`` objects (built on demand, for the few spans a plot draws or for
+    callers that want records); ``group_events`` is what the tables count.
+    """
+
+    def __init__(self, raw: list[dict[str, Any]] | None = None, path: Path | None = None,
+                 lines: list[int] | None = None) -> None:
+        """``raw``: one dict per span as in spans.jsonl; ``lines``: their line numbers (for errors)."""
+        self.raw = raw or []
+        self.path = path
+        where = str(path) if path is not None else SPANS_FILE
+        line_of = (lambda i: lines[i]) if lines is not None else (lambda i: i + 1)
+        cols: dict[str, Any] = {}
+        for i, rec in enumerate(self.raw):
+            if type(rec) is not dict:
+                raise UserError(f"{where}: line {line_of(i)}: malformed record (expected a JSON object)")
+        for name in _SPAN_STR_FIELDS + _SPAN_INT_FIELDS:
+            values = [rec.get(name) for rec in self.raw]
+            kind = str if name in _SPAN_STR_FIELDS else int
+            bad = next((i for i, v in enumerate(values) if type(v) is not kind), None)
+            if bad is not None:
+                got = "missing" if name not in self.raw[bad] else f"got {values[bad]!r}"
+                expected = "a string" if kind is str else "an integer"
+                raise UserError(f"{where}: line {line_of(bad)}: malformed record ({name}: expected {expected}, {got})")
+            cols[name] = values if kind is str else np.array(values, dtype=np.int64)
+        region_cols = {}
+        for name in ("misaligned", "misaligned_text", "misaligned_end"):
+            values = [rec.get(name) for rec in self.raw]
+            bad = next((i for i, v in enumerate(values) if v is not None and type(v) is not int), None)
+            if bad is not None:
+                raise UserError(f"{where}: line {line_of(bad)}: malformed record "
+                                f"({name}: expected an integer or null, got {values[bad]!r})")
+            region_cols[name] = values
+        total, text, end = region_cols["misaligned"], region_cols["misaligned_text"], region_cols["misaligned_end"]
+        split = [t is not None or e is not None for t, e in zip(text, end)]
+        cols["misaligned_known"] = np.array([s or m is not None for s, m in zip(split, total)], dtype=bool)
+        # A record written before the split (``misaligned`` alone) counts in the text region: the
+        # conservative reading, since only the text region can change what the Talker says.
+        cols["misaligned_text"] = np.array([(t or 0) if s else (m or 0) for s, t, m in zip(split, text, total)],
+                                           dtype=np.int64)
+        cols["misaligned_end"] = np.array([(e or 0) if s else 0 for s, e in zip(split, end)], dtype=np.int64)
+        cols["misaligned"] = cols["misaligned_text"] + cols["misaligned_end"]
+        P, c, n = cols["P"], cols["c"], cols["n"]
+        invalid = np.flatnonzero((P < 0) | (c < 0) | (n < 1))
+        if invalid.size:
+            i = int(invalid[0])
+            raise UserError(f"{where}: line {line_of(i)}: invalid span P={P[i]} c={c[i]} n={n[i]}")
+        self.columns = cols
+
+    @classmethod
+    def from_records(cls, spans: Iterable[SpanRecord]) -> SpanTable:
+        return cls([asdict(s) for s in spans])
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __iter__(self) -> Iterator[SpanRecord]:
+        return (span_from_dict(d) for d in self.raw)
+
+    def records(self, indices: Iterable[int]) -> list[SpanRecord]:
+        return [span_from_dict(self.raw[int(i)]) for i in indices]
+
+    @cached_property
+    def flags(self) -> dict[str, np.ndarray]:
+        c = self.columns
+        return classify_spans(c["P"], c["c"], c["n"], c["rows"])
+
+    @cached_property
+    def group_codes(self) -> tuple[list[SpanKey], np.ndarray]:
+        """(keys, code of each span): one group per (arm, deploy, repeat, request), in first-seen order."""
+        index: dict[SpanKey, int] = {}
+        c = self.columns
+        codes = [index.setdefault(k, len(index))
+                 for k in zip(c["arm"], c["deploy"], c["repeat"].tolist(), c["request"])]
+        return list(index), np.array(codes, dtype=np.int64)
+
+    def group_sums(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Per-group sums of each column (bincount over the group codes)."""
+        keys, codes = self.group_codes
+        return {name: np.bincount(codes, weights=v, minlength=len(keys)).astype(np.int64)
+                for name, v in values.items()}
+
+    @cached_property
+    def group_events(self) -> dict[SpanKey, tuple[EventCounts, bool]]:
+        """{(arm, deploy, repeat, request): (EventCounts of its spans, any span's misaligned known)}.
+
+        Equals ``harness.contract.count_events`` over each group's spans (tested).
+        """
+        keys, _ = self.group_codes
+        columns = event_count_columns(self.flags, len(self))
+        columns.update({name: self.columns[attr] for name, attr in MISALIGNED_COUNTS.items()})
+        columns["misaligned_known"] = self.columns["misaligned_known"]
+        sums = self.group_sums(columns)
+        out = {}
+        for g, key in enumerate(keys):
+            counts = EventCounts(**{name: int(v[g]) for name, v in sums.items() if name != "misaligned_known"})
+            out[key] = (counts, bool(sums["misaligned_known"][g]))
+        return out
+
+
+@dataclass
+class Run:
+    """A run directory's records, read once (``spans`` as columns, see ``SpanTable``)."""
+
+    run_dir: Path
+    manifest: dict[str, Any]
+    requests: list[RequestRecord]
+    spans: SpanTable = field(default_factory=SpanTable)
+    torn: tuple[str, ...] = ()  # record files whose last line was cut off mid-write (dropped on read)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spans, SpanTable):  # a list of SpanRecord, for a Run built by hand
+            self.spans = SpanTable.from_records(self.spans)
+
+    @property
+    def run_id(self) -> str:
+        return str(self.manifest.get("run_id") or self.run_dir.name)
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """{arm: role} from the manifest's ``arms`` list (written from arms.yaml); an arm without a
+        role, or a run written before roles, is a ``candidate``."""
+        out = {}
+        for arm in self.manifest.get("arms") or []:
+            if isinstance(arm, dict) and isinstance(arm.get("name"), str):
+                out[arm["name"]] = arm.get("role") or DEFAULT_ROLE
+        return out
+
+
+def load_run(run_dir: Path) -> Run:
+    """Reads manifest, requests and spans; any problem is one UserError naming the file."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: run directory not found")
+    if not (run_dir / MANIFEST_FILE).is_file():
+        raise UserError(f"{run_dir}: no {MANIFEST_FILE} (not a run directory?)")
+    try:
+        manifest = read_manifest(run_dir)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{run_dir / MANIFEST_FILE}: not valid JSON ({exc})") from None
+    _validate_manifest(manifest, run_dir / MANIFEST_FILE)
+    if not (run_dir / REQUESTS_FILE).is_file():
+        raise UserError(f"{run_dir}: no {REQUESTS_FILE} (the run recorded no request)")
+    requests = _read_records(run_dir, REQUESTS_FILE, read_requests)
+    raw, lines = _read_jsonl_fast(run_dir / SPANS_FILE)
+    torn = tuple(name for name in (REQUESTS_FILE, SPANS_FILE) if _torn_tail(run_dir / name))
+    return Run(run_dir=run_dir, manifest=manifest, requests=requests,
+               spans=SpanTable(raw, path=run_dir / SPANS_FILE, lines=lines), torn=torn)
+
+
+def _torn_tail(path: Path) -> bool:
+    """The file's last line has no newline: a write was cut off (the reader drops that line)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            if fh.tell() == 0:
+                return False
+            fh.seek(-1, 2)
+            return fh.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+
+
+def _read_jsonl_fast(path: Path) -> tuple[list[Any], list[int] | None]:
+    """(objects, their line numbers or None when line i+1 holds object i); same result as
+    ``records.iter_jsonl`` (torn last line dropped, a broken line in the middle an error).
+
+    The whole file is parsed as one JSON array (one ``json.loads`` call instead of 65k); any
+    doubt (a torn tail, a blank line, a line that is not exactly one value) falls back to the
+    line-by-line reader, which also names the broken line.
+    """
+    if not path.exists():
+        return [], None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc})") from None
+    body = text[:-1] if text.endswith("\n") else text
+    if not body.strip():
+        return [], None
+    try:
+        data = json.loads("[" + body.replace("\n", ",") + "]")
+        if isinstance(data, list) and len(data) == body.count("\n") + 1:
+            return data, None
+    except json.JSONDecodeError:
+        pass
+    objects, lines = [], []
+    try:
+        for number, obj in iter_jsonl_numbered(path):
+            objects.append(obj)
+            lines.append(number)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return objects, lines
+
+
+def _read_records(run_dir: Path, name: str, reader: Any) -> list[Any]:
+    try:
+        return reader(run_dir)
+    except ValueError as exc:  # iter_jsonl: a broken line that is not the torn tail
+        raise UserError(str(exc)) from None
+    except TypeError as exc:  # a record missing a required field
+        raise UserError(f"{run_dir / name}: malformed record ({exc})") from None
+
+
+def _validate_manifest(manifest: Any, path: Path) -> None:
+    if not isinstance(manifest, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    cells = manifest.get("cells")
+    if not isinstance(cells, list):
+        raise UserError(f"{path}: cells: expected a list of {{arm, deploy, repeat}}")
+    for i, cell in enumerate(cells):
+        if not isinstance(cell, dict) or not all(k in cell for k in ("arm", "deploy", "repeat")):
+            raise UserError(f"{path}: cells[{i}]: expected an object with arm, deploy and repeat")
+        if isinstance(cell["repeat"], bool) or not isinstance(cell["repeat"], int):
+            raise UserError(f"{path}: cells[{i}].repeat: expected an integer, got {cell['repeat']!r}")
+    arms = manifest.get("arms")
+    if arms is not None and not isinstance(arms, list):
+        raise UserError(f"{path}: arms: expected a list of {{name, talker, role}}")
+    for i, arm in enumerate(arms or []):
+        if not isinstance(arm, dict) or not isinstance(arm.get("name"), str):
+            raise UserError(f"{path}: arms[{i}]: expected an object with a name")
+        role = arm.get("role")
+        if role is not None and role not in ROLES:
+            raise UserError(f"{path}: arms[{i}].role: expected {' or '.join(ROLES)}, got {role!r}")
+    prompt_ids = manifest.get("prompt_ids")
+    if prompt_ids is not None and (not isinstance(prompt_ids, list) or not all(isinstance(p, str) for p in prompt_ids)):
+        raise UserError(f"{path}: prompt_ids: expected a list of prompt ids")
+
+
+# --------------------------------------------------------------------------- cells
+
+
+@dataclass
+class CellSummary:
+    """Everything the tables and the gate say about one arm x deploy x repeat."""
+
+    arm: str
+    deploy: str
+    repeat: int
+    requests: int
+    scores: list[float]  # RequestRecord.score of each scored request
+    oracle_scores: list[float]
+    events: EventCounts
+    event_source: str  # "spans" or "requests"
+    misaligned_known: bool
+    preemptions: int
+    errors: int
+    wall_s: float
+    wer_source: str  # key of WER_SOURCE_TEXT
+    run_number: int  # the repeat as the tables show it ("run 1")
+    accepted: list[float] = field(default_factory=list)  # accepted_tokens_per_step of each request that has it
+    role: str = DEFAULT_ROLE  # the arm's role, from the run's manifest (ROLES)
+    records: list[RequestRecord] = field(default_factory=list, repr=False)  # the cell's requests, by prompt id
+
+    @property
+    def prompt_scores(self) -> dict[str, float]:
+        """{prompt id: WER} of the scored requests (the pairs of the paired table and metrics)."""
+        return {r.prompt_id: float(r.score) for r in self.records if r.score is not None}
+
+    @property
+    def worst_request(self) -> RequestRecord | None:
+        """The scored request with the highest WER (the first prompt id on a tie)."""
+        worst = None
+        for r in self.records:  # in prompt-id order
+            if r.score is not None and (worst is None or r.score > worst.score):  # type: ignore[operator]
+                worst = r
+        return worst
+
+    @property
+    def accepted_tokens_per_step(self) -> float | None:
+        """Plain mean over the cell's requests that report it (speculative decoding); None without."""
+        return statistics.fmean(self.accepted) if self.accepted else None
+
+    @property
+    def key(self) -> CellKey:
+        return (self.arm, self.deploy, self.repeat)
+
+    @property
+    def scored(self) -> int:
+        return len(self.scores)
+
+    @property
+    def mean_wer(self) -> float | None:
+        return statistics.fmean(self.scores) if self.scores else None
+
+    @property
+    def median_wer(self) -> float | None:
+        return statistics.median(self.scores) if self.scores else None
+
+    @property
+    def oracle_mean_wer(self) -> float | None:
+        return statistics.fmean(self.oracle_scores) if self.oracle_scores else None
+
+    def requests_over(self, threshold: float = WER_THRESHOLD) -> int:
+        return sum(s > threshold for s in self.scores)
+
+
+def _run_offset(keys: Iterable[CellKey]) -> int:
+    """Repeats are shown 1-based like the seed ("run 1 / run 2") whether stored from 0 or 1."""
+    repeats = [k[2] for k in keys]
+    return 1 if repeats and min(repeats) == 0 else 0
+
+
+def cell_order(run: Run) -> list[CellKey]:
+    """Arms in manifest order, then deploys in manifest order (reference before stress), then repeat.
+
+    Cells that only the records name (a manifest written before a resumed run added cells) follow.
+    """
+    keys: list[CellKey] = []
+    for cell in run.manifest.get("cells", []):
+        keys.append((str(cell["arm"]), str(cell["deploy"]), int(cell["repeat"])))
+    for rec in run.requests:
+        keys.append((rec.arm, rec.deploy, rec.repeat))
+    arm_rank: dict[str, int] = {}
+    deploy_rank: dict[str, int] = {}
+    for arm, deploy, _ in keys:
+        arm_rank.setdefault(arm, len(arm_rank))
+        deploy_rank.setdefault(deploy, len(deploy_rank))
+    unique = list(dict.fromkeys(keys))
+    return sorted(unique, key=lambda k: (arm_rank[k[0]], deploy_rank[k[1]], k[2]))
+
+
+def request_events(run: Run) -> dict[tuple[str, str, int, str], EventCounts]:
+    """Per-request events: counted from spans where the request has spans, else the record's."""
+    groups = run.spans.group_events
+    out: dict[tuple[str, str, int, str], EventCounts] = {}
+    for rec in run.requests:
+        counted = groups.get(rec.key)
+        out[rec.key] = counted[0] if counted else rec.events
+    return out
+
+
+def summarize_cells(run: Run) -> list[CellSummary]:
+    """One CellSummary per cell, in table order (see ``cell_order``)."""
+    order = cell_order(run)
+    offset = _run_offset(order)
+    by_cell: dict[CellKey, list[RequestRecord]] = {k: [] for k in order}
+    for rec in run.requests:
+        by_cell[(rec.arm, rec.deploy, rec.repeat)].append(rec)
+    span_cells: dict[CellKey, tuple[EventCounts, bool]] = {}  # every span of the cell, whether or not
+    for (arm, deploy, repeat, _), (counts, known) in run.spans.group_events.items():  # its request has a record
+        total, any_known = span_cells.get((arm, deploy, repeat), (EventCounts(), False))
+        total.add(counts)
+        span_cells[(arm, deploy, repeat)] = (total, any_known or known)
+    manifest_wall = {
+        (str(c["arm"]), str(c["deploy"]), int(c["repeat"])): c.get("wall_s") for c in run.manifest.get("cells", [])
+    }
+    roles = run.roles
+
+    out = []
+    for key in order:
+        recs = by_cell[key]
+        if key in span_cells:
+            events, misaligned_known = span_cells[key]
+            source = "spans"
+        else:
+            events, source = EventCounts(), "requests"
+            for rec in recs:
+                events.add(rec.events)
+            misaligned_known = any(rec.backend == "sim" for rec in recs)
+        scores = [r.score for r in recs if r.score is not None]
+        whisper = sum(r.wer is not None for r in recs)
+        oracle_only = sum(r.wer is None and r.oracle_wer is not None for r in recs)
+        wer_source = ("whisper" if whisper and not oracle_only else "oracle" if oracle_only and not whisper
+                      else "mixed" if whisper else "none")
+        wall = manifest_wall.get(key)
+        if not isinstance(wall, (int, float)) or isinstance(wall, bool):
+            wall = sum(r.wall_s for r in recs)
+        out.append(CellSummary(
+            arm=key[0], deploy=key[1], repeat=key[2], requests=len(recs),
+            scores=[float(s) for s in scores],
+            oracle_scores=[float(r.oracle_wer) for r in recs if r.oracle_wer is not None],
+            events=events, event_source=source, misaligned_known=misaligned_known,
+            preemptions=sum(r.preemptions for r in recs),
+            errors=sum(r.error is not None for r in recs),
+            wall_s=float(wall), wer_source=wer_source, run_number=key[2] + offset,
+            accepted=[float(r.accepted_tokens_per_step) for r in recs if r.accepted_tokens_per_step is not None],
+            role=roles.get(key[0], DEFAULT_ROLE), records=sorted(recs, key=lambda r: r.prompt_id),
+        ))
+    return out
+
+
+def group_rows(cells: list[CellSummary]) -> list[list[CellSummary]]:
+    """Cells grouped per arm x deploy (the seed's rows), repeats in order."""
+    groups: dict[tuple[str, str], list[CellSummary]] = {}
+    for cell in cells:
+        groups.setdefault((cell.arm, cell.deploy), []).append(cell)
+    return list(groups.values())
+
+
+
+
+# --------------------------------------------------------------------------- complete runs
+
+
+def _key_text(key: tuple) -> str:
+    arm, deploy, repeat, *rest = key
+    return f"{arm}/{deploy} repeat {repeat}" + (f" prompt {rest[0]}" if rest else "")
+
+
+def run_problems(run: Run) -> list[str]:
+    """Why the run is not complete, one short sentence each; empty for a complete run.
+
+    Complete: the manifest says it finished, no record file ends in a torn line, and the request
+    records are exactly one per (arm, deploy, repeat, prompt) of the manifest's cells x prompts,
+    from the manifest's backend, with spans only for the manifest's cells. ``gate`` refuses a run
+    with a problem (exit 2); ``report`` and ``compare`` show it as a warning.
+    """
+    m = run.manifest
+    problems: list[str] = []
+    if not m.get("finished"):
+        problems.append(f"the run did not finish ({MANIFEST_FILE}: finished is null; killed, still running, "
+                        f"or resumed without completing)")
+    for name in run.torn:
+        problems.append(f"{name}: the last line is cut off (a write was interrupted; that record is lost)")
+    cells = [(str(c["arm"]), str(c["deploy"]), int(c["repeat"])) for c in m.get("cells", [])]
+    cell_set = set(cells)
+    counts = Counter(r.key for r in run.requests)
+    dups = [k for k, n in counts.items() if n > 1]
+    if dups:
+        problems.append(f"{len(dups)} request record{'s' if len(dups) > 1 else ''} written more than once "
+                        f"(first: {_key_text(dups[0])}, {counts[dups[0]]} times)")
+    listed = m.get("prompt_ids")
+    prompt_ids = list(listed) if isinstance(listed, list) else list(dict.fromkeys(r.prompt_id for r in run.requests))
+    expected = [(*cell, p) for cell in cells for p in prompt_ids]
+    missing = [k for k in expected if k not in counts]
+    if missing:
+        problems.append(f"{len(missing)} of {len(expected)} request records missing (first: {_key_text(missing[0])})")
+    foreign = [k for k in counts if k[:3] not in cell_set]
+    if foreign:
+        problems.append(f"{len(foreign)} request record{'s' if len(foreign) > 1 else ''} for a cell {MANIFEST_FILE} "
+                        f"does not list (first: {_key_text(foreign[0])})")
+    known = set(prompt_ids)
+    strays = [k for k in counts if k[:3] in cell_set and k[3] not in known]
+    if strays:
+        problems.append(f"{len(strays)} request record{'s' if len(strays) > 1 else ''} for a prompt {MANIFEST_FILE} "
+                        f"does not list (first: {_key_text(strays[0])})")
+    backend = m.get("backend")
+    wrong = [r for r in run.requests if backend and r.backend != backend]
+    if wrong:
+        problems.append(f"{len(wrong)} request record{'s' if len(wrong) > 1 else ''} from backend "
+                        f"{wrong[0].backend!r}, {MANIFEST_FILE} says {backend!r} (first: {_key_text(wrong[0].key)})")
+    keys, _ = run.spans.group_codes
+    span_foreign = sorted({k[:3] for k in keys if k[:3] not in cell_set})
+    if span_foreign:
+        problems.append(f"spans for {len(span_foreign)} cell{'s' if len(span_foreign) > 1 else ''} {MANIFEST_FILE} "
+                        f"does not list (first: {_key_text(span_foreign[0])})")
+    return problems
+
+
+def problems_line(run: Run, problems: list[str]) -> str:
+    """All of ``run_problems`` as one line."""
+    return f"{run.run_dir}: incomplete run ({len(problems)} problem{'s' if len(problems) > 1 else ''}): " + \
+        "; ".join(problems)
+
+
+# --------------------------------------------------------------------------- pairs (per-request evidence)
+
+
+def reference_deploy_of(run: Run | list[CellSummary], preferred: str = "reference") -> str | None:
+    """The deploy the paired table measures against: ``preferred`` when the run has it, else None."""
+    cells = run if isinstance(run, list) else summarize_cells(run)
+    return preferred if any(c.deploy == preferred for c in cells) else None
+
+
+def reference_cell(cell: CellSummary, deploy: str, cells: list[CellSummary]) -> CellSummary | None:
+    """The same arm's cell in ``deploy``, same repeat; a single reference run serves all repeats."""
+    same_arm = [c for c in cells if c.arm == cell.arm and c.deploy == deploy]
+    for c in same_arm:
+        if c.repeat == cell.repeat:
+            return c
+    return same_arm[0] if len(same_arm) == 1 else None
+
+
+@dataclass
+class PairedRow:
+    """One prompt of one cell next to the same prompt in the same arm's reference cell."""
+
+    cell: CellSummary
+    reference: CellSummary
+    prompt_id: str
+    wer: float | None
+    reference_wer: float | None
+    oracle_wer: float | None
+    reference_oracle_wer: float | None
+    record: RequestRecord | None
+
+    @property
+    def delta(self) -> float | None:
+        return None if self.wer is None or self.reference_wer is None else self.wer - self.reference_wer
+
+    @property
+    def oracle_delta(self) -> float | None:
+        if self.oracle_wer is None or self.reference_oracle_wer is None:
+            return None
+        return self.oracle_wer - self.reference_oracle_wer
+
+
+def paired_rows(cell: CellSummary, cells: list[CellSummary], reference_deploy: str) -> list[PairedRow]:
+    """Per prompt: this cell's WER and the reference cell's (same arm, same repeat); [] without one."""
+    ref = reference_cell(cell, reference_deploy, cells)
+    if ref is None or ref is cell:
+        return []
+    mine = {r.prompt_id: r for r in cell.records}
+    theirs = {r.prompt_id: r for r in ref.records}
+    rows = []
+    for pid in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(pid), theirs.get(pid)
+        rows.append(PairedRow(cell, ref, pid, a.score if a else None, b.score if b else None,
+                              a.oracle_wer if a else None, b.oracle_wer if b else None, a))
+    return rows
+
+
+def worst_paired_delta(cell: CellSummary, cells: list[CellSummary], reference_deploy: str) -> float | None:
+    """The largest per-prompt WER increase over the reference cell; None when nothing pairs."""
+    deltas = [r.delta for r in paired_rows(cell, cells, reference_deploy) if r.delta is not None]
+    return max(deltas) if deltas else None
+
+
+def repeat_group(cell: CellSummary, cells: list[CellSummary]) -> list[CellSummary]:
+    """Every repeat of the cell's arm x deploy (the N of "worst of N repeats")."""
+    return [c for c in cells if c.arm == cell.arm and c.deploy == cell.deploy]
+
+
+def worst_of_repeats(cell: CellSummary, cells: list[CellSummary]) -> dict[str, float]:
+    """{prompt id: its highest WER over the repeats of the cell's arm x deploy}."""
+    worst: dict[str, float] = {}
+    for c in repeat_group(cell, cells):
+        for pid, score in c.prompt_scores.items():
+            worst[pid] = max(score, worst.get(pid, score))
+    return worst

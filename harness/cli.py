@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import pkgutil
 import sys
@@ -13,8 +14,8 @@ from harness.errors import UserError
 
 
 class _Group(click.Group):
-    """Turns UserError, and click's own usage errors (a bad option value, an unknown option),
-    into one line on stderr and exit code 2, with no traceback and no usage block."""
+    """Turns UserError, click's own usage errors (a bad option value, an unknown option) and a
+    full disk into one line on stderr and exit code 2, with no traceback and no usage block."""
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
@@ -22,6 +23,12 @@ class _Group(click.Group):
         except UserError as exc:
             click.echo(f"omni-stress: error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            where = f" writing {exc.filename}" if exc.filename else ""
+            click.echo(f"omni-stress: error: {(exc.strerror or 'no space left on device').lower()}{where}", err=True)
+            sys.exit(2)
         except click.UsageError as exc:
             sub = exc.ctx.command_path.split()[1:] if exc.ctx is not None else []
             where = " ".join(["omni-stress", *sub])

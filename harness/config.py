@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
+import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,24 +26,97 @@ PROMPT_DIR = PROJECT_ROOT / "prompts"
 # Seed settings (DESIGN.md "prompt set"): Thinker greedy <= 80 tokens; Talker sampling.
 MAX_REPLY_TOKENS = 80
 
+# Upper bounds of deploy numbers (docs/robustness.md): a value past them is a typo, and would
+# otherwise fail deep inside a run (the sim's profile run allocates 256 bytes per batched token,
+# so 10**12 tokens asked the allocator for 256 TB) after the run directory exists.
+MAX_MODEL_LEN = 32768  # the Talker's max_position_embeddings
+MAX_BATCHED_TOKENS = 262_144  # 8x vLLM-Omni's Talker default of 32768; 64 MB in the sim's profile run
+MAX_NUM_SEQS = 1024  # vLLM's largest default max_num_seqs
+MAX_KV_BLOCKS = 262_144  # vLLM builds one Python object per block: ~1 s and ~100 MB at this size
+MAX_SEED = 2**32 - 1  # the same range as `run --seed`
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)  # vLLM's CacheConfig.BlockSize (vllm/config/cache.py)
+_INT_LIMITS = {  # field name -> largest value accepted (the smallest is 1, seed 0)
+    "max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
+    "num_gpu_blocks_override": MAX_KV_BLOCKS, "max_model_len": MAX_MODEL_LEN, "block_size": max(BLOCK_SIZES),
+    "top_k": 1_000_000, "seed": MAX_SEED, "max_tokens": MAX_MODEL_LEN,
+    "frames_per_text_token": 1000, "default_max_num_batched_tokens": MAX_BATCHED_TOKENS,
+    "default_max_model_len": MAX_MODEL_LEN, "max_steps": 10_000_000, "num_speculative_tokens": 64,
+}
+
+# Prompt ids, arm, deploy and run names become file and folder names (audio/<arm>-<deploy>-r1-<id>.wav,
+# results/<run-id>/): one path component of portable characters, so nothing is written outside the run.
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+SAFE_NAME_RULE = "1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def check_name(value: str) -> str | None:
+    """None when ``value`` is a safe file-name component, else what is wrong with it."""
+    if SAFE_NAME.fullmatch(value):
+        return None
+    return f"{value!r} is not a safe name ({SAFE_NAME_RULE}; it names files in the run directory)"
+
 
 # --------------------------------------------------------------------------- helpers
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the
+    last value silently, so ``max_num_seqs: 4`` then ``max_num_seqs: 1`` would run with 1)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:  # type: ignore[override]
+        seen: dict[Any, int] = {}
+        for key_node, _value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # '<<' merges are overridden by explicit keys on purpose
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, seen[key], line)
+                seen[key] = line
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+        return super().construct_mapping(node, deep=deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, first: int, again: int) -> None:
+        super().__init__(key, first, again)
+        self.key, self.first, self.again = key, first, again
+
+
 def load_yaml(path: Path) -> Any:
+    """The YAML document in ``path``; every way it can be unreadable is one ConfigError naming it."""
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a folder, not a YAML file") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
     try:
-        return yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                          "save the file as UTF-8") from None
+    loader = _StrictLoader(text)
+    try:
+        return loader.get_single_data()
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{path}: line {exc.again}: duplicate key {exc.key!r} (first given on line {exc.first})") \
+            from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{path}:{where}: malformed YAML: {problem}") from None
+        raise ConfigError(f"{path}:{where}: malformed YAML: {' '.join(str(problem).split())}") from None
+    except (RecursionError, MemoryError):
+        raise ConfigError(f"{path}: malformed YAML: nested too deeply to read "
+                          "(a config file needs a few levels)") from None
+    finally:
+        loader.dispose()
 
 
 def file_hash(path: Path) -> str:
@@ -85,13 +161,15 @@ class _Fields:
             raise self.fail(key, f"must be a non-empty string, got {value!r}")
         return value
 
-    def int_(self, key: str, default: int | None = None, minimum: int = 1) -> int | None:
+    def int_(self, key: str, default: int | None = None, minimum: int = 1, maximum: int | None = None) -> int | None:
         value = self.data.get(key, default)
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
             raise self.fail(key, f"must be {kind}, got {value!r}")
+        if maximum is not None and value > maximum:
+            raise self.fail(key, f"must be at most {maximum}, got {value!r}")
         return value
 
     def float_(self, key: str, default: float | None, lo: float, hi: float) -> float | None:
@@ -202,8 +280,44 @@ def _dataclass_from(fields: _Fields, cls: type, floats: dict[str, tuple[float, f
             kwargs[f.name] = fields.float_(f.name, None, 0.0, 1e9)
         else:
             minimum = 0 if f.name == "seed" else 1
-            kwargs[f.name] = fields.int_(f.name, None, minimum=minimum)
+            kwargs[f.name] = fields.int_(f.name, None, minimum=minimum, maximum=_INT_LIMITS.get(f.name))
     return cls(**kwargs)
+
+
+def _check_kv_cache(path: Path, t: TalkerSettings, sim: SimSettings) -> None:
+    """A KV cache that cannot hold one request of ``max_model_len`` tokens never finishes that
+    request (vLLM preempts it, recomputes it, runs out again: the sim saw no progress for
+    ``sim.max_steps`` steps); vLLM itself refuses such a cache at start-up, so the deploy is
+    refused here, before any run directory exists. Block 0 is vLLM's reserved null block."""
+    if t.block_size not in BLOCK_SIZES:
+        raise ConfigError(f"{path}: talker.block_size: must be one of {', '.join(map(str, BLOCK_SIZES))} "
+                          f"(vLLM's block sizes), got {t.block_size}")
+    max_len = t.max_model_len or sim.default_max_model_len
+    len_field = "talker.max_model_len" if t.max_model_len else "sim.default_max_model_len (talker.max_model_len unset)"
+    # vLLM's SchedulerConfig rules (vllm/config/scheduler.py, verify_max_model_len), named by field here
+    batched = t.max_num_batched_tokens or sim.default_max_num_batched_tokens
+    batched_field = ("talker.max_num_batched_tokens" if t.max_num_batched_tokens else
+                     "sim.default_max_num_batched_tokens (talker.max_num_batched_tokens unset)")
+    if batched < t.max_num_seqs:
+        raise ConfigError(f"{path}: {batched_field}: {batched} is below talker.max_num_seqs {t.max_num_seqs}; "
+                          "vLLM requires max_num_batched_tokens >= max_num_seqs")
+    if t.enable_chunked_prefill is False and batched < max_len:
+        raise ConfigError(f"{path}: {batched_field}: {batched} is below {len_field} {max_len} with "
+                          "talker.enable_chunked_prefill false; vLLM requires max_num_batched_tokens >= max_model_len "
+                          "without chunked prefill")
+    need = math.ceil(max_len / t.block_size)
+    if t.num_gpu_blocks_override is not None:
+        if t.num_gpu_blocks_override - 1 < need:
+            raise ConfigError(
+                f"{path}: talker.num_gpu_blocks_override: {t.num_gpu_blocks_override} blocks "
+                f"({t.num_gpu_blocks_override - 1} usable, block 0 is reserved) of {t.block_size} tokens are too few "
+                f"for one request of {len_field} {max_len} tokens, which needs {need}; give at least {need + 1} "
+                f"blocks or lower talker.max_model_len")
+    elif t.max_num_seqs * need + 1 > MAX_KV_BLOCKS:
+        raise ConfigError(f"{path}: talker: the default KV cache (max_num_seqs {t.max_num_seqs} x {need} blocks of "
+                          f"{t.block_size} tokens for {len_field} {max_len}) would have {t.max_num_seqs * need + 1} "
+                          f"blocks, over the limit of {MAX_KV_BLOCKS}; set talker.num_gpu_blocks_override, a larger "
+                          f"talker.block_size or a smaller talker.max_model_len")
 
 
 def load_deploy(name_or_path: str) -> Deploy:
@@ -213,6 +327,8 @@ def load_deploy(name_or_path: str) -> Deploy:
     top.reject_unknown(_DEPLOY_KEYS)
     name = top.str_("name", default=path.stem, required=True)
     assert name is not None
+    if (bad := check_name(name)) is not None:
+        raise top.fail("name", bad)
     talker = _dataclass_from(top.sub("talker"), TalkerSettings, {"gpu_memory_utilization": (0.01, 1.0)})
     if talker.num_gpu_blocks_override is not None and talker.num_gpu_blocks_override < 2:
         raise ConfigError(f"{path}: talker.num_gpu_blocks_override: must be >= 2 (block 0 is reserved)")
@@ -220,6 +336,7 @@ def load_deploy(name_or_path: str) -> Deploy:
     if sampling.top_p <= 0.0:  # nothing would survive the top-p filter
         raise ConfigError(f"{path}: sampling.top_p: must be above 0 (vLLM takes top_p in (0, 1]), got {sampling.top_p!r}")
     sim = _dataclass_from(top.sub("sim"), SimSettings, {"thinker_steps_per_token": (0.0, 1000.0)})
+    _check_kv_cache(path, talker, sim)
     spec = None
     if top.has("speculative"):
         spec = _dataclass_from(top.sub("speculative"), SpecDecodeSettings, {"acceptance_rate": (0.0, 1.0)})
@@ -275,6 +392,8 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
     arms: dict[str, ArmSpec] = {}
     for name in arms_f.data:
         f = arms_f.sub(str(name))
+        if (bad := check_name(str(name))) is not None:
+            raise ConfigError(f"{path}: arms.{name}: {bad}")
         f.reject_unknown({"talker", "description", "serve", "role"})
         role = f.data.get("role", "candidate")
         if role not in ARM_ROLES:
@@ -309,6 +428,8 @@ def resolve_arm(text: str, arms: dict[str, ArmSpec]) -> ArmSpec:
         name, _, target = text.partition("=")
         if not name or ":" not in target or target == "vllm-omni:":
             raise ConfigError(f"--arm {text!r}: expected NAME, NAME=package.module:attr or NAME=vllm-omni:<source>")
+        if (bad := check_name(name)) is not None:
+            raise ConfigError(f"--arm {text!r}: arm name {bad}")
         base = arms.get(name)
         upstream = target.startswith("vllm-omni:")
         arm = ArmSpec(name=name, talker=target, description="upstream vLLM-Omni code" if upstream else "plugin arm",
@@ -373,6 +494,10 @@ def load_prompts(name_or_path: str) -> PromptSet:
         user = f.str_("user", required=True)
         reply = f.str_("reply", required=True)
         assert pid and user and reply
+        if (bad := check_name(pid)) is not None:
+            raise f.fail("id", bad)
+        if (bad := _unspeakable(reply)) is not None:
+            raise f.fail("reply", bad)
         if pid in seen:
             raise f.fail("id", f"duplicate prompt id {pid!r}")
         seen.add(pid)
@@ -385,6 +510,17 @@ def load_prompts(name_or_path: str) -> PromptSet:
     return PromptSet(name=top.str_("name", default=path.stem) or path.stem,
                      description=top.str_("description", default="") or "",
                      system_prompt=system, prompts=tuple(prompts), path=path)
+
+
+def _unspeakable(reply: str) -> str | None:
+    """Replies are English (the WER reference): the sim's TTS (espeak-ng, English voice) cannot say
+    letters of other scripts, while Whisper's normaliser keeps them, so a correct Talker would score
+    as a mismatch (``pr`` got WER 0.9 on a Cyrillic reply). Refused instead of mis-scored."""
+    for ch in reply:
+        if unicodedata.category(ch).startswith("L") and "LATIN" not in unicodedata.name(ch, ""):
+            return (f"letter {ch!r} (U+{ord(ch):04X}, {unicodedata.name(ch, 'unnamed').lower()}) is not Latin script; "
+                    "replies are scored as English (Latin letters) and the sim speaks English only")
+    return None
 
 
 def _resolve(name_or_path: str, folder: Path, what: str) -> Path:

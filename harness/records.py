@@ -205,7 +205,18 @@ def truncate_torn_tail(path: Path) -> bool:
 
 
 def read_requests(run_dir: Path) -> list[RequestRecord]:
-    return [request_from_dict(d) for d in iter_jsonl(run_dir / REQUESTS_FILE)]
+    """Every complete record; a record with a missing field or a field of the wrong type is a
+    ValueError naming the file and the line (``harness.recordcheck``)."""
+    from harness.recordcheck import request_record_problem
+
+    path = run_dir / REQUESTS_FILE
+    records = []
+    for number, data in iter_jsonl_numbered(path):
+        problem = request_record_problem(data)
+        if problem is not None:
+            raise ValueError(f"{path}: line {number}: {problem}")
+        records.append(request_from_dict(data))
+    return records
 
 
 def read_spans(run_dir: Path) -> list[SpanRecord]:

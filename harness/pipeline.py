@@ -15,9 +15,7 @@ import os
 import platform
 import socket
 import sys
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +39,7 @@ from harness.records import (
 
 if TYPE_CHECKING:
     from harness.audio.pipeline import AsrResult
+    from harness.backends import CellOutcome
 
 
 @dataclass
@@ -70,6 +69,13 @@ class StageTimes:
     asr_transcribed: int = 0
     tts_cache_hits: int = 0
     scheduled_tokens: int = 0
+
+    def add(self, outcome: CellOutcome) -> None:
+        self.sim += outcome.sim_seconds
+        self.sim_wall += outcome.sim_wall
+        self.tts += outcome.tts_seconds
+        self.tts_cache_hits = max(self.tts_cache_hits, outcome.tts_cache_hits)  # one cache per run: a running total
+        self.scheduled_tokens += outcome.scheduled_tokens
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.__dict__.items()}
@@ -265,7 +271,7 @@ class PendingScore:
 
 
 class AudioScorer:
-    """Speaks the sim's units into a WAV and scores Whisper's transcript of it.
+    """Scores Whisper's transcript of each record's WAV (written by its backend).
 
     Transcription runs in worker processes (``harness.audio.pool``) while the caller goes on
     simulating; ``submit`` returns at once, ``finish`` fills the record when its transcript is
@@ -276,20 +282,18 @@ class AudioScorer:
         self.options, self.run_dir, self.times = options, run_dir, times
         self.transcriber = None
         self.cache = None
-        self.tts_cache = None
         self.pool = None
         if options.asr != "none":
             from harness.audio.asr import make_transcriber
-            from harness.audio.cache import AudioCache, TranscriptCache
+            from harness.audio.cache import TranscriptCache
 
             self.transcriber = make_transcriber(options.asr, options.asr_model, options.beam_size)
             if not options.use_cache:
-                self.cache, self.tts_cache = TranscriptCache(None), AudioCache(None)
+                self.cache = TranscriptCache(None)
             elif options.cache_dir:
                 self.cache = TranscriptCache(options.cache_dir / "transcripts")
-                self.tts_cache = AudioCache(options.cache_dir / "tts")
             else:
-                self.cache, self.tts_cache = TranscriptCache.default(), AudioCache.default()
+                self.cache = TranscriptCache.default()
             if options.asr_workers != 0:
                 from harness.audio.pool import AsrPool, PoolSpec, default_workers
 
@@ -298,18 +302,6 @@ class AudioScorer:
                     workers = options.asr_workers
                     threads = max(1, (os.cpu_count() or 1) // workers)
                 self.pool = AsrPool(PoolSpec(options.asr, options.asr_model, options.beam_size, workers, threads))
-
-    def speak(self, record: RequestRecord, units: list[str]) -> None:
-        if self.transcriber is None:
-            return
-        from harness.audio.tts import speak
-
-        rel = f"audio/{record.arm}-{record.deploy}-r{record.repeat}-{record.prompt_id}.wav"
-        t0 = time.perf_counter()
-        record.audio_seconds = round(speak(units, self.run_dir / rel, cache=self.tts_cache), 3)
-        self.times.tts += time.perf_counter() - t0
-        self.times.tts_cache_hits = self.tts_cache.hits if self.tts_cache is not None else 0  # one cache per run
-        record.audio_path = rel
 
     def submit(self, record: RequestRecord, cell: str) -> PendingScore:
         pending = PendingScore(record, cell)
@@ -420,32 +412,29 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
             progress.note(f"{cell.label}: already complete, skipped")
         else:
             todo.append((cell, skip))
-    sim_pool, futures = None, {}
+    from harness.backends import CellJob, make_backend
+
+    jobs = [CellJob(cell.arm, cell.deploy, plan.prompts, cell.repeat, plan.options.seed + cell.repeat - 1, skip)
+            for cell, skip in todo]
+    backend = make_backend(plan.options.backend, plan.run_dir, plan.options)
     ok = False
     try:
-        if plan.options.backend == "sim":
-            sim_pool, futures = _start_sim_pool(plan, todo, times)  # before any thread exists: it forks
-        for cell, skip in todo:
-            key = f"{cell.arm.name}/{cell.deploy.name}/{cell.repeat}"
-            t_cell = time.perf_counter()
-            progress.start(key, cell.label, len(prompt_ids) - len(skip))
+        backend.open(jobs)  # before any thread exists: the sim's pool forks
+        for job in jobs:
+            progress.start(job.key, job.label, len(prompt_ids) - len(job.skip))
 
-            def emit(record: RequestRecord, key: str = key) -> None:
+            def emit(record: RequestRecord, key: str = job.key) -> None:
                 sink.add(record, key)
 
-            write_spans = (cell.arm.name, cell.deploy.name, cell.repeat) not in resume.span_cells
-            if plan.options.backend == "sim":
-                seconds = _run_sim_cell(plan, cell, skip, scorer, emit, spans_out if write_spans else None, times,
-                                        futures.get(key), idle=lambda: sink.flush(block=False))
-            else:
-                _run_serve_cell(plan, cell, skip, emit, spans_out if write_spans else None)
-                seconds = time.perf_counter() - t_cell
-            cell_walls[key] = round(seconds, 3)
+            write_spans = (job.arm.name, job.deploy.name, job.repeat) not in resume.span_cells
+            outcome = backend.run_cell(job, emit, spans_out.write_many if write_spans else lambda spans: None,
+                                       idle=lambda: sink.flush(block=False))
+            times.add(outcome)
+            cell_walls[job.key] = round(outcome.seconds, 3)
         sink.flush(block=True)
         ok = True
     finally:
-        if sim_pool is not None:
-            sim_pool.close(cancel=not ok)
+        backend.close(cancel=not ok)
         scorer.close(cancel=not ok)
         progress.close()
         requests_out.close()
@@ -480,60 +469,3 @@ def _drop_partial_span_cells(run_dir: Path, resume: ResumeState, prompt_ids: lis
 
 def _span_cell(span: dict[str, Any]) -> tuple:
     return (span["arm"], span["deploy"], span["repeat"])
-
-
-def _start_sim_pool(plan: RunPlan, todo: list[tuple[Cell, frozenset[str]]],
-                    times: StageTimes) -> tuple[Any, dict[str, Future]]:
-    """Sim worker processes with every cell already submitted, or (None, {}) to run in-process."""
-    from harness.sim.pool import SimPool, default_workers
-
-    workers = plan.options.sim_workers if plan.options.sim_workers >= 0 else default_workers(len(todo))
-    if workers < 2 or len(todo) < 2 or threading.active_count() > 1:
-        return None, {}  # forking a process with other threads (a host application, a test runner) is unsafe
-    t0 = time.perf_counter()
-    pool = SimPool(workers, todo[0][0].deploy)  # imports vLLM: the in-process path pays it in its first cell
-    times.sim_wall += time.perf_counter() - t0
-    futures = {f"{c.arm.name}/{c.deploy.name}/{c.repeat}": pool.submit(c.arm, c.deploy, plan.prompts, c.repeat,
-                                                                       plan.options.seed + c.repeat - 1, skip)
-               for c, skip in todo}
-    return pool, futures
-
-
-def _run_sim_cell(plan: RunPlan, cell: Cell, skip: frozenset[str], scorer: AudioScorer,
-                  emit: Callable[[RequestRecord], None], spans_out: JsonlWriter | None, times: StageTimes,
-                  future: Future | None = None, idle: Callable[[], None] = lambda: None) -> float:
-    """One cell's simulation (in a worker when ``future`` is given), spans, speech and ASR
-    submission; returns the cell's own seconds (simulation + speech)."""
-    from harness.sim.backend import SimRequestResult, run_cell
-
-    t_sim = time.perf_counter()
-    if future is not None:
-        from harness.sim.pool import SimPool
-
-        stats, finished = SimPool.result(future, cell.label, idle)
-    else:
-        finished: list[SimRequestResult] = []  # type: ignore[no-redef]
-        seed = plan.options.seed + cell.repeat - 1
-        stats = run_cell(cell.arm, cell.deploy, plan.prompts, cell.repeat, seed, finished.append, skip)
-    times.sim_wall += time.perf_counter() - t_sim
-    times.sim += stats.sim_seconds
-    times.scheduled_tokens += stats.scheduled_tokens
-    if spans_out is not None:
-        spans_out.write_many(stats.spans)
-    t0 = time.perf_counter()
-    for result in finished:  # completion order
-        scorer.speak(result.record, result.units)
-        emit(result.record)
-    return stats.sim_seconds + time.perf_counter() - t0
-
-
-def _run_serve_cell(plan: RunPlan, cell: Cell, skip: frozenset[str], emit: Callable[[RequestRecord], None],
-                    spans_out: JsonlWriter | None) -> None:
-    from harness.serve.backend import run_cell
-
-    def on_request(record: RequestRecord) -> None:
-        if record.prompt_id not in skip:
-            emit(record)
-
-    run_cell(cell.arm, cell.deploy, plan.prompts, cell.repeat, plan.run_dir, plan.options.serve,
-             on_request=on_request, on_spans=spans_out.write_many if spans_out else lambda spans: None)

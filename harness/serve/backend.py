@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.backends import CellOutcome, safe_name, wav_rel_path
 from harness.config import ArmSpec, Deploy, Prompt, PromptSet
 from harness.contract import count_events
 from harness.errors import UserError
@@ -56,8 +57,7 @@ class ServeOptions:
 # ---------------------------------------------------------------------------- paths and command
 
 
-def _safe(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in name)
+_safe = safe_name
 
 
 def server_log_path(run_dir: Path, arm: ArmSpec, deploy: Deploy) -> Path:
@@ -69,7 +69,7 @@ def cell_dir(run_dir: Path, arm: ArmSpec, deploy: Deploy, repeat: int | str) -> 
 
 
 def audio_rel_path(arm: ArmSpec, deploy: Deploy, repeat: int, prompt_id: str) -> str:
-    return f"audio/{_safe(arm.name)}-{_safe(deploy.name)}-r{repeat}-{_safe(prompt_id)}.wav"
+    return wav_rel_path(arm.name, deploy.name, repeat, prompt_id)
 
 
 def _require_serve(arm: ArmSpec) -> None:
@@ -166,7 +166,8 @@ def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOpt
         f"#   {server_log_path(run_dir, arm, deploy)}  (server log)",
         f"#   {trace}/trace-<pid>.jsonl  (Talker spans, trace plugin)",
         f"#   {trace}/attempts.jsonl  (HTTP attempts)",
-        f"#   {Path(run_dir) / 'audio' / f'{_safe(arm.name)}-{_safe(deploy.name)}-r<repeat>-<prompt_id>.wav'}  (audio)",
+        f"#   {Path(run_dir) / wav_rel_path(arm.name, deploy.name, '<repeat>', 'PROMPT')}  (audio)".replace(
+            "PROMPT", "<prompt_id>"),
     ]
     return "\n".join(lines)
 
@@ -363,3 +364,34 @@ def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.
         audio_path=audio, audio_seconds=res.audio_seconds, preemptions=restarts,
         events=count_events(spans), error=res.error, wall_s=round(res.wall_s, 3),
     )
+
+
+class ServeBackend:
+    """The real backend behind ``harness.backends.Backend``: one server per cell, records carry
+    the server's audio (written by the client under ``audio/``)."""
+
+    name = BACKEND
+
+    def __init__(self, run_dir: Path, options: ServeOptions | None) -> None:
+        self.run_dir = Path(run_dir)
+        self.options = options or ServeOptions()
+
+    def open(self, jobs: list[Any]) -> None:
+        return None
+
+    def run_cell(self, job: Any, emit: Callable[[RequestRecord], None],
+                 emit_spans: Callable[[list[SpanRecord]], None], idle: Callable[[], None]) -> CellOutcome:
+        import time
+
+        t0 = time.perf_counter()
+
+        def on_request(record: RequestRecord) -> None:
+            if record.prompt_id not in job.skip:
+                emit(record)
+
+        run_cell(job.arm, job.deploy, job.prompts, job.repeat, self.run_dir, self.options,
+                 on_request=on_request, on_spans=emit_spans)
+        return CellOutcome(seconds=time.perf_counter() - t0)
+
+    def close(self, cancel: bool = False) -> None:
+        return None

@@ -176,3 +176,70 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
     stats.spans.sort(key=lambda s: (s.step, s.request))
     stats.sim_seconds = time.perf_counter() - t0
     return stats
+
+
+class SimBackend:
+    """The sim behind ``harness.backends.Backend``: cells in forked workers when it can, else
+    in this process; each finished request is spoken by the sim's Code2Wav before it is emitted.
+
+    ``open`` must run before any thread exists: the worker pool forks.
+    """
+
+    name = "sim"
+
+    def __init__(self, run_dir, options) -> None:  # noqa: ANN001 - RunOptions (import cycle)
+        self.options = options
+        self.code2wav = None
+        if options.asr != "none":  # --asr none scores the oracle transcript: no speech needed
+            from harness.sim.code2wav import Code2Wav
+
+            self.code2wav = Code2Wav.for_options(run_dir, options.cache_dir, options.use_cache)
+        self.pool = None
+        self.futures: dict = {}
+        self.warm_seconds = 0.0
+
+    def open(self, jobs) -> None:  # noqa: ANN001 - list[CellJob]
+        import threading
+
+        from harness.sim.pool import SimPool, default_workers
+
+        workers = self.options.sim_workers if self.options.sim_workers >= 0 else default_workers(len(jobs))
+        if workers < 2 or len(jobs) < 2 or threading.active_count() > 1:
+            return  # forking a process with other threads (a host application, a test runner) is unsafe
+        t0 = time.perf_counter()
+        self.pool = SimPool(workers, jobs[0].deploy)  # imports vLLM: the in-process path pays it in its first cell
+        self.warm_seconds = time.perf_counter() - t0
+        self.futures = {j.key: self.pool.submit(j.arm, j.deploy, j.prompts, j.repeat, j.seed, j.skip) for j in jobs}
+
+    def run_cell(self, job, emit, emit_spans, idle):  # noqa: ANN001 - see harness.backends.Backend
+        from harness.backends import CellOutcome
+
+        t_sim = time.perf_counter()
+        future = self.futures.pop(job.key, None)
+        if future is not None:
+            from harness.sim.pool import SimPool
+
+            stats, finished = SimPool.result(future, job.label, idle)
+        else:
+            finished: list[SimRequestResult] = []  # type: ignore[no-redef]
+            stats = run_cell(job.arm, job.deploy, job.prompts, job.repeat, job.seed, finished.append, job.skip)
+        outcome = CellOutcome(sim_seconds=stats.sim_seconds, scheduled_tokens=stats.scheduled_tokens,
+                              sim_wall=time.perf_counter() - t_sim + self.warm_seconds)
+        self.warm_seconds = 0.0
+        emit_spans(stats.spans)
+        t0 = time.perf_counter()
+        tts0 = self.code2wav.seconds if self.code2wav else 0.0
+        for result in finished:  # completion order
+            if self.code2wav is not None:
+                self.code2wav.speak(result.record, result.units)
+            emit(result.record)
+        if self.code2wav is not None:
+            outcome.tts_seconds = self.code2wav.seconds - tts0
+            outcome.tts_cache_hits = self.code2wav.cache_hits
+        outcome.seconds = stats.sim_seconds + time.perf_counter() - t0
+        return outcome
+
+    def close(self, cancel: bool = False) -> None:
+        if self.pool is not None:
+            self.pool.close(cancel=cancel)
+            self.pool = None

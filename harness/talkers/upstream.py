@@ -106,28 +106,30 @@ def default_wheel_dir() -> Path:
 # ----------------------------------------------------------------------------- locating the source
 
 
-def read_source(spec: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> UpstreamSource:
-    """The ``qwen2_5_omni.py`` text that ``vllm-omni:<spec>`` names (see the module docstring).
+def read_source(spec: str, base_dir: Path | None = None, wheel_dir: Path | None = None,
+                member: str = MEMBER) -> UpstreamSource:
+    """The text of ``member`` (default ``qwen2_5_omni.py``) that ``vllm-omni:<spec>`` names
+    (see the module docstring). A plain file stands for ``member`` itself.
 
     Relative paths resolve against ``base_dir`` (default: the working directory).
     """
     where = f"{PREFIX}{spec}"
     if not spec.strip():
-        raise ConfigError(f"{where}: give a path to qwen2_5_omni.py, a vLLM-Omni checkout, a wheel, or a version")
+        raise ConfigError(f"{where}: give a path to {Path(member).name}, a vLLM-Omni checkout, a wheel, or a version")
     path = Path(spec).expanduser()
     if not path.is_absolute():
         path = (base_dir or Path.cwd()) / path
     if path.is_dir():
-        for candidate in [path / MEMBER, *sorted(path.glob(f"*/{MEMBER}"))[:1]]:
+        for candidate in [path / member, *sorted(path.glob(f"*/{member}"))[:1]]:
             if candidate.is_file():
-                return _from_file(spec, "checkout", candidate)
-        raise ConfigError(f"{where}: folder {path} holds no {MEMBER} (nor */{MEMBER}): not a vLLM-Omni checkout")
+                return _from_file(spec, "checkout", candidate, member)
+        raise ConfigError(f"{where}: folder {path} holds no {member} (nor */{member}): not a vLLM-Omni checkout")
     if path.is_file():
         if path.suffix == ".whl":
-            return _from_wheel(spec, "wheel", path)
-        return _from_file(spec, "file", path)
+            return _from_wheel(spec, "wheel", path, member)
+        return _from_file(spec, "file", path, member)
     if spec == "installed" or _VERSION_RE.match(spec):
-        return _from_version(spec, wheel_dir or default_wheel_dir())
+        return _from_version(spec, wheel_dir or default_wheel_dir(), member)
     raise ConfigError(f"{where}: no such file or folder: {path}")
 
 
@@ -139,17 +141,17 @@ def _source(spec: str, kind: str, location: str, version: str | None, data: byte
     return UpstreamSource(spec, kind, location, version, hashlib.sha256(data).hexdigest(), text)
 
 
-def _from_file(spec: str, kind: str, path: Path) -> UpstreamSource:
+def _from_file(spec: str, kind: str, path: Path, member: str = MEMBER) -> UpstreamSource:
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{PREFIX}{spec}: cannot read {path}: {exc.strerror or exc}") from None
-    return _source(spec, kind, str(path), _checkout_version(path), data)
+    return _source(spec, kind, str(path), _checkout_version(path, member), data)
 
 
-def _checkout_version(path: Path) -> str | None:
+def _checkout_version(path: Path, member: str = MEMBER) -> str | None:
     """``vllm_omni/_version.py`` next to the file (installed or built trees), else the git commit."""
-    parts = Path(MEMBER).parts
+    parts = Path(member).parts
     if tuple(path.parts[-len(parts):]) != parts:
         return None
     root = path.parents[len(parts) - 1]
@@ -169,14 +171,14 @@ def _checkout_version(path: Path) -> str | None:
     return None
 
 
-def _from_wheel(spec: str, kind: str, wheel: Path) -> UpstreamSource:
+def _from_wheel(spec: str, kind: str, wheel: Path, member: str = MEMBER) -> UpstreamSource:
     where = f"{PREFIX}{spec}"
     try:
         with zipfile.ZipFile(wheel) as zf:
             names = set(zf.namelist())
-            if MEMBER not in names:
-                raise ConfigError(f"{where}: wheel {wheel} has no member {MEMBER}")
-            data = zf.read(MEMBER)
+            if member not in names:
+                raise ConfigError(f"{where}: wheel {wheel} has no member {member}")
+            data = zf.read(member)
             version = None
             for name in sorted(names):
                 if name.endswith(".dist-info/METADATA"):
@@ -189,7 +191,7 @@ def _from_wheel(spec: str, kind: str, wheel: Path) -> UpstreamSource:
         raise ConfigError(f"{where}: cannot read wheel {wheel}: {exc}") from None
     if version is None:
         version = _wheel_version(wheel.name)
-    return _source(spec, kind, f"{wheel}!{MEMBER}", version, data)
+    return _source(spec, kind, f"{wheel}!{member}", version, data)
 
 
 def _wheel_version(filename: str) -> str | None:
@@ -208,7 +210,7 @@ def _same_version(a: str, b: str) -> bool:
         return a == b
 
 
-def _from_version(spec: str, wheel_dir: Path) -> UpstreamSource:
+def _from_version(spec: str, wheel_dir: Path, member: str = MEMBER) -> UpstreamSource:
     """An installed ``vllm-omni`` of that version (not imported), else a cached wheel."""
     where = f"{PREFIX}{spec}"
     installed: str | None = None
@@ -218,10 +220,10 @@ def _from_version(spec: str, wheel_dir: Path) -> UpstreamSource:
     except importlib.metadata.PackageNotFoundError:
         dist = None
     if dist is not None and (spec == "installed" or _same_version(installed or "", spec)):
-        path = Path(str(dist.locate_file(MEMBER)))
+        path = Path(str(dist.locate_file(member)))
         if not path.is_file():
-            raise ConfigError(f"{where}: installed vllm-omni {installed} has no {MEMBER} at {path}")
-        src = _from_file(spec, "installed", path)
+            raise ConfigError(f"{where}: installed vllm-omni {installed} has no {member} at {path}")
+        src = _from_file(spec, "installed", path, member)
         return UpstreamSource(src.spec, src.kind, src.location, installed, src.sha256, src.text)
     if spec == "installed":
         raise ConfigError(f"{where}: no vllm-omni distribution is installed in this Python; name a checkout, "
@@ -230,7 +232,7 @@ def _from_version(spec: str, wheel_dir: Path) -> UpstreamSource:
     for wheel in wheels:
         v = _wheel_version(wheel.name)
         if v is not None and _same_version(v, spec):
-            return _from_wheel(spec, "wheel-cache", wheel)
+            return _from_wheel(spec, "wheel-cache", wheel, member)
     found = ", ".join(sorted({_wheel_version(w.name) or w.name for w in wheels})) or "none"
     also = f"; installed vllm-omni is {installed}" if installed else ""
     raise ConfigError(
@@ -262,9 +264,26 @@ def _stub(name: str, origin: str, location: str) -> type:
     return _StubMeta(name, (), {"_stub_message": message, "__module__": "vllm_omni_stub"})
 
 
+class _OnceLogger(logging.LoggerAdapter):
+    """vLLM's logger has ``warning_once`` / ``info_once`` / ``debug_once``; stdlib's has not."""
+
+    def warning_once(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        self.warning(msg, *args, **kwargs)
+
+    def info_once(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        self.info(msg, *args, **kwargs)
+
+    def debug_once(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        self.debug(msg, *args, **kwargs)
+
+
+def _init_logger(name: str) -> logging.LoggerAdapter:
+    return _OnceLogger(logging.getLogger(name), {})
+
+
 _SHIMS: dict[tuple[str, str], Any] = {
     ("vllm_omni.data_entry_keys", "OmniPayload"): dict,
-    ("vllm.logger", "init_logger"): logging.getLogger,
+    ("vllm.logger", "init_logger"): _init_logger,
 }
 
 
@@ -357,22 +376,101 @@ def _resolve_import(module: str, attr: str | None) -> Any:
         return importlib.import_module(f"{module}.{attr}")
 
 
-def build_mixin(source: UpstreamSource, environment: type | None = None) -> type:
+def _parse(source: UpstreamSource) -> tuple[ast.Module, str]:
+    where = f"{PREFIX}{source.spec} ({source.location})"
+    try:
+        return ast.parse(source.text, filename=source.location), where
+    except SyntaxError as exc:
+        raise ConfigError(f"{where}: syntax error at line {exc.lineno}: {exc.msg}") from None
+
+
+def _module_namespace(tree: ast.Module, source: UpstreamSource, nodes: list[ast.stmt], where: str,
+                      module_name: str, skip: set[str],
+                      shims: dict[tuple[str, str], Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """The globals the extracted ``nodes`` run with: harmless imports, shims, stubs and the
+    module-level definitions they read (transitively), executed in source order."""
+    imports, defs = _top_level_bindings(tree)
+    needed: set[str] = set()
+    queue = sorted(set().union(*(_loaded_names(st) for st in nodes)))
+    while queue:
+        name = queue.pop()
+        if name in needed or name in skip:
+            continue
+        if name in imports:
+            needed.add(name)
+        elif name in defs:
+            needed.add(name)
+            queue.extend(_loaded_names(defs[name]))
+    namespace: dict[str, Any] = {"__name__": module_name, "__builtins__": builtins, "__file__": source.location}
+    all_shims = {**_SHIMS, **(shims or {})}
+    stubbed: list[str] = []
+    for name in sorted(n for n in needed if n in imports):
+        module, attr = imports[name]
+        origin = f"from {module} import {attr}" if attr else f"import {module}"
+        if attr is not None and (module, attr) in all_shims:
+            namespace[name] = all_shims[(module, attr)]
+            continue
+        if not module.startswith(".") and module.split(".")[0] in HARMLESS_PACKAGES:
+            try:
+                namespace[name] = _resolve_import(module, attr)
+                continue
+            except (ImportError, AttributeError):
+                pass
+        namespace[name] = _stub(name, origin, where)
+        stubbed.append(name)
+    module_stmts = [st for st in tree.body if any(st is defs[n] for n in needed if n in defs and n not in imports)]
+    for st in module_stmts:  # source order, so a constant sees the imports and defs above it
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            _strip_annotations(st)
+        names = [st.name] if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else [
+            t.id for t in (st.targets if isinstance(st, ast.Assign) else [st.target]) if isinstance(t, ast.Name)]
+        try:
+            exec(compile(ast.Module(body=[st], type_ignores=[]), source.location, "exec"), namespace)  # noqa: S102
+        except Exception as exc:  # noqa: BLE001 -- a vLLM-dependent module-level value: fail only if it is used
+            for n in names:
+                namespace[n] = _stub(n, f"module level, line {st.lineno}: {type(exc).__name__}: {exc}", where)
+                stubbed.append(n)
+    return namespace, stubbed
+
+
+def build_functions(source: UpstreamSource, names: tuple[str, ...], *, module_name: str,
+                    shims: dict[tuple[str, str], Any] | None = None) -> dict[str, Any]:
+    """Top-level functions of an upstream module (a stage input processor, say), compiled
+    unchanged with their line numbers, with the same import rules as :func:`build_mixin`."""
+    tree, where = _parse(source)
+    defs = {st.name: st for st in tree.body if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    missing = [n for n in names if n not in defs]
+    if missing:
+        raise ConfigError(f"{where}: no top-level function {', '.join(missing)}")
+    # The functions themselves are module-level definitions: _module_namespace takes them
+    # (and every top-level name they read) in source order.
+    holder = ast.Module(body=[ast.Expr(ast.Name(n, ast.Load())) for n in names], type_ignores=[])
+    namespace, stubbed = _module_namespace(tree, source, [holder], where, module_name, set(), shims)
+    linecache.cache[source.location] = (len(source.text), None, source.text.splitlines(True), source.location)
+    out = {n: namespace[n] for n in names}
+    out["__stubbed__"] = tuple(sorted(stubbed))
+    return out
+
+
+def build_mixin(source: UpstreamSource, environment: type | None = None, *, class_name: str = CLASS_NAME,
+                entries: tuple[str, ...] = (ENTRY,), module_name: str = MODULE_NAME,
+                shims: dict[tuple[str, str], Any] | None = None) -> type:
     """A class holding upstream ``talker_preprocess`` and everything it reaches, ready for ``bind_arm``.
 
     ``environment``: the stand-in class the mixin will be bound onto (default the sim's
     ``SimTalkerModelBase``); methods it defines are taken from it, and every other
-    ``self.<attr>`` the code reads must exist on an instance of it.
+    ``self.<attr>`` the code reads must exist on an instance of it. ``class_name`` and
+    ``entries`` (the hook methods, all required) default to Qwen2.5-Omni's; other models
+    (``harness.conform``) name theirs. ``shims``: extra ``(module, name) -> object``
+    replacements for imported names the methods call.
     """
     if environment is None:
         from harness.sim.model import SimTalkerModelBase
 
         environment = SimTalkerModelBase
-    where = f"{PREFIX}{source.spec} ({source.location})"
-    try:
-        tree = ast.parse(source.text, filename=source.location)
-    except SyntaxError as exc:
-        raise ConfigError(f"{where}: syntax error at line {exc.lineno}: {exc.msg}") from None
+    CLASS_NAME = class_name  # noqa: N806 -- the module default, overridden for this build
+    ENTRY = entries[0]  # noqa: N806
+    tree, where = _parse(source)
     cls_node = next((st for st in tree.body if isinstance(st, ast.ClassDef) and st.name == CLASS_NAME), None)
     if cls_node is None:
         raise ConfigError(f"{where}: no top-level class {CLASS_NAME}")
@@ -386,15 +484,16 @@ def build_mixin(source: UpstreamSource, environment: type | None = None) -> type
                     members.setdefault(t.id, st)
         elif isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.value is not None:
             members.setdefault(st.target.id, st)
-    if not isinstance(members.get(ENTRY), (ast.FunctionDef, ast.AsyncFunctionDef)):
-        raise ConfigError(f"{where}: class {CLASS_NAME} has no method {ENTRY}")
+    for entry in entries:
+        if not isinstance(members.get(entry), (ast.FunctionDef, ast.AsyncFunctionDef)):
+            raise ConfigError(f"{where}: class {CLASS_NAME} has no method {entry}")
     env_provides = {n for klass in environment.__mro__ if klass is not object for n in vars(klass)
                     if not n.startswith("__")}
 
     # Transitive closure of self.<name> over the class's own members.
     taken: dict[str, ast.stmt] = {}
     from_env: set[str] = set()
-    todo = [ENTRY]
+    todo = list(reversed(entries))
     guarded: set[str] = set()
     self_uses: list[tuple[str, int]] = []  # (attr, line) read through self
     self_sets: set[str] = set()
@@ -402,7 +501,7 @@ def build_mixin(source: UpstreamSource, environment: type | None = None) -> type
         name = todo.pop()
         if name in taken or name in from_env:
             continue
-        if name != ENTRY and name in env_provides:
+        if name not in entries and name in env_provides:
             from_env.add(name)
             continue
         node = members[name]
@@ -434,47 +533,7 @@ def build_mixin(source: UpstreamSource, environment: type | None = None) -> type
         if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
             _strip_annotations(st)
 
-    # Module-level names the taken code (and what it needs in turn) reads.
-    imports, defs = _top_level_bindings(tree)
-    needed: set[str] = set()
-    queue = sorted(set().union(*(_loaded_names(st) for st in ordered)))
-    while queue:
-        name = queue.pop()
-        if name in needed or name == CLASS_NAME:
-            continue
-        if name in imports:
-            needed.add(name)
-        elif name in defs:
-            needed.add(name)
-            queue.extend(_loaded_names(defs[name]))
-    namespace: dict[str, Any] = {"__name__": MODULE_NAME, "__builtins__": builtins, "__file__": source.location}
-    stubbed: list[str] = []
-    for name in sorted(n for n in needed if n in imports):
-        module, attr = imports[name]
-        origin = f"from {module} import {attr}" if attr else f"import {module}"
-        if attr is not None and (module, attr) in _SHIMS:
-            namespace[name] = _SHIMS[(module, attr)]
-            continue
-        if not module.startswith(".") and module.split(".")[0] in HARMLESS_PACKAGES:
-            try:
-                namespace[name] = _resolve_import(module, attr)
-                continue
-            except (ImportError, AttributeError):
-                pass
-        namespace[name] = _stub(name, origin, where)
-        stubbed.append(name)
-    module_stmts = [st for st in tree.body if any(st is defs[n] for n in needed if n in defs and n not in imports)]
-    for st in module_stmts:  # source order, so a constant sees the imports and defs above it
-        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            _strip_annotations(st)
-        names = [st.name] if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else [
-            t.id for t in (st.targets if isinstance(st, ast.Assign) else [st.target]) if isinstance(t, ast.Name)]
-        try:
-            exec(compile(ast.Module(body=[st], type_ignores=[]), source.location, "exec"), namespace)  # noqa: S102
-        except Exception as exc:  # noqa: BLE001 -- a vLLM-dependent module-level value: fail only if it is used
-            for n in names:
-                namespace[n] = _stub(n, f"module level, line {st.lineno}: {type(exc).__name__}: {exc}", where)
-                stubbed.append(n)
+    namespace, stubbed = _module_namespace(tree, source, ordered, where, module_name, {CLASS_NAME}, shims)
 
     extra = {"type_params": []} if "type_params" in ast.ClassDef._fields else {}  # Python >= 3.12
     mixin_node = ast.ClassDef(name=CLASS_NAME, bases=[], keywords=[], body=ordered, decorator_list=[], **extra)
@@ -509,10 +568,14 @@ def _instance_attrs(environment: type) -> frozenset[str]:
     if environment not in _INSTANCE_ATTRS:
         from harness.sim.rows import RowSpace
 
-        try:
-            inst = environment(RowSpace(0))
-        except TypeError:
-            inst = environment()
+        probe = getattr(environment, "omni_stress_probe", None)  # a conform stand-in's no-argument factory
+        if probe is not None:
+            inst = probe()
+        else:
+            try:
+                inst = environment(RowSpace(0))
+            except TypeError:
+                inst = environment()
         _INSTANCE_ATTRS[environment] = frozenset(vars(inst))
     return _INSTANCE_ATTRS[environment]
 
@@ -543,5 +606,5 @@ def upstream_info(impl: Any) -> UpstreamInfo | None:
 
 __all__ = [
     "CLASS_NAME", "MEMBER", "PREFIX", "UpstreamInfo", "UpstreamSource", "UpstreamUnavailable", "build_mixin",
-    "default_wheel_dir", "is_upstream_spec", "load_upstream", "read_source", "upstream_info",
+    "build_functions", "default_wheel_dir", "is_upstream_spec", "load_upstream", "read_source", "upstream_info",
 ]

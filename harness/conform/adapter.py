@@ -1,0 +1,175 @@
+"""What ``omni-stress conform`` needs from one stage model: the adapter interface.
+
+An adapter is small on purpose. It names the upstream file, class and hook methods
+(``harness.talkers.upstream`` extracts and compiles them from any ``vllm-omni:SOURCE``), builds a
+CPU stand-in that holds what those methods touch, builds each request's Thinker->stage payload
+(with the model's real stage input processor where it has one), and says how vLLM-Omni's runner
+calls the hook (``talker_preprocess`` or ``preprocess``; a batched decode hook; the MTP path
+that adds a per-step text row to one-token decode positions). The schedule driver
+(``harness.conform.driver``) and the comparison (``harness.conform.compare``) are model-agnostic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.errors import ConfigError
+
+VENDOR_DIR = Path(__file__).parent / "vendor" / "vllm-omni-0.30.0"
+VENDORED_VERSION = "0.30.0"
+
+
+@dataclass
+class ConformRequest:
+    """One request: the ids the scheduler sees, the payload the stage starts with, and the
+    codec tokens it "generates" (fixed in advance, so every schedule feeds the same ids)."""
+
+    request_id: str
+    prompt_ids: list[int]  # the stage's prompt token ids (length P), as the scheduler sees them
+    payload: dict[str, Any]  # the intermediate buffer the runner starts the request with
+    generated: list[int]  # teacher-forced output tokens: position P + k holds generated[k - 1]... see tokens
+
+    @property
+    def P(self) -> int:  # noqa: N802 -- the contract's name
+        return len(self.prompt_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Token at each position: the prompt, then the generated tokens."""
+        return self.prompt_ids + self.generated
+
+
+@dataclass
+class PreprocessResult:
+    ids: Any
+    rows: torch.Tensor  # what the hook returned for the span (the runner copies rows[:min(n, len)])
+    update: Any  # merged into the request's buffer
+    text_step: torch.Tensor | None = None  # MTP decode: the text row the runner adds to the position
+
+
+@dataclass
+class Provenance:
+    """Where the code under test came from (shown in every report)."""
+
+    model: str
+    what: str  # e.g. "vllm-omni 0.30.0 qwen3_omni.py (sha256 d50550b0…)" or "built-in arm harness.talkers.pr"
+    files: list[dict[str, Any]] = field(default_factory=list)  # location, version, sha256, methods, stubbed
+
+
+def tagged(count: int, dim: int, *tag: object) -> torch.Tensor:
+    """``count`` distinct deterministic float32 rows for one (request, source)."""
+    seed = int.from_bytes(hashlib.sha256(repr(tag).encode()).digest()[:8], "little") & ((1 << 63) - 1)
+    return torch.randn(count, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def fixed_tokens(request_id: str, count: int, vocab: int) -> list[int]:
+    """The teacher-forced codec tokens of a request: deterministic, below ``vocab``."""
+    gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little")
+                                        & ((1 << 63) - 1))
+    return torch.randint(0, vocab, (count,), generator=gen).tolist()
+
+
+class Adapter:
+    """One model (or one built-in arm) under the conformance check."""
+
+    name: str = ""
+    title: str = ""
+    upstream: bool = True  # reads real upstream code from --source (False: a built-in arm)
+    member: str = ""  # the model file inside a vLLM-Omni tree
+    class_name: str = ""
+    entries: tuple[str, ...] = ("talker_preprocess",)
+    module_name: str = ""
+    decode_batch_hook: str | None = None  # the runner calls this for one-token decode spans, if set
+    has_mtp: bool = False  # the runner's talker_mtp path: decode n == 1 adds update["mtp_inputs"][1]
+    codec_vocab: int = 2048  # teacher-forced tokens are drawn below this
+    hidden: int = 64
+    notes: str = ""  # what the stand-in supplies; shown in docs/conform.md and --json
+
+    # ------------------------------------------------------------------ loading
+    def load(self, spec: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> tuple[Any, Provenance]:
+        """The implementation (a class to mix into the stand-in) and where it came from."""
+        from harness.talkers.upstream import build_mixin
+
+        source = read_model_source(spec, self.member, base_dir, wheel_dir)
+        mixin = build_mixin(source, self.stand_in_class(), class_name=self.class_name, entries=self.entries,
+                            module_name=self.module_name, shims=self.shims())
+        info = mixin.omni_stress_upstream
+        prov = Provenance(self.name, f"vLLM-Omni {source.version or '?'} {Path(self.member).name} "
+                                     f"(sha256 {source.sha256[:12]})",
+                          [_file_info(source, info.methods, info.stubbed, info.from_stand_in)])
+        self.extra_sources(spec, base_dir, wheel_dir, prov)
+        return mixin, prov
+
+    def extra_sources(self, spec: str, base_dir: Path | None, wheel_dir: Path | None, prov: Provenance) -> None:
+        """Load more upstream code (a stage input processor); record it in ``prov``."""
+
+    def shims(self) -> dict[tuple[str, str], Any]:
+        return {}
+
+    def stand_in_class(self) -> type:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ per run
+    def make_model(self, impl: Any) -> Any:
+        """A fresh stand-in with the implementation bound (fresh model-level state)."""
+        cls = type(f"Conform{impl.__name__}", (impl, self.stand_in_class()), {})
+        return cls()
+
+    def requests(self, count: int, generated: int) -> list[ConformRequest]:
+        raise NotImplementedError
+
+    def embed(self, model: Any, ids: torch.Tensor) -> torch.Tensor:
+        """The runner's starting rows for a span: the stage's embedding of the span's ids."""
+        return model.talker.embed_input_ids(ids).float()
+
+    def preprocess(self, model: Any, ids: torch.Tensor, embeds: torch.Tensor, info: dict[str, Any],
+                   is_prefill: bool) -> PreprocessResult:
+        """One call as vLLM-Omni 0.30.0's ``_preprocess`` makes it (gpu_model_runner.py l.1760-1920)."""
+        n = int(ids.shape[0])
+        if self.decode_batch_hook and n == 1 and not is_prefill:
+            hook = getattr(model, self.decode_batch_hook)
+            if self.has_mtp:
+                out_ids, rows, _past, text_step, updates = hook(input_ids=ids, req_infos=[info])
+                return PreprocessResult(out_ids, rows, updates[0], text_step[0:1])
+            out_ids, rows, updates = hook(input_ids=ids, req_infos=[info])
+            return PreprocessResult(out_ids, rows, updates[0])
+        out_ids, rows, update = getattr(model, self.entries[0])(input_ids=ids, input_embeds=embeds, **info)
+        text_step = None
+        if self.has_mtp and n == 1 and not is_prefill and isinstance(update, dict) and "mtp_inputs" in update:
+            _past, text_step = update.pop("mtp_inputs")
+        return PreprocessResult(out_ids, rows, update, text_step)
+
+    def named_rows(self, model: Any) -> dict[str, torch.Tensor]:
+        """Rows worth naming when a position receives one of them (special text rows)."""
+        return {}
+
+
+def _file_info(source: Any, methods: tuple[str, ...], stubbed: tuple[str, ...],
+               from_stand_in: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"location": source.location, "version": source.version, "sha256": source.sha256,
+            "methods": list(methods), "stubbed": list(stubbed), "from_stand_in": list(from_stand_in)}
+
+
+def read_model_source(spec: str, member: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> Any:
+    """``harness.talkers.upstream.read_source`` for ``member``; a version that is neither installed nor
+    cached falls back to the vendored copy of that version (``harness/conform/vendor``)."""
+    from harness.talkers.upstream import _VERSION_RE, read_source
+
+    try:
+        return read_source(spec, base_dir, wheel_dir, member=member)
+    except ConfigError:
+        if _VERSION_RE.match(spec) and _same(spec, VENDORED_VERSION) and (VENDOR_DIR / member).is_file():
+            src = read_source(str(VENDOR_DIR), None, wheel_dir, member=member)
+            return type(src)(spec, "vendored", src.location, src.version, src.sha256, src.text)
+        raise
+
+
+def _same(a: str, b: str) -> bool:
+    from harness.talkers.upstream import _same_version
+
+    return _same_version(a, b)

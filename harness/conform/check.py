@@ -1,0 +1,161 @@
+"""One model through every schedule: the matrix row.
+
+For each request: the ``unchunked`` reference (fed far enough for the vLLM runs too), then every
+forced schedule (``harness.conform.schedules``), each on a fresh model instance. Then all
+requests together through vLLM's scheduler under each deploy, on one model instance (as in one
+server). Each situation's cell is the first difference from the reference, in schedule order;
+the row-count cell covers every call of every run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.conform.adapter import Adapter, Provenance
+from harness.conform.compare import (
+    Cell,
+    RowNamer,
+    baseline_table,
+    first_error,
+    row_count_cell,
+    situation_cell,
+    span_kind,
+)
+from harness.conform.driver import Feed, run_deploy, run_forced
+from harness.conform.schedules import SITUATIONS, Schedule, forced_schedules
+from harness.config import Deploy, load_deploy
+
+DEFAULT_DEPLOYS = ("reference", "stress")
+FORCED_GENERATED = 40  # generated positions the forced schedules feed
+DEPLOY_GENERATED = 480  # generated positions per request in the vLLM runs: 4 x (P + 480) overflows stress's KV
+REQUESTS = 4  # stress's Talker max_num_seqs
+
+
+@dataclass
+class ModelResult:
+    model: str
+    title: str
+    provenance: Provenance | None
+    cells: dict[str, Cell] = field(default_factory=dict)  # column -> cell
+    error: str | None = None  # could not check (load failure)
+    stats: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def status(self) -> str:
+        if self.error is not None:
+            return "error"
+        return "conforms" if all(c.status in ("conforms", "not-run") for c in self.cells.values()) else "fails"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "title": self.title, "status": self.status, "error": self.error,
+            "provenance": None if self.provenance is None else {"what": self.provenance.what,
+                                                                "files": self.provenance.files},
+            "cells": {k: v.to_json() for k, v in self.cells.items()}, "stats": self.stats,
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def columns(deploys: tuple[str, ...]) -> dict[str, str]:
+    """Matrix column key -> heading."""
+    return {**SITUATIONS, "row_count": "row count", **{f"vllm:{d}": f"vLLM {d}" for d in deploys}}
+
+
+def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | None = None, *,
+                requests: int = REQUESTS, forced_generated: int = FORCED_GENERATED,
+                deploy_generated: int = DEPLOY_GENERATED, base_dir: Path | None = None,
+                wheel_dir: Path | None = None, progress: Callable[[str], None] | None = None) -> ModelResult:
+    """The model's matrix row. A source that cannot be loaded is ``error`` (the caller exits 2)."""
+    from harness.errors import UserError
+
+    t0 = time.perf_counter()
+    say = progress or (lambda _m: None)
+    if deploys is None:
+        deploys = tuple(load_deploy(d) for d in DEFAULT_DEPLOYS)
+    try:
+        impl, prov = adapter.load(source, base_dir, wheel_dir)
+    except UserError as exc:
+        return ModelResult(adapter.name, adapter.title, None, error=str(exc), seconds=time.perf_counter() - t0)
+    result = ModelResult(adapter.name, adapter.title, prov)
+    generated = max(forced_generated, deploy_generated if deploys else 0)
+    reqs = adapter.requests(requests, generated)
+    # reference rows, far enough for every run
+    baselines = {}
+    ref_feeds: list[Feed] = []
+    for r in reqs:
+        sched = Schedule("unchunked", "reference", ((0, r.P), *[(p, 1) for p in range(r.P, r.P + generated)]), "")
+        feeds = run_forced(adapter, impl, r, sched)
+        err = first_error(feeds)
+        if err is not None:  # no reference: every cell says why
+            detail = (f"the reference schedule raised at {r.request_id}, span c={err.c} n={err.n} "
+                      f"({span_kind(err.P, err.c, err.n, 0)}): {err.error}")
+            for key in columns(tuple(d.name for d in deploys)):
+                result.cells[key] = Cell("raised", "raised", detail)
+            result.seconds = time.perf_counter() - t0
+            return result
+        ref_feeds += feeds
+        baselines[r.request_id] = baseline_table(feeds)
+    say(f"{adapter.name}: reference rows for {len(reqs)} requests (P {min(r.P for r in reqs)}-"
+        f"{max(r.P for r in reqs)}, {generated} generated positions)")
+    namer = RowNamer(baselines, adapter.named_rows(adapter.make_model(impl)))
+    model_for_bare = adapter.make_model(impl)
+
+    def bare_of(ids: Any) -> Any:
+        return adapter.embed(model_for_bare, ids)
+
+    all_feeds: list[Feed] = list(ref_feeds)
+    by_situation: dict[str, list[tuple[str, list[Feed]]]] = {k: [] for k in SITUATIONS}
+    for r in reqs:
+        for sched in forced_schedules(r.P, r.P + forced_generated):
+            if sched.situation == "reference":
+                continue
+            feeds = run_forced(adapter, impl, r, sched)
+            all_feeds += feeds
+            by_situation[sched.situation].append((sched.name, feeds))
+    for key, runs in by_situation.items():
+        result.cells[key] = situation_cell(runs, baselines, namer, bare_of)
+    say(f"{adapter.name}: forced schedules done")
+    for d in deploys:
+        feeds, counts = run_deploy(adapter, impl, [_truncate(r, deploy_generated) for r in reqs], d)
+        all_feeds += feeds
+        cell = situation_cell([(f"vllm:{d.name}", feeds)], baselines, namer, bare_of)
+        events = _events(feeds)
+        cell.detail += f" [{_describe_events(events, counts)}]"
+        result.cells[f"vllm:{d.name}"] = cell
+        result.stats[f"vllm:{d.name}"] = {**counts, **events}
+        say(f"{adapter.name}: vLLM {d.name} deploy: {cell.summary}")
+    result.cells["row_count"] = row_count_cell(all_feeds)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _truncate(r: Any, generated: int) -> Any:
+    from harness.conform.adapter import ConformRequest
+
+    return ConformRequest(r.request_id, r.prompt_ids, r.payload, r.generated[:generated])
+
+
+def _events(feeds: list[Feed]) -> dict[str, int]:
+    from harness.contract import classify_span
+
+    out = {"calls": len(feeds), "nonzero_offset_chunks": 0, "one_token_tails": 0, "multi_position_decode_spans": 0,
+           "cross_boundary_replays": 0, "replayed_calls": 0}
+    for f in feeds:
+        ev = classify_span(f.P, f.c, f.n)
+        out["nonzero_offset_chunks"] += ev.nonzero_offset
+        out["one_token_tails"] += ev.one_token_tail
+        out["multi_position_decode_spans"] += ev.multi_decode
+        out["cross_boundary_replays"] += ev.cross_boundary
+        out["replayed_calls"] += f.replay > 0
+    return out
+
+
+def _describe_events(ev: dict[str, int], counts: dict[str, int]) -> str:
+    return (f"{ev['calls']} calls in {counts['steps']} steps: {ev['nonzero_offset_chunks']} non-zero-offset chunks, "
+            f"{ev['cross_boundary_replays']} cross-boundary spans, {ev['multi_position_decode_spans']} "
+            f"multi-position decode spans, {counts['preemptions']} preemptions")

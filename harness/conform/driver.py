@@ -1,0 +1,156 @@
+"""The schedule driver: feeds a model's real preprocess the spans of a schedule, as the runner does.
+
+Shared with the sim rather than copied: the buffer handling is the sim runner's
+(``harness.sim.runner.SimRunner``: the request's intermediate buffer as ``req_infos``, the
+``_omni_*`` metadata, ``update_dict`` merged into the buffer, ``req_embeds[:min(n, rows)]``
+copied into the span), the scheduler is the sim's (``harness.sim.scheduler.make_scheduler``:
+vLLM's own v1 ``Scheduler`` under a deploy from ``deploy_configs/``), and spans are classified
+by ``harness.contract.classify_span``. What differs from the sim: no simulated Talker. The
+output tokens are fixed in advance (teacher forcing), so every schedule feeds every position
+the same id and the only thing that can differ is the row the preprocess delivers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.conform.adapter import Adapter, ConformRequest
+from harness.conform.schedules import PREEMPT, Schedule
+from harness.config import Deploy
+from harness.sim.runner import SimRunner
+
+
+@dataclass
+class Feed:
+    """One preprocess call: the span and the rows its positions received."""
+
+    schedule: str
+    request: str
+    step: int
+    P: int
+    c: int
+    n: int
+    replay: int  # preemptions of the request so far (0: first pass)
+    rows: int | None  # rows the hook returned (None: it raised)
+    received: torch.Tensor | None  # [n, hidden] what the positions c..c+n-1 run with
+    ids: torch.Tensor | None = None  # the span's ids
+    error: str | None = None
+
+
+class ConformRunner(SimRunner):
+    """The sim runner's buffer semantics around any adapter's hook (one runner per model instance)."""
+
+    def __init__(self, adapter: Adapter, model: Any) -> None:  # noqa: D107 -- no RowSpace, no simulated Talker
+        self.adapter, self.model = adapter, model
+        self.buffer: dict[str, dict[str, Any]] = {}
+
+    def add(self, req: ConformRequest) -> None:
+        self.buffer[req.request_id] = _copy_payload(req.payload)
+
+    def feed(self, req: ConformRequest, c: int, n: int, step: int, schedule: str, replay: int,
+             max_tokens: int | None = None) -> Feed:
+        rid, P = req.request_id, req.P
+        span_ids = torch.tensor(req.tokens[c:c + n], dtype=torch.long)
+        req_infos = self.buffer.setdefault(rid, {})
+        req_infos["request_id"] = rid
+        req_infos["_omni_prompt_len"] = P
+        req_infos["_omni_num_computed_tokens"] = c
+        req_infos["_omni_is_prefill"] = c < P
+        req_infos["_omni_max_tokens"] = max_tokens
+        req_infos["_omni_seed"] = 42
+        received = self.adapter.embed(self.model, span_ids)
+        try:
+            out = self.adapter.preprocess(self.model, span_ids.clone(), received.clone(), req_infos, c < P)
+            rows = int(out.rows.shape[0])
+            self._update_buffer(rid, out.update)
+        except Exception as exc:  # the model's failure is this schedule's result
+            return Feed(schedule, rid, step, P, c, n, replay, None, None, span_ids,
+                        f"{type(exc).__name__}: {exc}"[:300])
+        seg = min(n, rows)
+        received[:seg] = out.rows[:seg].to(received.dtype).reshape(seg, -1)
+        if out.text_step is not None:  # the runner's talker_mtp path adds the decode step's text row
+            received = received + out.text_step.to(received.dtype).reshape(1, -1)
+        return Feed(schedule, rid, step, P, c, n, replay, rows, received, span_ids)
+
+
+def _copy_payload(payload: dict[str, Any]) -> dict[str, Any]:
+    """A fresh buffer per run (nested dicts copied, tensors shared: the hooks never write into them)."""
+    return {k: (_copy_payload(v) if isinstance(v, dict) else v) for k, v in payload.items()}
+
+
+def run_forced(adapter: Adapter, impl: Any, req: ConformRequest, schedule: Schedule) -> list[Feed]:
+    """One request through one forced schedule on a fresh model instance."""
+    runner = ConformRunner(adapter, adapter.make_model(impl))
+    runner.add(req)
+    feeds: list[Feed] = []
+    replay = 0
+    for step, (c, n) in enumerate(schedule.ops):
+        if (c, n) == PREEMPT:
+            replay += 1
+            continue
+        feed = runner.feed(req, c, n, step, schedule.name, replay)
+        feeds.append(feed)
+        if feed.error is not None:
+            break
+    return feeds
+
+
+def run_deploy(adapter: Adapter, impl: Any, requests: list[ConformRequest], deploy: Deploy,
+               max_steps: int = 100_000) -> tuple[list[Feed], dict[str, int]]:
+    """All requests at once through vLLM's scheduler under ``deploy`` (one model instance, as one
+    server), until each has its fixed output tokens. Returns the feeds and the scheduler's counts."""
+    from harness.sim.scheduler import _quiet_vllm, make_scheduler
+
+    _quiet_vllm()
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+
+    scheduler, resolved = make_scheduler(deploy)
+    runner = ConformRunner(adapter, adapter.make_model(impl))
+    by_id = {r.request_id: r for r in requests}
+    live: dict[str, Any] = {}
+    for r in requests:
+        if r.P + len(r.generated) > resolved.max_model_len:
+            raise ValueError(f"request {r.request_id}: {r.P + len(r.generated)} positions exceed "
+                             f"{deploy.name}'s max_model_len {resolved.max_model_len}")
+        sp = SamplingParams(max_tokens=len(r.generated), temperature=0.0, seed=42, ignore_eos=True)
+        req = Request(request_id=r.request_id, prompt_token_ids=list(r.prompt_ids), sampling_params=sp,
+                      pooling_params=None)
+        scheduler.add_request(req)
+        live[r.request_id] = req
+        runner.add(r)
+    feeds: list[Feed] = []
+    preemptions = 0
+    for step in range(max_steps):
+        if not live:
+            break
+        before = {rid: q.num_computed_tokens for rid, q in live.items()}
+        sched = scheduler.schedule()
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        failed: list[str] = []
+        for rid, n in sched.num_scheduled_tokens.items():
+            q, r = live[rid], by_id[rid]
+            c = before[rid]
+            feed = runner.feed(r, c, n, step, f"vllm:{deploy.name}", q.num_preemptions, len(r.generated))
+            feeds.append(feed)
+            if feed.error is not None:
+                failed.append(rid)
+                continue
+            req_ids.append(rid)
+            # the fixed token that follows the span's last position, once the span reaches the end
+            sampled.append([r.tokens[c + n]] if c + n >= q.num_tokens else [])
+        if failed:
+            scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+        scheduler.update_from_output(sched, ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled))
+        for rid in [r for r, q in live.items() if q.is_finished()]:
+            preemptions += live.pop(rid).num_preemptions
+            runner.remove_request(rid)
+    else:
+        raise RuntimeError(f"vllm:{deploy.name}: no end after {max_steps} scheduler steps")
+    return feeds, {"steps": step, "preemptions": preemptions}

@@ -1,31 +1,35 @@
 """The CI gate: rules from YAML, evaluated per cell, verdict as exit code and JUnit XML.
 
 Pure except ``load_rules`` (reads the YAML). The gate never decides anything from an arm's or a
-deploy's name: which cells a rule covers, which deploy is the WER baseline, which deploys must
-show stress and which arms are expected to fail all come from the rules file.
+deploy's name: a rule selects arms by **role** (``baseline`` / ``candidate``, from arms.yaml via
+the run's manifest) or by a name the rules file gives, and which deploy is the WER baseline,
+which deploys must show stress and which arms are expected to fail all come from the rules file.
 
 Rules file (``deploy_configs/gates.yaml``)::
 
     wer_threshold: 0.5            # "requests over" counts requests with WER above this
-    reference_deploy: reference   # baseline deploy for max_wer_delta (rules may override)
+    reference_deploy: reference   # baseline deploy of wer_delta / worst_paired_delta
     rules:
-      - name: pr-stress
-        arm: pr                   # arm name or "*"
-        deploy: stress            # deploy name or "*"
-        stress: true              # must show stress: min non-zero-offset chunks / replays >= 1
-        max_wer_delta: 0.03       # mean WER minus the reference deploy's (same arm, same repeat)
+      - name: candidate-contract
+        role: candidate           # baseline, candidate or "*" (default "*")
+        deploy: "*"               # deploy name or "*"
+        max_misaligned_text_positions: 0
         max_row_count_mismatches: 0
-      - name: main-stress-detects-bug
-        arm: main
+      - name: baseline-stress-shows-bug
+        role: baseline
         deploy: stress
         expect: fail              # the harness must still detect the bug
-        stress: true
-        min_mean_wer: 0.5
+        stress: true              # a stress run that stressed nothing cannot pass
+        min_misaligned_text_positions: 1
+      - name: my-arm-stress       # a rule naming an arm overrides, on the cells it matches,
+        arm: myarm                # every rule that selects by role or by pattern
+        deploy: stress
+        max_wer_delta: 0.05
 
 Every metric takes ``max_<metric>`` and/or ``min_<metric>`` (see ``METRICS``). A rule is checked
 once per matching cell (arm x deploy x repeat): one JUnit testcase per rule x cell. Exit codes:
-0 every check passed, 1 a check failed, 2 the run could not be evaluated (a rule that matches no
-cell, a cell with no requests, a missing reference cell).
+0 every check passed, 1 a check failed, 2 the run could not be evaluated (an incomplete run, a
+rule that matches no cell, a cell with no requests, a missing reference cell).
 """
 
 from __future__ import annotations
@@ -39,7 +43,15 @@ from typing import Any
 
 from harness.config import DEPLOY_DIR, load_yaml
 from harness.errors import ConfigError
-from harness.summary import CellKey, CellSummary
+from harness.summary import (
+    ROLES,
+    CellKey,
+    CellSummary,
+    reference_cell,
+    repeat_group,
+    worst_of_repeats,
+    worst_paired_delta,
+)
 
 DEFAULT_RULES = DEPLOY_DIR / "gates.yaml"
 
@@ -48,19 +60,30 @@ METRICS: dict[str, str] = {
     "mean_wer": "mean WER",
     "requests_over": "requests with WER over the threshold",
     "wer_delta": "mean WER minus the reference deploy's mean WER",
+    "worst_paired_delta": "largest per-prompt WER increase over the same prompt in the reference deploy",
+    "worst_of_repeats_mean_wer": "mean over prompts of each prompt's worst WER over the repeats",
+    "worst_of_repeats_requests_over": "prompts with WER over the threshold in at least one repeat",
     "nonzero_offset_chunks": "non-zero-offset prefill chunks",
     "cross_boundary_replays": "replays crossing the prompt boundary",
     "multi_position_decode_spans": "multi-position decode spans",
     "one_token_tails": "one-token prefill tails",
     "row_count_mismatches": "row-count mismatches",
-    "misaligned_positions": "misaligned positions",
+    "misaligned_positions": "misaligned positions (both regions)",
+    "misaligned_text_positions": "misaligned positions in the text region",
+    "misaligned_end_positions": "misaligned positions in the end region",
     "preemptions": "preemptions",
     "errors": "requests that ended in an error",
 }
-# Bounds that show the bug is detected (an expect: fail rule needs one, and no max_ on the first three).
-DETECTION_METRICS = ("mean_wer", "requests_over", "wer_delta", "row_count_mismatches", "misaligned_positions")
+WER_METRICS = ("mean_wer", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer")
+REFERENCE_METRICS = ("wer_delta", "worst_paired_delta")  # need reference_deploy
+MISALIGNED_METRICS = ("misaligned_positions", "misaligned_text_positions", "misaligned_end_positions")
+# Bounds that show the bug is detected (an expect: fail rule needs one, and no max_ on a WER metric).
+DETECTION_METRICS = ("mean_wer", "requests_over", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer",
+                     "worst_of_repeats_requests_over", "row_count_mismatches", *MISALIGNED_METRICS)
+NO_MAX_WHEN_FAIL = ("mean_wer", "requests_over", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer",
+                    "worst_of_repeats_requests_over")
 STRESS_METRICS = ("nonzero_offset_chunks", "cross_boundary_replays")
-RULE_KEYS = {"name", "arm", "deploy", "expect", "stress", "reference_deploy", "optional", "description"}
+RULE_KEYS = {"name", "arm", "role", "deploy", "expect", "stress", "reference_deploy", "optional", "description"}
 TOP_KEYS = {"wer_threshold", "reference_deploy", "rules"}
 
 
@@ -78,22 +101,40 @@ class Bound:
 @dataclass(frozen=True)
 class Rule:
     name: str
-    arm: str  # name or "*"
-    deploy: str  # name or "*"
+    arm: str  # name, glob or "*"
+    deploy: str  # name, glob or "*"
     bounds: tuple[Bound, ...]
     expect: str = "pass"  # "fail": the arm is known-broken, the checks assert the bug is detected
     stress: bool = False
     reference_deploy: str | None = None
     optional: bool = False  # true: matching no cell is fine (else the gate cannot evaluate)
     description: str = ""
+    role: str = "*"  # baseline, candidate or "*"
 
-    def matches(self, cell: CellKey) -> bool:
-        return _match(self.arm, cell[0]) and _match(self.deploy, cell[1])
+    @property
+    def names_arm(self) -> bool:
+        """The rule names one arm (no pattern): it overrides role and pattern rules on its cells."""
+        return not _is_pattern(self.arm)
+
+    def selects(self, arm: str, role: str) -> bool:
+        return _match(self.arm, arm) and (self.role == "*" or self.role == role)
+
+    def matches(self, cell: CellSummary) -> bool:
+        return self.selects(cell.arm, cell.role) and _match(self.deploy, cell.deploy)
+
+    @property
+    def selector(self) -> str:
+        parts = [] if self.arm == "*" else [f"arm {self.arm!r}"]
+        parts += [] if self.role == "*" else [f"role {self.role!r}"]
+        return " x ".join(parts + [f"deploy {self.deploy!r}"])
+
+
+def _is_pattern(text: str) -> bool:
+    return text == "*" or any(c in text for c in "*?[")
 
 
 def _match(pattern: str, name: str) -> bool:
-    return pattern == "*" or (fnmatch.fnmatchcase(name, pattern) if any(c in pattern for c in "*?[") else
-                              pattern == name)
+    return pattern == "*" or (fnmatch.fnmatchcase(name, pattern) if _is_pattern(pattern) else pattern == name)
 
 
 @dataclass(frozen=True)
@@ -152,11 +193,15 @@ def parse_rules(data: Any, source: str = "<rules>") -> Rules:
 def _parse_rule(item: Any, where: str, source: str, default_ref: str | None) -> Rule:
     if not isinstance(item, dict):
         raise ConfigError(f"{source}: {where}: expected a mapping, got {type(item).__name__}")
-    if "arm" not in item or "deploy" not in item:
-        raise ConfigError(f"{source}: {where}: needs 'arm' and 'deploy' (a name or \"*\")")
-    arm = _string(source, f"{where}.arm", item["arm"])
+    if "deploy" not in item or ("arm" not in item and "role" not in item):
+        raise ConfigError(f"{source}: {where}: needs 'deploy' and 'arm' or 'role' (a name or \"*\")")
+    arm = _string(source, f"{where}.arm", item.get("arm", "*"))
+    role = _string(source, f"{where}.role", item.get("role", "*"))
+    if role != "*" and role not in ROLES:
+        raise ConfigError(f"{source}: {where}.role: must be {', '.join(ROLES)} or \"*\", got {role!r}")
     deploy = _string(source, f"{where}.deploy", item["deploy"])
-    name = _string(source, f"{where}.name", item.get("name", f"{arm}/{deploy}"))
+    default_name = f"{arm}/{deploy}" if "arm" in item else f"{role}/{deploy}"
+    name = _string(source, f"{where}.name", item.get("name", default_name))
     where = f"{where} ({name})"
     metric_keys = {f"{op}_{m}" for m in METRICS for op in ("min", "max")}
     bounds: list[Bound] = []
@@ -168,7 +213,7 @@ def _parse_rule(item: Any, where: str, source: str, default_ref: str | None) -> 
             raise ConfigError(f"{source}: {where}.{key}: unknown key (allowed: {allowed}; metrics: "
                               f"{', '.join(METRICS)})")
         op, metric = key.split("_", 1)
-        lo = -1.0 if metric == "wer_delta" else 0.0
+        lo = -1.0 if metric in REFERENCE_METRICS else 0.0
         bounds.append(Bound(metric, op, _number(source, f"{where}.{key}", value, lo)))
     expect = item.get("expect", "pass")
     if expect not in ("pass", "fail"):
@@ -188,20 +233,20 @@ def _parse_rule(item: Any, where: str, source: str, default_ref: str | None) -> 
         if not any(f"min_{m}" in keys for m in DETECTION_METRICS):
             raise ConfigError(f"{source}: {where}: expect: fail needs a detection bound "
                               f"({', '.join('min_' + m for m in DETECTION_METRICS)})")
-        clash = sorted(k for k in keys if k in {"max_mean_wer", "max_requests_over", "max_wer_delta"})
+        clash = sorted(k for k in keys if k in {f"max_{m}" for m in NO_MAX_WHEN_FAIL})
         if clash:
             raise ConfigError(f"{source}: {where}: expect: fail contradicts {', '.join(clash)}")
     ref = item.get("reference_deploy", default_ref)
     if ref is not None:
         ref = _string(source, f"{where}.reference_deploy", ref)
-    if any(b.metric == "wer_delta" for b in bounds) and ref is None:
-        raise ConfigError(f"{source}: {where}: a wer_delta bound needs reference_deploy (in the rule or at "
-                          f"the top level)")
+    if any(b.metric in REFERENCE_METRICS for b in bounds) and ref is None:
+        raise ConfigError(f"{source}: {where}: a {' / '.join(REFERENCE_METRICS)} bound needs reference_deploy "
+                          f"(in the rule or at the top level)")
     if not bounds:
         raise ConfigError(f"{source}: {where}: no bound (give at least one min_<metric> or max_<metric>)")
     description = item.get("description", "")
     return Rule(name=name, arm=arm, deploy=deploy, bounds=tuple(bounds), expect=expect, stress=stress,
-                reference_deploy=ref, optional=optional, description=str(description))
+                reference_deploy=ref, optional=optional, description=str(description), role=role)
 
 
 def load_rules(path: Path) -> Rules:
@@ -247,7 +292,7 @@ class CaseResult:
 
     @property
     def cell_label(self) -> str:
-        return f"{self.cell.arm}/{self.cell.deploy} run {self.cell.run_number}"
+        return f"{self.cell.arm}/{self.cell.deploy} run {self.cell.run_number} [{self.cell.role}]"
 
     @property
     def message(self) -> str:
@@ -261,6 +306,8 @@ class GateResult:
     problems: list[str] = field(default_factory=list)  # rules that could not be applied
     uncovered: list[CellKey] = field(default_factory=list)  # cells no rule covers (reported, not failed)
     run_id: str = ""
+    notes: list[str] = field(default_factory=list)  # role rules with no arm of their role in the run
+    overridden: list[tuple[str, CellKey, str]] = field(default_factory=list)  # (rule, cell, the named rule)
 
     def count(self, status: str) -> int:
         return sum(c.status == status for c in self.cases)
@@ -273,53 +320,58 @@ class GateResult:
 
 
 def _fmt(metric: str, value: float) -> str:
-    if metric in ("mean_wer", "wer_delta"):
-        return f"{value:+.3f}" if metric == "wer_delta" else f"{value:.3f}"
+    if metric in WER_METRICS:
+        return f"{value:+.3f}" if metric in REFERENCE_METRICS else f"{value:.3f}"
     return f"{value:g}"
 
 
-def _metric_value(cell: CellSummary, metric: str, threshold: float) -> float | None:
+def _metric_value(cell: CellSummary, metric: str, cells: list[CellSummary], threshold: float) -> float | None:
+    """The cell's value of a metric that needs no reference cell; NaN: not measured by this backend."""
     if metric == "mean_wer":
         return cell.mean_wer
     if metric == "requests_over":
         return float(cell.requests_over(threshold)) if cell.scored else None
+    if metric.startswith("worst_of_repeats_"):
+        worst = worst_of_repeats(cell, cells)
+        if not worst:
+            return None
+        if metric == "worst_of_repeats_mean_wer":
+            return sum(worst.values()) / len(worst)
+        return float(sum(v > threshold for v in worst.values()))
     if metric in ("preemptions", "errors"):
         return float(getattr(cell, metric))
-    if metric == "misaligned_positions" and not cell.misaligned_known:
-        return math.nan  # the backend does not measure it (only the sim does)
+    if metric in MISALIGNED_METRICS and not cell.misaligned_known:
+        return math.nan  # the backend does not measure it
     return float(getattr(cell.events, metric))
-
-
-def _reference_cell(cell: CellSummary, deploy: str, cells: list[CellSummary]) -> CellSummary | None:
-    """The same arm's cell in the reference deploy, same repeat; a single reference run serves all repeats."""
-    same_arm = [c for c in cells if c.arm == cell.arm and c.deploy == deploy]
-    for c in same_arm:
-        if c.repeat == cell.repeat:
-            return c
-    return same_arm[0] if len(same_arm) == 1 else None
 
 
 def check(rule: Rule, bound: Bound, cell: CellSummary, cells: list[CellSummary], threshold: float) -> CheckResult:
     """One bound on one cell; 'error' when the value cannot be computed."""
     what = METRICS[bound.metric]
-    if bound.metric == "requests_over":
-        what = f"requests with WER > {threshold:g}"
+    if bound.metric in ("requests_over", "worst_of_repeats_requests_over"):
+        what = what.replace("the threshold", f"{threshold:g}")
+    if bound.metric.startswith("worst_of_repeats_"):
+        what += f" ({len(repeat_group(cell, cells))} repeat{'s' if len(repeat_group(cell, cells)) > 1 else ''})"
     if cell.requests == 0:
         return CheckResult(bound, None, "error", f"{bound.key}: no requests recorded for this cell")
     ref_note = ""
-    if bound.metric != "wer_delta":
-        value = _metric_value(cell, bound.metric, threshold)
+    if bound.metric not in REFERENCE_METRICS:
+        value = _metric_value(cell, bound.metric, cells, threshold)
     else:
         assert rule.reference_deploy is not None  # parse_rules guarantees it
-        ref = _reference_cell(cell, rule.reference_deploy, cells)
+        ref = reference_cell(cell, rule.reference_deploy, cells)
         if ref is None:
             return CheckResult(bound, None, "error", f"{bound.key}: no {cell.arm}/{rule.reference_deploy} cell "
                                                      f"for run {cell.run_number} in this run")
-        if cell.mean_wer is None or ref.mean_wer is None:
-            value = None
+        if bound.metric == "wer_delta":
+            value = None if cell.mean_wer is None or ref.mean_wer is None else cell.mean_wer - ref.mean_wer
+            if value is not None:
+                ref_note = f" (vs {ref.arm}/{ref.deploy} run {ref.run_number}: {ref.mean_wer:.3f})"
         else:
-            value = cell.mean_wer - ref.mean_wer
-            ref_note = f" (vs {ref.arm}/{ref.deploy} run {ref.run_number}: {ref.mean_wer:.3f})"
+            value = worst_paired_delta(cell, cells, rule.reference_deploy)
+            worst = _worst_pair(cell, ref)
+            if value is not None and worst is not None:
+                ref_note = f" (prompt {worst[0]}: {worst[2]:.3f} vs {worst[1]:.3f} in {ref.arm}/{ref.deploy})"
     if value is None:
         return CheckResult(bound, None, "error", f"{bound.key}: {what} unknown (no scored requests or no data)")
     if math.isnan(value):
@@ -332,21 +384,47 @@ def check(rule: Rule, bound: Bound, cell: CellSummary, cells: list[CellSummary],
     return CheckResult(bound, value, "pass" if ok else "fail", f"{bound.key}: {text}")
 
 
+def _worst_pair(cell: CellSummary, ref: CellSummary) -> tuple[str, float, float] | None:
+    """(prompt, reference WER, this cell's WER) of the largest paired increase (first prompt on a tie)."""
+    mine, theirs = cell.prompt_scores, ref.prompt_scores
+    pairs = [(pid, theirs[pid], mine[pid]) for pid in sorted(mine) if pid in theirs]
+    if not pairs:
+        return None
+    best = pairs[0]
+    for pair in pairs[1:]:
+        if pair[2] - pair[1] > best[2] - best[1]:
+            best = pair
+    return best
+
+
 def evaluate(rules: Rules, cells: list[CellSummary], run_id: str = "") -> GateResult:
-    """Applies every rule to every matching cell; a non-optional rule matching nothing is a problem."""
+    """Applies every rule to every cell it selects.
+
+    A rule that names an arm (``arm: pr``, no pattern) overrides, on the cells it matches, every
+    rule that selects by role or pattern. A non-optional rule that matches no cell is a problem
+    (exit 2), except a role rule when the run has no arm of that role (reported as a note).
+    """
     result = GateResult(cases=[], run_id=run_id)
     covered: set[CellKey] = set()
     arms = list(dict.fromkeys(c.arm for c in cells))
     deploys = list(dict.fromkeys(c.deploy for c in cells))
+    roles = {c.arm: c.role for c in cells}
+    named = {c.key: [r for r in rules.rules if r.names_arm and r.matches(c)] for c in cells}
     for rule in rules.rules:
-        matched = [c for c in cells if rule.matches(c.key)]
+        matched = [c for c in cells if rule.matches(c)]
         if not matched:
-            if not rule.optional:
+            if rule.role != "*" and not any(rule.selects(a, roles[a]) for a in arms):
+                result.notes.append(f"rule {rule.name!r} not applied: no {rule.role} arm in this run")
+            elif not rule.optional:
+                have = ", ".join(f"{a} ({roles[a]})" for a in arms) or "none"
                 result.problems.append(
-                    f"rule {rule.name!r}: no cell of this run matches arm {rule.arm!r} x deploy {rule.deploy!r} "
-                    f"(run has arms {', '.join(arms) or 'none'}; deploys {', '.join(deploys) or 'none'})")
+                    f"rule {rule.name!r}: no cell of this run matches {rule.selector} "
+                    f"(run has arms {have}; deploys {', '.join(deploys) or 'none'})")
             continue
         for cell in matched:
+            if not rule.names_arm and named[cell.key]:
+                result.overridden.append((rule.name, cell.key, named[cell.key][0].name))
+                continue
             covered.add(cell.key)
             checks = [check(rule, b, cell, cells, rules.wer_threshold) for b in rule.bounds]
             result.cases.append(CaseResult(rule, cell, checks))
@@ -368,6 +446,11 @@ def format_result(result: GateResult) -> str:
             lines.append(f"         {mark[c.status]:5} {c.message}")
     for problem in result.problems:
         lines.append(f"ERROR  {problem}")
+    for note in result.notes:
+        lines.append(f"note   {note}")
+    for rule_name, key, by in result.overridden:
+        lines.append(f"note   rule {rule_name!r} not applied to {key[0]}/{key[1]} repeat {key[2]}: "
+                     f"overridden by {by!r}, which names the arm")
     for key in result.uncovered:
         lines.append(f"note   no rule covers {key[0]}/{key[1]} repeat {key[2]} (not gated)")
     verdict = {0: "pass", 1: "FAIL (a rule failed)", 2: "could not evaluate"}[result.exit_code]

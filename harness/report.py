@@ -25,6 +25,7 @@ from typing import Any
 import pandas as pd
 
 from harness.errors import UserError
+from harness.records import RequestRecord
 from harness.summary import (  # re-exported: callers and tests use report.load_run & co.
     DEFAULT_ROLE,
     ROLES,
@@ -144,7 +145,7 @@ EXTENDED_COLUMNS = [
     "Arm", "Deploy", "Run", "Requests", "WER source", "WER (mean)", "WER (median)", "Oracle WER (mean)",
     f"Requests with WER > {WER_THRESHOLD}", "Non-zero-offset chunks", "Cross-boundary replays",
     "Multi-position decode spans", "Accepted tokens/step", "One-token tails", "Row-count mismatches / prefill calls",
-    "Misaligned positions", "Preemptions", "Errors", "Wall time (s)",
+    "Misaligned (text)", "Misaligned (end)", "Worst request", "Preemptions", "Errors", "Wall time (s)",
 ]
 
 
@@ -159,7 +160,8 @@ def extended_table(cells: list[CellSummary]) -> pd.DataFrame:
             fmt_ratio(c.requests_over(), c.scored), str(ev.nonzero_offset_chunks), str(ev.cross_boundary_replays),
             str(ev.multi_position_decode_spans), fmt_accepted(c.accepted_tokens_per_step), str(ev.one_token_tails),
             fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls),
-            str(ev.misaligned_positions) if c.misaligned_known else NA,
+            str(ev.misaligned_text_positions) if c.misaligned_known else NA,
+            str(ev.misaligned_end_positions) if c.misaligned_known else NA, fmt_worst(c),
             str(c.preemptions), str(c.errors), f"{c.wall_s:.1f}",
         ])
     return pd.DataFrame(rows, columns=EXTENDED_COLUMNS, dtype=object)
@@ -177,7 +179,10 @@ def cells_frame(cells: list[CellSummary]) -> pd.DataFrame:
         }
         row.update({k: v for k, v in vars(c.events).items()})
         if not c.misaligned_known:
-            row["misaligned_positions"] = None
+            row.update(misaligned_positions=None, misaligned_text_positions=None, misaligned_end_positions=None)
+        worst = c.worst_request
+        row.update(role=c.role, worst_request=worst.prompt_id if worst else None,
+                   worst_request_wer=worst.score if worst else None)
         accepted = c.accepted_tokens_per_step
         row["accepted_tokens_per_step"] = None if accepted is None else round(accepted, 4)
         row.update({"event_source": c.event_source, "preemptions": c.preemptions, "errors": c.errors,
@@ -189,13 +194,14 @@ def cells_frame(cells: list[CellSummary]) -> pd.DataFrame:
 REQUEST_COLUMNS = [
     "Arm", "Deploy", "Run", "Prompt", "WER", "Oracle WER", "Codec tokens", "Finish", "Preemptions",
     "Non-zero-offset chunks", "Cross-boundary replays", "Multi-position decode spans", "Accepted tokens/step",
-    "Row-count mismatches / prefill calls", "Misaligned", "Error", "Transcript",
+    "Row-count mismatches / prefill calls", "Misaligned (text)", "Misaligned (end)", "Error", "Transcript",
 ]
 
 
 def requests_table(run: Run, cells: list[CellSummary], max_text: int = 80) -> pd.DataFrame:
     """Per-request rows in table order, so a reader can find the request a plot points at."""
     events = request_events(run)
+    known = {k: v[1] for k, v in run.spans.group_events.items()}
     rank = {c.key: i for i, c in enumerate(cells)}
     run_number = {c.key: c.run_number for c in cells}
     rows = []
@@ -208,7 +214,8 @@ def requests_table(run: Run, cells: list[CellSummary], max_text: int = 80) -> pd
             str(rec.num_codec_tokens), rec.finish_reason or NA, str(rec.preemptions),
             str(ev.nonzero_offset_chunks), str(ev.cross_boundary_replays), str(ev.multi_position_decode_spans),
             fmt_accepted(rec.accepted_tokens_per_step), fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls),
-            str(ev.misaligned_positions) if rec.backend == "sim" else NA,
+            *((str(ev.misaligned_text_positions), str(ev.misaligned_end_positions))
+              if known.get(rec.key, rec.backend == "sim") else (NA, NA)),
             _shorten(rec.error or "", max_text), _shorten(text or "", max_text),
         ])
     return pd.DataFrame(rows, columns=REQUEST_COLUMNS, dtype=object)
@@ -219,8 +226,65 @@ def _shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def fmt_worst(cell: CellSummary) -> str:
+    """The cell's worst request: ``p05-garden (2.944)``."""
+    worst = cell.worst_request
+    return NA if worst is None else f"{worst.prompt_id} ({fmt_wer(worst.score)})"
+
+
+def fmt_delta(value: float | None) -> str:
+    return NA if value is None else f"{value:+.3f}"
+
+
+PAIRED_COLUMNS = [
+    "Arm", "Deploy", "Run", "Prompt", "Reference WER", "WER", "\u0394 WER", "Oracle \u0394 WER",
+    "Misaligned (text)", "Misaligned (end)", "Worst of cell",
+]
+
+
+def paired_cells(cells: list[CellSummary], reference_deploy: str | None) -> list[CellSummary]:
+    """The cells the paired table shows: every cell outside the reference deploy that has a reference cell."""
+    if reference_deploy is None:
+        return []
+    return [c for c in cells if c.deploy != reference_deploy and paired_rows(c, cells, reference_deploy)]
+
+
+def paired_table(run: Run, cells: list[CellSummary], reference_deploy: str | None = None) -> pd.DataFrame:
+    """Per arm and prompt: this deploy's WER minus the same prompt's WER in the same arm's reference
+    deploy (same run; a single reference run serves all repeats), the same for the oracle WER where the
+    backend has it, the request's misaligned positions, and which request is its cell's worst."""
+    reference_deploy = reference_deploy or reference_deploy_of(cells)
+    events = request_events(run)
+    known = {k: v[1] for k, v in run.spans.group_events.items()}
+    rows = []
+    for cell in paired_cells(cells, reference_deploy):
+        assert reference_deploy is not None
+        worst = cell.worst_request
+        for pr in paired_rows(cell, cells, reference_deploy):
+            key = (cell.arm, cell.deploy, cell.repeat, pr.prompt_id)
+            ev = events.get(key)
+            measured = ev is not None and known.get(key, pr.record is not None and pr.record.backend == "sim")
+            rows.append([
+                cell.arm, cell.deploy, str(cell.run_number), pr.prompt_id, fmt_wer(pr.reference_wer), fmt_wer(pr.wer),
+                fmt_delta(pr.delta), fmt_delta(pr.oracle_delta),
+                str(ev.misaligned_text_positions) if measured and ev else NA,
+                str(ev.misaligned_end_positions) if measured and ev else NA,
+                "worst" if worst is not None and pr.record is worst else "",
+            ])
+    return pd.DataFrame(rows, columns=PAIRED_COLUMNS, dtype=object)
+
+
+def paired_note(cells: list[CellSummary], reference_deploy: str | None = None) -> str:
+    reference_deploy = reference_deploy or reference_deploy_of(cells)
+    if reference_deploy is None or not paired_cells(cells, reference_deploy):
+        return "No paired table: the run has no reference deploy to pair with."
+    return (f"\u0394 WER = WER minus the same prompt's WER in the same arm's {reference_deploy} deploy (same run); "
+            f"'worst' marks each cell's highest-WER request.")
+
+
 COMPARE_NOTE = (f"WER = mean WER; WER>{WER_THRESHOLD} = requests over it; chunks = non-zero-offset prefill chunks; "
-                "replays = replays crossing the prompt boundary; \u0394 = B - A of the means over runs.")
+                "replays = replays crossing the prompt boundary; misaligned text / end = misaligned positions up to "
+                "and including text-EOS / after it; \u0394 = B - A of the means over runs.")
 
 
 def _mean(values: list[float]) -> float | None:
@@ -251,6 +315,10 @@ def compare_table(cells_a: list[CellSummary], cells_b: list[CellSummary]) -> pd.
              False),
             (lambda c: c.events.cross_boundary_replays,
              lambda g: _join(str(c.events.cross_boundary_replays) for c in g), False),
+            (lambda c: c.events.misaligned_text_positions if c.misaligned_known else None,
+             lambda g: _join(str(c.events.misaligned_text_positions) if c.misaligned_known else NA for c in g), False),
+            (lambda c: c.events.misaligned_end_positions if c.misaligned_known else None,
+             lambda g: _join(str(c.events.misaligned_end_positions) if c.misaligned_known else NA for c in g), False),
         ]
         for value, text, wer in getters:
             mean_a = _mean([v for v in (value(c) for c in a) if v is not None])
@@ -258,7 +326,7 @@ def compare_table(cells_a: list[CellSummary], cells_b: list[CellSummary]) -> pd.
             row += [text(a) if a else NA, text(b) if b else NA, _fmt_delta(mean_a, mean_b, wer)]
         rows.append(row)
     columns = ["Arm"]
-    for name in ("WER", f"WER>{WER_THRESHOLD}", "Chunks", "Replays"):
+    for name in ("WER", f"WER>{WER_THRESHOLD}", "Chunks", "Replays", "Misaligned text", "Misaligned end"):
         columns += [f"{name} A", f"{name} B", f"\u0394 {name}"]
     return pd.DataFrame(rows, columns=columns, dtype=object)
 
@@ -320,12 +388,20 @@ def run_header(run: Run) -> list[str]:
     lines = [f"Run {run.run_id}: backend {_describe(m.get('backend', NA))}, ASR {_describe(m.get('asr') or 'none')}"]
     finished = m.get("finished")
     lines.append(f"Started {m.get('started') or NA}, " + (f"finished {finished}" if finished else "not finished"))
+    roles = run.roles
+    if roles:
+        lines.append("Arms: " + ", ".join(f"{arm} ({role})" for arm, role in roles.items()))
+    problems = run_problems(run)
+    if problems:
+        lines.append(f"WARNING: incomplete run, the gate refuses it: {'; '.join(problems)}")
     return lines
 
 
-def terminal_text(run: Run, cells: list[CellSummary], with_requests: bool = False) -> str:
+def terminal_text(run: Run, cells: list[CellSummary], with_requests: bool = False, with_paired: bool = False) -> str:
     parts = run_header(run) + ["", render_text(seed_table(cells)), wer_source_note(run, cells), "",
                                render_text(extended_table(cells))]
+    if with_paired:
+        parts += ["", render_text(paired_table(run, cells)), paired_note(cells)]
     if with_requests:
         parts += ["", render_text(requests_table(run, cells))]
     return "\n".join(parts) + "\n"
@@ -335,6 +411,10 @@ def markdown_text(run: Run, cells: list[CellSummary], with_requests: bool = True
     parts = [f"### omni-stress run `{run.run_id}`", "", render_markdown(seed_table(cells)), "",
              wer_source_note(run, cells), "", "<details><summary>Extended table</summary>", "",
              render_markdown(extended_table(cells)), "", "</details>"]
+    paired = paired_table(run, cells)
+    if len(paired):
+        parts += ["", "<details><summary>Paired per-prompt table (vs the reference deploy)</summary>", "",
+                  render_markdown(paired), "", paired_note(cells), "", "</details>"]
     if with_requests:
         parts += ["", "<details><summary>Per-request rows</summary>", "",
                   render_markdown(requests_table(run, cells)), "", "</details>"]
@@ -354,10 +434,32 @@ def json_summary(run: Run, cells: list[CellSummary], full_requests: pd.DataFrame
         "finished": run.manifest.get("finished"),
         "wer_source": wer_source(cells),
         "wer_threshold": WER_THRESHOLD,
+        "complete": not run_problems(run),
+        "problems": run_problems(run),
+        "roles": run.roles,
+        "reference_deploy": reference_deploy_of(cells),
         "seed_table": seed_table(cells).to_dict(orient="records"),
         "cells": _records(cells_frame(cells)),
+        "paired": _records(paired_frame(cells)),
         "requests": full_requests.to_dict(orient="records"),
     }
+
+
+def paired_frame(cells: list[CellSummary], reference_deploy: str | None = None) -> pd.DataFrame:
+    """Numbers, not strings: one row per paired prompt, for paired.csv and summary.json."""
+    reference_deploy = reference_deploy or reference_deploy_of(cells)
+    rows = []
+    for cell in paired_cells(cells, reference_deploy):
+        assert reference_deploy is not None
+        worst = cell.worst_request
+        for pr in paired_rows(cell, cells, reference_deploy):
+            rows.append({"arm": cell.arm, "role": cell.role, "deploy": cell.deploy, "repeat": cell.repeat,
+                         "run": cell.run_number, "prompt": pr.prompt_id, "reference_deploy": reference_deploy,
+                         "reference_wer": pr.reference_wer, "wer": pr.wer, "wer_delta": pr.delta,
+                         "oracle_wer_delta": pr.oracle_delta,
+                         "worst_of_cell": worst is not None and pr.record is worst,
+                         "audio": pr.record.audio_path if pr.record is not None else None})
+    return pd.DataFrame(rows)
 
 
 def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
@@ -384,6 +486,9 @@ th:first-child,td:first-child{text-align:left}
 th{background:#f2f2f2}
 tr:nth-child(even) td{background:#fafafa}
 .note{color:#555}
+.warn{color:#a00;font-weight:bold}
+tr.worst td{background:#fff1f0}
+audio{height:28px;vertical-align:middle}
 img{max-width:100%;border:1px solid #ddd;margin:0.5em 0}
 code{background:#f4f4f4;padding:1px 4px}
 """
@@ -398,7 +503,8 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> 
         "<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
         f"<title>omni-stress {html.escape(run.run_id)}</title>", f"<style>{_CSS}</style></head><body>",
         f"<h1>omni-stress run <code>{html.escape(run.run_id)}</code></h1>",
-        "".join(f"<p class=\"note\">{html.escape(line)}</p>" for line in run_header(run)),
+        "".join(f"<p class=\"{'warn' if line.startswith('WARNING') else 'note'}\">{html.escape(line)}</p>"
+                for line in run_header(run)),
         "<h2>Summary (the seed's table)</h2>", table(seed_table(cells), "seed"),
         f"<p class=\"note\">{html.escape(wer_source_note(run, cells))}</p>",
     ]
@@ -409,6 +515,8 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> 
         parts.append(f"<h2>{html.escape(titles.get(name, name))}</h2>")
         parts.append(f"<img alt=\"{html.escape(name)}\" src=\"data:image/png;base64,{data}\">")
     parts += ["<h2>Extended table</h2>", table(extended_table(cells), "extended"),
+              "<h2>Paired per-prompt table</h2>", html_paired(run, cells),
+              f"<p class=\"note\">{html.escape(paired_note(cells))}</p>",
               "<h2>Per-request rows</h2>", table(requests_table(run, cells), "requests")]
     argv = run.manifest.get("argv")
     if argv:
@@ -416,6 +524,51 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> 
         parts.append(f"<p class=\"note\">Command: <code>{html.escape(command)}</code></p>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+MAX_INLINE_AUDIO = 2_000_000  # bytes: a larger WAV is linked (relative to report.html), not inlined
+
+
+def audio_tag(run: Run, record: RequestRecord | None, label: str) -> str:
+    """An inline ``<audio>`` player for a request's WAV (a data URI, so the page stays self-contained);
+    a note when the request has no audio (``--asr none`` writes none)."""
+    if record is None or not record.audio_path:
+        return f"<span class=\"note\">{html.escape(label)}: no audio</span>"
+    path = run.run_dir / record.audio_path
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return f"<span class=\"note\">{html.escape(label)}: {html.escape(record.audio_path)} missing</span>"
+    if size <= MAX_INLINE_AUDIO:
+        src = "data:audio/wav;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+    else:
+        src = html.escape(record.audio_path)
+    return (f"<span>{html.escape(label)} <audio controls preload=\"none\" "
+            f"title=\"{html.escape(record.audio_path)}\" src=\"{src}\"></audio></span>")
+
+
+def html_paired(run: Run, cells: list[CellSummary]) -> str:
+    """The paired table as HTML; each cell's worst request carries its audio and the reference's, inline."""
+    reference_deploy = reference_deploy_of(cells)
+    df = paired_table(run, cells, reference_deploy)
+    if not len(df):
+        return ""
+    records = [pr for cell in paired_cells(cells, reference_deploy)
+               for pr in paired_rows(cell, cells, reference_deploy)]  # type: ignore[arg-type]
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in list(df.columns) + ["Audio (worst request)"])
+    body = []
+    for pr, row in zip(records, df.itertuples(index=False)):
+        worst = row[-1] == "worst"
+        cells_html = "".join(f"<td>{html.escape(str(v))}</td>" for v in row)
+        audio = ""
+        if worst:
+            ref_rec = next((r for r in pr.reference.records if r.prompt_id == pr.prompt_id), None)
+            audio = (audio_tag(run, pr.record, f"{pr.cell.deploy}:") + " "
+                     + audio_tag(run, ref_rec, f"{pr.reference.deploy}:"))
+        tr = '<tr class="worst">' if worst else "<tr>"
+        body.append(f"{tr}{cells_html}<td>{audio}</td></tr>")
+    return (f"<table class=\"paired\"><thead><tr>{head}</tr></thead><tbody>" + "".join(body)
+            + "</tbody></table>")
 
 
 # --------------------------------------------------------------------------- entry points (I/O)
@@ -451,6 +604,8 @@ def write_reports(run: Run | Path, cells: list[CellSummary] | None = None) -> di
     cells_frame(cells).to_csv(out["csv"], index=False)
     out["requests_csv"] = run_dir / "requests.csv"
     full_requests.to_csv(out["requests_csv"], index=False)
+    out["paired_csv"] = run_dir / "paired.csv"
+    paired_frame(cells).to_csv(out["paired_csv"], index=False)
     out["markdown"] = run_dir / "summary.md"
     out["markdown"].write_text(markdown_text(run, cells), encoding="utf-8")
     out["json"] = run_dir / "summary.json"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from harness import report
+from harness import report, summary
 
 
 @click.command("compare")
@@ -18,6 +18,11 @@ from harness import report
 def command(run_a: Path, run_b: Path, fmt: str) -> None:
     """Compare RUN_B (e.g. a PR) against RUN_A (its base): cells side by side, delta = B - A."""
     a, b = report.load_run(run_a), report.load_run(run_b)
+    for run in (a, b):
+        problems = report.run_problems(run)
+        if problems:
+            click.echo(f"omni-stress: warning: {summary.problems_line(run, problems)}; its numbers may be partial",
+                       err=True)
     cells_a, cells_b = report.summarize_cells(a), report.summarize_cells(b)
     table = report.compare_table(cells_a, cells_b)
     if fmt == "csv":

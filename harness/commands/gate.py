@@ -1,4 +1,9 @@
-"""``omni-stress gate RUN_DIR``: the CI verdict. Exit 0 pass, 1 a rule failed, 2 could not evaluate."""
+"""``omni-stress gate RUN_DIR``: the CI verdict. Exit 0 pass, 1 a rule failed, 2 could not evaluate.
+
+Only a complete run is gated: one that did not finish, lost a record to a torn line, has a
+missing or duplicated (arm, deploy, repeat, prompt) record, or records its manifest does not
+list, is refused with one line and exit 2 (``summary.run_problems``).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from harness import gate, report
+from harness import gate, summary
 from harness.errors import UserError
 
 
@@ -21,8 +26,11 @@ def command(run_dir: Path, rules_path: str | None, junit_path: Path | None) -> N
     """Check RUN_DIR against the gate rules and exit 0 (pass), 1 (a rule failed) or 2 (could not evaluate)."""
     try:
         rules = gate.load_rules(gate.resolve_rules_path(rules_path))
-        run = report.load_run(run_dir)
-        result = gate.evaluate(rules, report.summarize_cells(run), run_id=run.run_id)
+        run = summary.load_run(run_dir)
+        problems = summary.run_problems(run)
+        if problems:
+            raise UserError(f"{summary.problems_line(run, problems)}; not gated")
+        result = gate.evaluate(rules, summary.summarize_cells(run), run_id=run.run_id)
     except UserError as exc:
         if junit_path is not None:  # CI still gets a report that says why
             _write(junit_path, gate.junit_error_xml(str(exc)))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from harness import report
+from harness import report, summary
 
 
 @click.command("report")
@@ -16,17 +16,23 @@ from harness import report
               show_default=True, help="What to print; all formats are written to the run directory anyway.")
 @click.option("--requests/--no-requests", "with_requests", default=False,
               help="Also print the per-request rows (terminal format).")
+@click.option("--paired/--no-paired", "with_paired", default=False,
+              help="Also print the paired per-prompt table: WER minus the same prompt's reference-deploy WER.")
 @click.option("--no-write", is_flag=True, help="Only print; do not (re)write summary.* / report.html / plots.")
-def command(run_dir: Path, fmt: str, with_requests: bool, no_write: bool) -> None:
+def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_write: bool) -> None:
     """Print the seed table and the extended table of RUN_DIR (per-request rows with --requests).
 
-    Writes summary.csv, summary.md, summary.json, requests.csv, plots/*.png and a self-contained
-    report.html into RUN_DIR (file list on stderr, so stdout can be piped).
+    Writes summary.csv, summary.md, summary.json, requests.csv, paired.csv, plots/*.png and a
+    self-contained report.html into RUN_DIR (file list on stderr, so stdout can be piped). An
+    incomplete run is reported with a warning (on stderr and in the reports); the gate refuses it.
     """
     run = report.load_run(run_dir)
+    problems = report.run_problems(run)
+    if problems:
+        click.echo(f"omni-stress: warning: {summary.problems_line(run, problems)}; the gate refuses it", err=True)
     cells = report.summarize_cells(run)
     if fmt == "terminal":
-        text = report.terminal_text(run, cells, with_requests=with_requests)
+        text = report.terminal_text(run, cells, with_requests=with_requests, with_paired=with_paired)
     elif fmt == "markdown":
         text = report.markdown_text(run, cells)
     elif fmt == "csv":

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from harness.errors import ConfigError
+from harness.sim.physics import FRAMES_PER_TEXT_TOKEN
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEPLOY_DIR = PROJECT_ROOT / "deploy_configs"
@@ -230,7 +231,7 @@ class SpecDecodeSettings:
 class SimSettings:
     """Knobs of the CPU simulation only (ignored by the real backend)."""
 
-    frames_per_text_token: int = 12  # R: codec frames (50 Hz) per text token
+    frames_per_text_token: int = FRAMES_PER_TEXT_TOKEN  # R = 19: derived in harness/sim/physics.py
     thinker_steps_per_token: float = 1.0  # Talker steps the Thinker needs per reply token
     default_max_num_batched_tokens: int = 32768  # vLLM-Omni's qwen2_5_omni stage default
     default_max_model_len: int = 32768  # Talker's max_position_embeddings when unset

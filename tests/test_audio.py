@@ -166,10 +166,14 @@ def test_speak_key_names_what_is_spoken(monkeypatch: pytest.MonkeyPatch) -> None
               speak_key([])}
     assert key not in others and len(others) == 6
     assert dict(espeak_identity())["espeak"]  # the espeak-ng version string is part of the key
-    monkeypatch.setattr(tts_mod, "TTS_CACHE_VERSION", 2)
+    version = tts_mod.TTS_CACHE_VERSION
+    monkeypatch.setattr(tts_mod, "TTS_CACHE_VERSION", version + 1)
     assert speak_key(CACHED_UNITS) != key
     monkeypatch.setattr(tts_mod, "PAUSE_SECONDS", 0.3)
-    monkeypatch.setattr(tts_mod, "TTS_CACHE_VERSION", 1)
+    monkeypatch.setattr(tts_mod, "TTS_CACHE_VERSION", version)
+    assert speak_key(CACHED_UNITS) != key
+    monkeypatch.setattr(tts_mod, "PAUSE_SECONDS", PAUSE_SECONDS)
+    monkeypatch.setattr(tts_mod, "BABBLE_VOICING", 0.4)  # the babble rendering is part of the key too
     assert speak_key(CACHED_UNITS) != key
 
 
@@ -404,3 +408,41 @@ def test_cli_transcribe_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     result = runner.invoke(main, ["transcribe", str(tmp_path / "hi.wav"), "--asr", "openai-whisper"])
     assert result.exit_code == 2
     assert f"checkpoint {tmp_path / 'whisper' / 'base.pt'} not found" in result.output
+
+
+# --------------------------------------------------------------------------- babble (issue 13)
+
+
+def _babble_units(frames: int, per_unit: int = 19, seed: int = 0) -> list[str]:
+    from harness.sim.codec import NOISE_CODES, babble_unit
+
+    rng = np.random.default_rng(seed)
+    units, left = [], frames
+    while left > 0:
+        units.append(babble_unit(int(rng.integers(1, NOISE_CODES + 1)), min(per_unit, left)))
+        left -= per_unit
+    return units
+
+
+def test_babble_lasts_its_codec_frames_and_is_deterministic(tmp_path: Path) -> None:
+    units = _babble_units(500)  # 500 frames at 50 Hz: 10 s
+    samples = tts_mod.synthesize(units)
+    assert samples.size == round(LEAD_SECONDS * SAMPLE_RATE) + 500 * SAMPLE_RATE // 50
+    assert np.array_equal(tts_mod.synthesize(units), samples)
+    # as loud as speech frames, never clipped
+    frames = samples[: samples.size // 480 * 480].reshape(-1, 480).astype(float)
+    rms = np.sqrt((frames ** 2).mean(axis=1))
+    assert 0.5 * tts_mod.BABBLE_RMS < np.median(rms[rms > 300]) < 1.5 * tts_mod.BABBLE_RMS
+    assert np.abs(samples).max() < 32767
+
+
+def test_babble_transcribes_to_few_or_no_words(tiny: FasterWhisperTranscriber, tmp_path: Path) -> None:
+    """Code2Wav renders babble as non-speech: the bundled Whisper hears (almost) no words in a
+    minute of it, where a syllable voice made it write one word per syllable."""
+    heard = 0
+    for seed in range(3):
+        path = tmp_path / f"babble{seed}.wav"
+        seconds = speak(_babble_units(1000, seed=seed), path)  # 20 s each
+        assert seconds == pytest.approx(LEAD_SECONDS + 20.0, abs=0.01)
+        heard += len(tiny.transcribe(path).split())
+    assert heard <= 6  # 3 x 52 babble syllables

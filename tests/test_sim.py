@@ -9,7 +9,7 @@ import torch
 
 from harness.config import SamplingSettings, load_arms, load_deploy, load_prompts
 from harness.sim.backend import run_cell
-from harness.sim.codec import CODEC_EOS, PAUSE, SYLLABLES, WORD_BASE, CodecVocab, collapse, oracle_transcript
+from harness.sim.codec import CODEC_EOS, PAUSE, WORD_BASE, CodecVocab, babble_unit, collapse, oracle_transcript
 from harness.sim.rows import NONE, TEXT_DIMS, UNKNOWN, RowSpace
 from harness.sim.scheduler import make_scheduler, resolve_talker
 from harness.sim.talker import SimTalker, TalkerKV
@@ -59,8 +59,10 @@ def test_collapse_codes_into_words_pauses_and_babble():
     codes = [8293, on("the"), on("the") + 2, on("the") + 3, on("cat") + 2, 0, 0, on("cat"), on("cat"),
              5, 6, 7, 8, 9, CODEC_EOS]
     units = collapse(codes, vocab, frames_per_token=4)
-    assert units == ["the", "cat", PAUSE, "cat", "cat", SYLLABLES[4], SYLLABLES[8]]
-    assert oracle_transcript(units) == f"the cat cat cat {SYLLABLES[4]} {SYLLABLES[8]}"
+    # noise frames: one babble unit per 4 frames, holding its first code and its frame count
+    assert units == ["the", "cat", PAUSE, "cat", "cat", babble_unit(5, 4), babble_unit(9, 1)]
+    # babble is not words: the oracle transcript holds only what is spoken as words
+    assert oracle_transcript(units) == "the cat cat cat"
 
 
 def _talker(space, words):
@@ -92,11 +94,13 @@ def test_talker_speaks_aligned_row_and_stops_at_end_of_text():
     assert tokens[6] == CODEC_EOS  # text-EOS at the aligned position
     # same KV, same position -> same token (batch invariance)
     assert [talker.next_token(kv, g) for g in range(8)] == tokens
-    # a wrong start row -> babble (noise codes), still ending at the end of the text
+    # a wrong start row -> babble (noise codes); the end of the text no longer ends it (rule 4)
     kv.write(0, torch.tensor([NONE, NONE, out0, out0, out0 + 1, out0 + 2, eos]),
              torch.tensor([NONE, NONE, 8292, 8293, 300, 301, 302]))
+    assert not kv.started()
     babble = [talker.next_token(kv, g) for g in range(7)]
-    assert all(1 <= t <= 64 for t in babble[:6]) and babble[6] == CODEC_EOS
+    stop = next(g for g in range(10_000) if talker.babble_ends_at(kv, g))
+    assert all(1 <= t <= 64 for t in babble[:min(7, stop)])
 
 
 def test_scheduler_driver_forces_preemption_and_replays(prompts):

@@ -30,6 +30,8 @@ import numpy as np
 
 from harness.audio.cache import AudioCache
 from harness.errors import UserError
+from harness.sim.codec import parse_babble
+from harness.sim.physics import CODEC_FRAME_RATE_HZ, SPEAKING_RATE_WPM
 
 SAMPLE_RATE = 24_000  # Qwen2.5-Omni's Code2Wav rate; every WAV we write uses it
 PAUSE = "<pause>"  # a unit that stands for silence (punctuation, text-PAD frames)
@@ -38,7 +40,24 @@ EMPTY_SECONDS = 0.5  # what an empty unit list becomes: a short silent WAV
 LEAD_SECONDS = 0.2  # silence before the first word: Whisper drops a word that starts at 0.0 s
 # Bump when a change here alters the samples for the same units, voice and espeak-ng build
 # (segmenting, resampling, WAV layout): old AudioCache entries then stop matching.
-TTS_CACHE_VERSION = 1
+# 2: babble units are rendered as non-speech (voiced noise), no longer spoken as syllables.
+TTS_CACHE_VERSION = 2
+
+# Babble: what a codec decoder makes of codes that follow no text (docs/audio.md). Each babble
+# unit (one per R noise frames) is one syllable-long burst of breathy voiced noise shaped by two
+# vowel-like formants, lasting exactly its frames at the codec's 50 Hz: no phonetic sequence,
+# so no words. Sources of the numbers:
+BABBLE_F0_HZ = 120.0  # typical adult male speaking f0 (85-155 Hz), the range of the en-us voice
+BABBLE_F0_JITTER = 0.05  # per-syllable f0 spread (+-5 %, a speaker's natural intonation range is wider)
+BABBLE_F1_HZ = (300.0, 800.0)  # first-formant range of American English vowels (Peterson & Barney 1952)
+BABBLE_F2_HZ = (850.0, 2300.0)  # second-formant range, same study
+BABBLE_BANDWIDTHS_HZ = (100.0, 150.0)  # typical F1/F2 bandwidths of voiced speech (Fant 1960)
+BABBLE_F2_GAIN = 0.5  # F2 about 6 dB below F1, the usual spectral tilt of voiced speech
+BABBLE_VOICING = 0.5  # breathy phonation: aspiration noise as strong as the voiced part (Klatt & Klatt 1990)
+BABBLE_PULSE_DECAY = 30.0  # glottal pulse decays to e^-30 within one period (a closed phase)
+# Loudness: median RMS of 20 ms speech frames of this TTS voice, measured on the first four
+# replies of prompts/default.yaml (2388 of 32768), so babble is as loud as speech.
+BABBLE_RMS = 2400.0
 
 # espeak_lib.h constants (espeak-ng 1.52)
 _AUDIO_OUTPUT_SYNCHRONOUS = 2
@@ -53,7 +72,7 @@ class Voice:
     """espeak-ng voice settings (tuned with bench/asr.py for Whisper round trips)."""
 
     name: str = "en-us"
-    rate: int = 140  # words per minute (espeak's default is 175)
+    rate: int = SPEAKING_RATE_WPM  # words per minute (espeak's default is 175); R derives from it
     pitch: int = 50  # 0..100
     range: int = 50  # pitch range 0..100
     wordgap: int = 2  # extra gap between words, units of 10 ms
@@ -165,16 +184,18 @@ def units_from_text(text: str) -> list[str]:
     return [tok if is_spoken(tok) else PAUSE for tok in tokenize(text)]
 
 
-def _segments(units: Sequence[str]) -> list[str | None]:
-    """Group words into stretches spoken in one breath; ``None`` marks one pause."""
-    out: list[str | None] = []
+def _segments(units: Sequence[str]) -> list[str | None | tuple[int, int]]:
+    """Group words into stretches spoken in one breath; ``None`` marks one pause, a tuple
+    ``(code, frames)`` one babble unit."""
+    out: list[str | None | tuple[int, int]] = []
     words: list[str] = []
     for unit in units:
-        if unit == PAUSE:
+        babble = parse_babble(unit)
+        if unit == PAUSE or babble is not None:
             if words:
                 out.append(" ".join(words))
                 words = []
-            out.append(None)
+            out.append(babble)
         else:
             text = " ".join(unit.split())  # no control characters or newlines reach espeak
             if text:
@@ -184,17 +205,48 @@ def _segments(units: Sequence[str]) -> list[str | None]:
     return out
 
 
+def babble_samples(code: int, frames: int, index: int) -> np.ndarray:
+    """int16 samples of one babble unit: ``frames`` codec frames (``frames / 50`` s) of breathy
+    voiced noise under a one-syllable (Hann) envelope, with two formants. Deterministic in
+    (code, frames, index): the same units always give the same bytes; ``index`` (the unit's place
+    in the request) keeps consecutive units with the same code from being identical copies."""
+    n = max(1, round(frames * SAMPLE_RATE / CODEC_FRAME_RATE_HZ))
+    rng = np.random.default_rng([int(code), int(frames), int(index)])
+    f1 = BABBLE_F1_HZ[0] + (BABBLE_F1_HZ[1] - BABBLE_F1_HZ[0]) * rng.random()
+    f2 = BABBLE_F2_HZ[0] + (BABBLE_F2_HZ[1] - BABBLE_F2_HZ[0]) * rng.random()
+    f0 = BABBLE_F0_HZ * (1.0 + BABBLE_F0_JITTER * rng.standard_normal())
+    noise = rng.standard_normal(n)
+    phase = (f0 * np.arange(n) / SAMPLE_RATE) % 1.0
+    pulses = np.exp(-BABBLE_PULSE_DECAY * phase)  # one decaying glottal pulse per period
+    pulses *= 1.0 / np.sqrt(np.mean(pulses ** 2))  # unit power, so BABBLE_VOICING is an energy share
+    excitation = np.sqrt(BABBLE_VOICING) * noise * pulses + np.sqrt(1.0 - BABBLE_VOICING) * noise
+    spectrum = np.fft.rfft(excitation)
+    freqs = np.fft.rfftfreq(n, 1.0 / SAMPLE_RATE)
+    shape = (1.0 / np.sqrt(1.0 + ((freqs - f1) / (BABBLE_BANDWIDTHS_HZ[0] / 2)) ** 2)
+             + BABBLE_F2_GAIN / np.sqrt(1.0 + ((freqs - f2) / (BABBLE_BANDWIDTHS_HZ[1] / 2)) ** 2))
+    envelope = np.hanning(n)
+    y = np.fft.irfft(spectrum * shape, n) * envelope
+    loud = y[envelope >= 0.5]  # the syllable's nucleus: as loud as this voice's speech frames
+    rms = float(np.sqrt(np.mean(loud ** 2))) if loud.size else 0.0
+    if rms > 0:
+        y *= BABBLE_RMS / rms
+    return np.clip(np.round(y), -32768, 32767).astype(np.int16)
+
+
 def synthesize(units: Sequence[str], voice: Voice = DEFAULT_VOICE) -> np.ndarray:
-    """int16 mono samples at 24 kHz for ``units`` (words and ``<pause>``)."""
+    """int16 mono samples at 24 kHz for ``units`` (words, ``<pause>`` and babble units)."""
     parts: list[np.ndarray] = [np.zeros(round(LEAD_SECONDS * SAMPLE_RATE), dtype=np.int16)]
     pause = np.zeros(round(PAUSE_SECONDS * SAMPLE_RATE), dtype=np.int16)
     segments = _segments(units)
-    texts = [seg for seg in segments if seg is not None]
+    texts = [seg for seg in segments if isinstance(seg, str)]
     rate, spoken = espeak_segments(texts, voice) if texts else (SAMPLE_RATE, [])
     it = iter(spoken)
-    for seg in segments:
+    for index, seg in enumerate(segments):
         if seg is None:
             parts.append(pause)
+            continue
+        if isinstance(seg, tuple):
+            parts.append(babble_samples(seg[0], seg[1], index))
             continue
         audio = resample_linear(next(it), rate, SAMPLE_RATE)
         parts.append(np.clip(np.round(audio), -32768, 32767).astype(np.int16))
@@ -263,6 +315,8 @@ def speak_key(units: Sequence[str], voice: Voice = DEFAULT_VOICE) -> str:
         "lead_seconds": LEAD_SECONDS,
         "pause_seconds": PAUSE_SECONDS,
         "empty_seconds": EMPTY_SECONDS,
+        "babble": [BABBLE_F0_HZ, BABBLE_F0_JITTER, BABBLE_F1_HZ, BABBLE_F2_HZ, BABBLE_BANDWIDTHS_HZ, BABBLE_F2_GAIN,
+                   BABBLE_VOICING, BABBLE_PULSE_DECAY, BABBLE_RMS, CODEC_FRAME_RATE_HZ],
         "espeak": dict(espeak_identity()),
     }
     text = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
@@ -273,7 +327,8 @@ def speak(units: Sequence[str], wav_path: Path, voice: Voice = DEFAULT_VOICE,
           cache: AudioCache | None = None) -> float:
     """Speak ``units`` into a 24 kHz mono 16-bit WAV at ``wav_path``; returns its seconds.
 
-    Units are words (babble syllables are just words too); ``"<pause>"`` is 0.25 s of silence.
+    Units are words, ``"<pause>"`` (0.25 s of silence) and babble units (``harness.sim.codec.
+    babble_unit``: non-speech, ``frames / 50`` s each).
     No units gives 0.5 s of silence, so every request has a WAV to transcribe.
     With ``cache``, a hit places the cached WAV (the same bytes a synthesis would give) at
     ``wav_path`` without running espeak-ng; a miss synthesises and stores the result.

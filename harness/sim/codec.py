@@ -17,6 +17,9 @@ from harness.errors import ConfigError
 from harness.tokenizer import is_spoken
 
 SILENCE = 0
+# Stand-ins for the real codec's 8292 content codes when the Talker babbles. Only their count
+# relative to the seed's top-k 40 matters: with 64 >= 40, top-k (then top-p 0.8), not the
+# vocabulary, limits what a babbling Talker samples, as in the real vocabulary.
 NOISE_CODES = 64
 WORD_BASE = 128
 VARIANTS = 4
@@ -25,11 +28,25 @@ MAX_WORD_CODE = CODEC_PAD
 
 PAUSE = "<pause>"
 
-# Nonsense syllables the babbling Talker's noise frames are spoken as (one per R frames).
-SYLLABLES = tuple(
-    c + v for c in ("b", "d", "g", "k", "m", "p", "t", "v") for v in ("ah", "eh", "oo", "ai", "oy", "ow", "ee", "uh")
-)
-assert len(SYLLABLES) == NOISE_CODES
+# A babbling stretch: noise frames, grouped one unit per R frames (the time one text token
+# takes), spoken by Code2Wav as non-speech (harness/audio/tts.py) and never as words.
+BABBLE_PREFIX = "<babble:"
+
+
+def babble_unit(code: int, frames: int) -> str:
+    """The unit for ``frames`` noise frames starting with noise code ``code``."""
+    return f"{BABBLE_PREFIX}{code}:{frames}>"
+
+
+def parse_babble(unit: str) -> tuple[int, int] | None:
+    """(code, frames) of a babble unit, ``None`` for any other unit."""
+    if not unit.startswith(BABBLE_PREFIX) or not unit.endswith(">"):
+        return None
+    code, _, frames = unit[len(BABBLE_PREFIX):-1].partition(":")
+    try:
+        return int(code), int(frames)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -64,8 +81,8 @@ def collapse(codes: Sequence[int], vocab: CodecVocab, frames_per_token: int) -> 
 
     A word starts at an onset code, or at a sustain code of a different word than the current
     one; a run of silence becomes one pause; every ``frames_per_token`` noise frames become one
-    syllable (a shorter run still one). Control ids (PAD/BOS/EOS/MASK) are stripped as
-    vLLM-Omni's ``_strip_codec_boundaries`` does.
+    babble unit holding its frame count (a shorter run, or its remainder, is a shorter unit).
+    Control ids (PAD/BOS/EOS/MASK) are stripped as vLLM-Omni's ``_strip_codec_boundaries`` does.
     """
     units: list[str] = []
     current_word: int | None = None
@@ -75,7 +92,10 @@ def collapse(codes: Sequence[int], vocab: CodecVocab, frames_per_token: int) -> 
             continue
         if 1 <= code <= NOISE_CODES:
             if noise_run % frames_per_token == 0:
-                units.append(SYLLABLES[code - 1])
+                units.append(babble_unit(code, 1))
+            else:
+                first, frames = parse_babble(units[-1])  # type: ignore[misc]
+                units[-1] = babble_unit(first, frames + 1)
             noise_run += 1
             current_word = None
             continue
@@ -95,4 +115,5 @@ def collapse(codes: Sequence[int], vocab: CodecVocab, frames_per_token: int) -> 
 
 
 def oracle_transcript(units: Sequence[str]) -> str:
-    return " ".join(u for u in units if u != PAUSE)
+    """The words Code2Wav speaks: pauses and babble are not words, so they add none."""
+    return " ".join(u for u in units if u != PAUSE and parse_babble(u) is None)

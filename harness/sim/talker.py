@@ -8,13 +8,22 @@ Rules (arm-agnostic; README "How the simulation works"):
 2. Start rows: the Talker speaks only if position ``P-2`` holds this request's speaker row +
    codec-PAD and ``P-1`` holds this request's ``thinker_result[0]`` + codec-BOS. Otherwise it
    babbles (noise codes).
-3. Alignment: the codec token at generated count ``g`` speaks the text of the row at position
-   ``P - 1 + floor(g / R)`` (where, correctly conditioned, reply token ``floor(g / R)`` sits).
-   A Thinker row speaks its word (a prompt row the prompt's word, another request's row that
-   request's word); punctuation, template tokens and the speaker/BOS rows are silence; an
-   unidentifiable text component is noise; the end of the text (text-EOS, text-PAD, or a row
-   with no text component) makes it emit codec EOS, which ends the request.
-4. Sampling: temperature / top-k / top-p over the sim codec vocabulary with a generator seeded
+3. Alignment (a Talker that started): the codec token at generated count ``g`` speaks the
+   text of the row at position ``P - 1 + floor(g / R)`` (where, correctly conditioned, reply
+   token ``floor(g / R)`` sits). A Thinker row speaks its word (a prompt row the prompt's word,
+   another request's row that request's word); punctuation, template tokens and the
+   speaker/BOS rows are silence; an unidentifiable text component is noise; the end of the text
+   (text-EOS, text-PAD, or a row with no text component) makes it emit codec EOS, which ends
+   the request. ``R`` comes from physics (``harness/sim/physics.py``: 50 Hz codec, the TTS's
+   140 words per minute, the tokenizer rule's tokens per word).
+4. Duration of a babbling Talker: it has no alignment between frames and text, so nothing it
+   reads tells it where the text ends, and its stopping does not follow the rows it reads. It
+   ends with a constant per-frame probability ``h = 1 / (R * T)`` (a memoryless hazard), ``T``
+   the request's Thinker output length (the ``thinker_result`` rows it was given): its mean
+   duration is the time the text takes to speak, with no information about where in the text
+   it is. Position ``p``'s draw is a uniform keyed by (seed, request, p), so a never-started
+   Talker stops at the same position under any schedule.
+5. Sampling: temperature / top-k / top-p over the sim codec vocabulary with a generator seeded
    by (seed, request, position), so identical KV rows give identical tokens under any schedule.
 
 Speed without changing a token: the logits depend only on the target (noise, silence, or a
@@ -106,6 +115,8 @@ class SimTalker:
         self._word_np = np.zeros(0, dtype=np.int64)
         self._dists: dict[tuple[int, int], _Dist] = {}
         self._gen = torch.Generator()
+        self._text_len: dict[str, int] = {}  # T per request: its Thinker output rows (freeze)
+        self._end_draws: dict[str, np.ndarray] = {}  # per request: the babble-end uniform of each position
 
     def freeze(self) -> None:
         """Speech class and word of every registered text row (call once all rows exist)."""
@@ -120,9 +131,32 @@ class SimTalker:
                 if w is not None:
                     cls[i], word[i] = WORD, w
         self._cls_np, self._word_np = cls.numpy(), word.numpy()
+        self._text_len = {}
+        for m in meanings:
+            if m.kind == "output" and m.request is not None:
+                self._text_len[m.request] = self._text_len.get(m.request, 0) + 1
+
+    def end_hazard(self, request_id: str) -> float:
+        """Rule 4: a babbling Talker's per-frame probability of emitting codec EOS, ``1 / (R * T)``."""
+        return 1.0 / (self.R * max(1, self._text_len.get(request_id, 0)))
+
+    def babble_ends_at(self, kv: TalkerKV, generated: int) -> bool:
+        """Rule 4's draw at position ``P + generated``: a uniform keyed by (seed, request, position)."""
+        draws = self._end_draws.get(kv.request_id)
+        position = kv.P + generated
+        if draws is None or draws.shape[0] <= position:
+            size = max(kv.capacity, position + 1)
+            rng = np.random.Generator(np.random.PCG64(_seed(self.sampling.seed, "babble-end", kv.request_id)))
+            draws = rng.random(size)  # prefix-consistent: a longer draw starts with the same numbers
+            self._end_draws[kv.request_id] = draws
+        return bool(draws[position] < self.end_hazard(kv.request_id))
 
     def next_token(self, kv: TalkerKV, generated: int) -> int:
         assert self._cls_np is not None, "freeze() first"
+        if not kv.started():  # rule 4: babble, ended by the memoryless hazard alone
+            if self.babble_ends_at(kv, generated):
+                return CODEC_EOS
+            return self._draw(self._dist((_NOISE, 0)), kv.request_id, kv.P + generated)
         pos = kv.P - 1 + generated // self.R
         tid = int(kv._text_np[pos]) if pos < kv.length else UNKNOWN
         if tid == NONE:
@@ -131,7 +165,7 @@ class SimTalker:
         if tid >= 0 and cls[tid] == END:
             return CODEC_EOS
         key = (_NOISE, 0)
-        if kv.started() and tid != UNKNOWN:
+        if tid != UNKNOWN:
             if cls[tid] == WORD:
                 key = (_ONSET if generated % self.R == 0 else _SUSTAIN, int(self._word_np[tid]))
             else:

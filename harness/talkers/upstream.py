@@ -267,14 +267,21 @@ def _stub(name: str, origin: str, location: str) -> type:
 class _OnceLogger(logging.LoggerAdapter):
     """vLLM's logger has ``warning_once`` / ``info_once`` / ``debug_once``; stdlib's has not."""
 
+    _seen: set[tuple[int, str]] = set()
+
+    def _once(self, level: int, msg: str, *args: Any, **kwargs: Any) -> None:
+        if (level, msg) not in self._seen:
+            self._seen.add((level, msg))
+            self.log(level, msg, *args, **kwargs)
+
     def warning_once(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        self.warning(msg, *args, **kwargs)
+        self._once(logging.WARNING, msg, *args, **kwargs)
 
     def info_once(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        self.info(msg, *args, **kwargs)
+        self._once(logging.INFO, msg, *args, **kwargs)
 
     def debug_once(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        self.debug(msg, *args, **kwargs)
+        self._once(logging.DEBUG, msg, *args, **kwargs)
 
 
 def _init_logger(name: str) -> logging.LoggerAdapter:

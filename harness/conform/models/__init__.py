@@ -1,0 +1,43 @@
+"""The models ``omni-stress conform`` checks: one small adapter module each.
+
+Upstream models read their real code from ``--source``; the two built-in Qwen2.5-Omni arms are
+the calibration (``main`` must fail, ``pr`` must conform).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from harness.conform.adapter import Adapter
+
+
+def _qwen25(arm: str) -> Callable[[], Adapter]:
+    def make() -> Adapter:
+        from harness.conform.models.qwen2_5_omni import Qwen25OmniAdapter
+
+        return Qwen25OmniAdapter(arm)
+
+    return make
+
+
+def _qwen3_omni() -> Adapter:
+    from harness.conform.models.qwen3_omni import Qwen3OmniAdapter
+
+    return Qwen3OmniAdapter()
+
+
+def _qwen3_tts() -> Adapter:
+    from harness.conform.models.qwen3_tts import Qwen3TTSAdapter
+
+    return Qwen3TTSAdapter()
+
+
+MODELS: dict[str, Callable[[], Adapter]] = {
+    "qwen2.5-omni": _qwen25("upstream"),
+    "qwen3-omni": _qwen3_omni,
+    "qwen3-tts": _qwen3_tts,
+    "qwen2.5-omni:main": _qwen25("main"),
+    "qwen2.5-omni:pr": _qwen25("pr"),
+}
+UPSTREAM_MODELS = ("qwen2.5-omni", "qwen3-omni", "qwen3-tts")
+CALIBRATION = {"qwen2.5-omni:main": "fails", "qwen2.5-omni:pr": "conforms"}

@@ -1,0 +1,99 @@
+"""Qwen3-TTS's talker (stage 0), from the real upstream code.
+
+Hooks: ``Qwen3TTSTalkerForConditionalGeneration.preprocess`` (0.30.0:
+``vllm_omni/model_executor/models/qwen3_tts/qwen3_tts_talker.py`` l.868) for every span but
+one-token decodes, and ``preprocess_decode_batch`` (l.1071), which vLLM-Omni's runner calls for
+one-token decode spans whenever the model defines it (gpu_model_runner.py l.1762: a batch of
+one here). The model has ``talker_mtp``, so a one-token decode position runs with its codec
+embedding plus the ``text_step`` row the hook returns; a decode span of ``n > 1`` gets the bare
+codec rows ``preprocess`` returns.
+
+Payload: a TTS request's ``additional_information`` (``text``, ``task_type: CustomVoice``,
+``speaker``) with the words of the first replies of ``prompts/default.yaml``. The prompt itself
+is built inside the hook by ``self._prompt_builder.build_prompt_embeds`` (``prompt_embeds_builder.py``:
+tokenizer, speaker encoder, reference audio), which the stand-in replaces: it returns
+deterministic rows per text, a prompt of ``P = 9 + words // 4`` rows and a ``trailing_text``
+queue of one row per word plus one (the streaming-text layout: text rows consumed one per decode
+step), so what is checked is how ``preprocess`` slices and queues those rows, not how they are
+built. ``P`` is also the scheduler's placeholder prompt length.
+
+Stand-in (``Qwen3TTSStandIn``): the codec table (``embed_input_ids``), ``_tts_pad_embed``,
+``talker_config.codec_pad_id`` / ``num_code_groups``, ``_codebook_vocab_size``, float32.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from harness.conform.adapter import Adapter, ConformRequest, fixed_tokens, tagged
+
+HIDDEN = 64
+CODEC_TABLE = 3072
+
+
+class _PromptBuilderStandIn:
+    """``Qwen3TTSPromptEmbedsBuilder.build_prompt_embeds``: deterministic rows per text."""
+
+    def build_prompt_embeds(self, *, task_type: str, info_dict: dict[str, Any]) -> tuple[Any, Any, None, None]:
+        text = info_dict["text"][0]
+        words = len(text.split())
+        return (tagged(prompt_len(text), HIDDEN, "qwen3-tts", "prompt", text),
+                tagged(words + 1, HIDDEN, "qwen3-tts", "trailing", text), None, None)
+
+
+def prompt_len(text: str) -> int:
+    return 9 + len(text.split()) // 4
+
+
+class Qwen3TTSStandIn:
+    """What ``preprocess`` / ``preprocess_decode_batch`` of the Qwen3-TTS talker touch."""
+
+    def __init__(self) -> None:
+        self.codec_table = tagged(CODEC_TABLE, HIDDEN, "qwen3-tts", "codec")
+        self._prompt_builder = _PromptBuilderStandIn()
+        self._embedding_dtype = torch.float32
+        self._tts_pad_embed = tagged(1, HIDDEN, "qwen3-tts", "tts_pad")[0]
+        self._codebook_vocab_size = 2048
+        self._use_v2_model_runner = False
+        self.talker_config = SimpleNamespace(codec_pad_id=2148, num_code_groups=16)
+
+    def embed_input_ids(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
+        return self.codec_table[input_ids.long().clamp(0, CODEC_TABLE - 1)]
+
+
+class Qwen3TTSAdapter(Adapter):
+    name = "qwen3-tts"
+    title = "Qwen3-TTS talker"
+    member = "vllm_omni/model_executor/models/qwen3_tts/qwen3_tts_talker.py"
+    class_name = "Qwen3TTSTalkerForConditionalGeneration"
+    module_name = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker"
+    entries = ("preprocess", "preprocess_decode_batch")
+    decode_batch_hook = "preprocess_decode_batch"
+    has_mtp = True
+    codec_vocab = 2048
+    hidden = HIDDEN
+    notes = ("stand-in: codec table, tts_pad row, config ids, and the prompt builder (deterministic prompt and "
+             "trailing_text rows per text); payload: text / task_type / speaker; decode n == 1 through "
+             "preprocess_decode_batch and the runner's talker_mtp path (codec row + text_step)")
+
+    def stand_in_class(self) -> type:
+        return Qwen3TTSStandIn
+
+    def embed(self, model: Any, ids: torch.Tensor) -> torch.Tensor:
+        return model.embed_input_ids(ids).float()
+
+    def requests(self, count: int, generated: int) -> list[ConformRequest]:
+        from harness.config import load_prompts
+
+        out = []
+        for prompt in load_prompts("default").prompts[:count]:
+            payload = {"text": [prompt.reply], "task_type": ["CustomVoice"], "speaker": ["Vivian"]}
+            out.append(ConformRequest(prompt.id, [0] * prompt_len(prompt.reply), payload,
+                                      fixed_tokens(prompt.id, generated + 1, self.codec_vocab)))
+        return out
+
+    def named_rows(self, model: Any) -> dict[str, torch.Tensor]:
+        return {"the tts_pad row": model._tts_pad_embed}

@@ -1,0 +1,149 @@
+"""The conformance matrix: terminal text, JSON and a self-contained HTML page."""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.conform.check import ModelResult, columns
+from harness.conform.models import CALIBRATION
+
+EXIT_CONFORMS, EXIT_FAILS, EXIT_COULD_NOT_CHECK = 0, 1, 2
+
+
+@dataclass
+class Matrix:
+    source: str
+    deploys: tuple[str, ...]
+    results: list[ModelResult]  # the models asked for
+    calibration: list[ModelResult] = field(default_factory=list)  # main / pr, when not asked for
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def columns(self) -> dict[str, str]:
+        return columns(self.deploys)
+
+    def calibration_problems(self) -> list[str]:
+        out = []
+        for r in self.results + self.calibration:
+            want = CALIBRATION.get(r.model)
+            if want is not None and r.status != want:
+                out.append(f"{r.model} {r.status}, expected {want}" + (f" ({r.error})" if r.error else ""))
+        return out
+
+    @property
+    def exit_code(self) -> int:
+        if any(r.error for r in self.results) or self.calibration_problems():
+            return EXIT_COULD_NOT_CHECK
+        return EXIT_CONFORMS if all(r.status == "conforms" for r in self.results) else EXIT_FAILS
+
+    def verdict(self) -> str:
+        problems = self.calibration_problems()
+        if problems:
+            return "could not check: the oracle failed its calibration: " + "; ".join(problems)
+        errors = [f"{r.model}: {r.error}" for r in self.results if r.error]
+        if errors:
+            return "could not check: " + "; ".join(errors)
+        failing = [r.model for r in self.results if r.status != "conforms"]
+        if failing:
+            return f"{len(failing)} of {len(self.results)} models do not conform: {', '.join(failing)}"
+        return f"all {len(self.results)} models conform"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source, "deploys": list(self.deploys), "columns": self.columns,
+            "settings": self.settings,
+            "models": [r.to_json() for r in self.results],
+            "calibration": {r.model: {"status": r.status, "expected": CALIBRATION.get(r.model)}
+                            for r in self.results + self.calibration if r.model in CALIBRATION},
+            "verdict": self.verdict(), "exit_code": self.exit_code,
+        }
+
+
+def _cell_text(r: ModelResult, key: str) -> str:
+    if r.error:
+        return "error"
+    cell = r.cells.get(key)
+    return "-" if cell is None else cell.summary
+
+
+def format_text(m: Matrix) -> str:
+    cols = m.columns
+    rows = m.results + m.calibration
+    head = ["model", *cols.values(), "verdict"]
+    body = [[r.model + (" (calibration)" if r in m.calibration else ""), *[_cell_text(r, k) for k in cols],
+             r.status] for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    lines = [f"omni-stress conform: schedule invariance of each model's preprocess ({m.source}; vLLM deploys: "
+             f"{', '.join(m.deploys) or 'none'})", ""]
+    for row in [head, ["-" * w for w in widths], *body]:
+        lines.append("  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip())
+    lines.append("")
+    for r in rows:
+        what = r.provenance.what if r.provenance else ""
+        lines.append(f"{r.model}: {r.status}" + (f" -- {what}" if what else "") + f" ({r.seconds:.1f}s)")
+        if r.error:
+            lines.append(f"  could not check: {r.error}")
+            continue
+        for key, heading in cols.items():
+            cell = r.cells.get(key)
+            if cell is not None and cell.status not in ("conforms", "not-run"):
+                lines.append(f"  {heading}: {cell.detail}")
+    cal = [f"{r.model} {r.status} (expected {CALIBRATION[r.model]})" for r in rows if r.model in CALIBRATION]
+    if cal:
+        lines.append("")
+        lines.append("calibration: " + "; ".join(cal) + (": ok" if not m.calibration_problems() else ": BROKEN"))
+    lines.append("")
+    lines.append(f"verdict: {m.verdict()} (exit {m.exit_code})")
+    lines.append("Schedule invariance is necessary, not sufficient: a model that is wrong the same way under every "
+                 "schedule conforms.")
+    return "\n".join(lines) + "\n"
+
+
+def format_json(m: Matrix) -> str:
+    return json.dumps(m.to_json(), indent=2) + "\n"
+
+
+_COLORS = {"conforms": "#d8f0d8", "differs": "#f6d2d2", "raised": "#f3c9a8", "row-count": "#f6d2d2",
+           "not-run": "#eeeeee"}
+
+
+def format_html(m: Matrix) -> str:
+    e = html.escape
+    cols = m.columns
+    rows = m.results + m.calibration
+    out = ["<!doctype html><html><head><meta charset='utf-8'><title>omni-stress conform</title><style>",
+           "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+           "td,th{border:1px solid #999;padding:4px 8px;vertical-align:top}td.c{font-family:monospace}"
+           "dl dd{margin-bottom:.6em}</style></head><body>",
+           f"<h1>omni-stress conform</h1><p>Source <code>{e(m.source)}</code>; vLLM deploys "
+           f"{e(', '.join(m.deploys) or 'none')}. Each cell: the first position whose row differs from the "
+           f"unchunked reference schedule's, or that the call raised; <em>row count</em>: calls that returned "
+           f"a row count other than the span length.</p>",
+           "<table><tr><th>model</th>" + "".join(f"<th>{e(h)}</th>" for h in cols.values()) + "<th>verdict</th></tr>"]
+    for r in rows:
+        cells = []
+        for key in cols:
+            cell = r.cells.get(key)
+            if r.error or cell is None:
+                cells.append("<td class='c'>error</td>" if r.error else "<td>-</td>")
+                continue
+            cells.append(f"<td class='c' style='background:{_COLORS.get(cell.status, '#fff')}' "
+                         f"title='{e(cell.detail, quote=True)}'>{e(cell.summary)}</td>")
+        label = r.model + (" (calibration)" if r in m.calibration else "")
+        out.append(f"<tr><th>{e(label)}</th>{''.join(cells)}<td>{e(r.status)}</td></tr>")
+    out.append("</table><h2>Details</h2><dl>")
+    for r in rows:
+        what = r.provenance.what if r.provenance else ""
+        out.append(f"<dt><b>{e(r.model)}</b> {e(what)}</dt>")
+        if r.error:
+            out.append(f"<dd>could not check: {e(r.error)}</dd>")
+        for key, heading in cols.items():
+            cell = r.cells.get(key)
+            if cell is not None:
+                out.append(f"<dd><b>{e(heading)}</b>: {e(cell.detail)}</dd>")
+    out.append(f"</dl><p><b>Verdict</b>: {e(m.verdict())} (exit {m.exit_code}). Schedule invariance is necessary, "
+               f"not sufficient: a model that is wrong the same way under every schedule conforms.</p></body></html>")
+    return "\n".join(out) + "\n"

@@ -32,7 +32,7 @@ class ConformRequest:
     request_id: str
     prompt_ids: list[int]  # the stage's prompt token ids (length P), as the scheduler sees them
     payload: dict[str, Any]  # the intermediate buffer the runner starts the request with
-    generated: list[int]  # teacher-forced output tokens: position P + k holds generated[k - 1]... see tokens
+    generated: list[int]  # teacher-forced output tokens: position P + k holds generated[k]
 
     @property
     def P(self) -> int:  # noqa: N802 -- the contract's name
@@ -146,6 +146,10 @@ class Adapter:
 
     def named_rows(self, model: Any) -> dict[str, torch.Tensor]:
         """Rows worth naming when a position receives one of them (special text rows)."""
+        return {}
+
+    def request_tables(self, req: ConformRequest) -> dict[str, torch.Tensor]:
+        """A request's payload rows worth naming (``label -> [K, hidden]``; row ``k`` is "label k")."""
         return {}
 
 

@@ -102,7 +102,8 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
         baselines[r.request_id] = baseline_table(feeds)
     say(f"{adapter.name}: reference rows for {len(reqs)} requests (P {min(r.P for r in reqs)}-"
         f"{max(r.P for r in reqs)}, {generated} generated positions)")
-    namer = RowNamer(baselines, adapter.named_rows(adapter.make_model(impl)))
+    namer = RowNamer(baselines, adapter.named_rows(adapter.make_model(impl)),
+                     {r.request_id: adapter.request_tables(r) for r in reqs})
     model_for_bare = adapter.make_model(impl)
 
     def bare_of(ids: Any) -> Any:

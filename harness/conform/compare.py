@@ -86,9 +86,11 @@ class RowNamer:
     """Names a row: a position's reference row (this request's or another's), zeros, the bare
     embedding of the position's own id, or one of the adapter's named rows."""
 
-    def __init__(self, baselines: dict[str, torch.Tensor], named: dict[str, torch.Tensor]) -> None:
+    def __init__(self, baselines: dict[str, torch.Tensor], named: dict[str, torch.Tensor],
+                 tables: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
         self.baselines = baselines
         self.named = {k: v.reshape(-1).float() for k, v in named.items()}
+        self.tables = {rid: {k: t.float() for k, t in d.items()} for rid, d in (tables or {}).items()}
 
     def name(self, row: torch.Tensor, request: str, bare: torch.Tensor | None = None) -> str:
         row = row.float()
@@ -101,6 +103,14 @@ class RowNamer:
                 return key
             if bare is not None and vec.shape == row.shape and _close(row, bare + vec):
                 return f"its id's embedding + {key}"
+        for label, table in self.tables.get(request, {}).items():  # the request's payload rows
+            hit = _find(table, row)
+            if hit is not None:
+                return f"{label} {hit}"
+            if bare is not None:
+                hit = _find(table, row - bare)
+                if hit is not None:
+                    return f"its id's embedding + {label} {hit}"
         own = self.baselines.get(request)
         for who, table in ([(request, own)] if own is not None else []) + [
                 (r, t) for r, t in self.baselines.items() if r != request]:

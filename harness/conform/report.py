@@ -91,7 +91,8 @@ def format_text(m: Matrix) -> str:
             cell = r.cells.get(key)
             if cell is not None and cell.status not in ("conforms", "not-run"):
                 lines.append(f"  {heading}: {cell.detail}")
-    cal = [f"{r.model} {r.status} (expected {CALIBRATION[r.model]})" for r in rows if r.model in CALIBRATION]
+    by_model = {r.model: r for r in rows}
+    cal = [f"{n} {by_model[n].status} (expected {want})" for n, want in CALIBRATION.items() if n in by_model]
     if cal:
         lines.append("")
         lines.append("calibration: " + "; ".join(cal) + (": ok" if not m.calibration_problems() else ": BROKEN"))

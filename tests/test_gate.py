@@ -1,7 +1,10 @@
-"""The CI gate: each rule passes and fails, vacuous stress runs fail, JUnit parses, exit codes 0/1/2."""
+"""The CI gate: each rule passes and fails, roles and name overrides, vacuous stress runs fail, paired and
+worst-of-repeats metrics, complete runs only, JUnit parses, exit codes 0/1/2."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -15,20 +18,27 @@ from harness.cli import main
 from harness.config import DEPLOY_DIR
 from harness.errors import ConfigError
 from harness.records import EventCounts, JsonlWriter, RequestRecord, write_manifest
-from harness.report import CellSummary
+from harness.summary import CellSummary
 
 
 def cell(arm: str, deploy: str, repeat: int = 1, wer: float = 0.0, over: int = 0, chunks: int = 0,
          replays: int = 0, mismatches: int = 0, errors: int = 0, requests: int = 16,
-         misaligned_known: bool = True) -> CellSummary:
-    """A cell whose scores have exactly this mean and this many requests over 0.5."""
-    scores = [0.9] * over + [0.0] * (requests - over)
-    if requests:
-        scores[-1] += wer * requests - sum(scores)
-    ev = EventCounts(nonzero_offset_chunks=chunks, cross_boundary_replays=replays, row_count_mismatches=mismatches)
-    return CellSummary(arm=arm, deploy=deploy, repeat=repeat, requests=requests, scores=scores, oracle_scores=[],
-                       events=ev, event_source="spans", misaligned_known=misaligned_known, preemptions=0,
-                       errors=errors, wall_s=1.0, wer_source="whisper", run_number=repeat)
+         misaligned_known: bool = True, role: str = "candidate", text: int = 0, end: int = 0,
+         scores: list[float] | None = None) -> CellSummary:
+    """A cell whose scores have exactly this mean and this many requests over 0.5 (or exactly ``scores``),
+    one request record per score (prompts p00, p01, ...)."""
+    if scores is None:
+        scores = [0.9] * over + [0.0] * (requests - over)
+        if requests:
+            scores[-1] += wer * requests - sum(scores)
+    ev = EventCounts(nonzero_offset_chunks=chunks, cross_boundary_replays=replays, row_count_mismatches=mismatches,
+                     misaligned_text_positions=text, misaligned_end_positions=end, misaligned_positions=text + end)
+    records = [RequestRecord(arm=arm, deploy=deploy, repeat=repeat, prompt_id=f"p{i:02d}", backend="sim",
+                             reference_text="a b", wer=s) for i, s in enumerate(scores)]
+    return CellSummary(arm=arm, deploy=deploy, repeat=repeat, requests=len(scores), scores=list(scores),
+                       oracle_scores=[], events=ev, event_source="spans", misaligned_known=misaligned_known,
+                       preemptions=0, errors=errors, wall_s=1.0, wer_source="whisper", run_number=repeat, role=role,
+                       records=records)
 
 
 def rules(*items: dict[str, Any], **top: Any) -> gate.Rules:
@@ -40,9 +50,11 @@ def statuses(result: gate.GateResult) -> list[tuple[str, str]]:
 
 
 GOOD = [
-    cell("main", "reference", wer=0.017), cell("main", "stress", wer=0.933, over=16, chunks=45, replays=7,
-                                               mismatches=68),
-    cell("main", "stress", 2, wer=0.925, over=16, chunks=47, replays=8, mismatches=71),
+    cell("main", "reference", wer=0.017, role="baseline", text=16, end=11137),
+    cell("main", "stress", wer=0.933, over=16, chunks=45, replays=7, mismatches=68, role="baseline", text=2499,
+         end=18316),
+    cell("main", "stress", 2, wer=0.925, over=16, chunks=47, replays=8, mismatches=71, role="baseline", text=2500,
+         end=18000),
     cell("pr", "reference", wer=0.020), cell("pr", "stress", wer=0.016, chunks=91, replays=26),
     cell("pr", "stress", 2, wer=0.016, chunks=92, replays=26),
 ]
@@ -52,10 +64,100 @@ def test_default_rules_pass_on_the_seed_numbers() -> None:
     default = gate.load_rules(DEPLOY_DIR / "gates.yaml")
     result = gate.evaluate(default, GOOD, run_id="seed")
     assert result.exit_code == 0, gate.format_result(result)
-    assert len(result.cases) == 6 and not result.uncovered
+    assert statuses(result) == [
+        ("candidate-contract:pr/reference/1", "pass"), ("candidate-contract:pr/stress/1", "pass"),
+        ("candidate-contract:pr/stress/2", "pass"), ("candidate-reference-speaks:pr/reference/1", "pass"),
+        ("candidate-stress-matches-reference:pr/stress/1", "pass"),
+        ("candidate-stress-matches-reference:pr/stress/2", "pass"),
+        ("baseline-reference-speaks:main/reference/1", "pass"), ("baseline-stress-shows-bug:main/stress/1", "pass"),
+        ("baseline-stress-shows-bug:main/stress/2", "pass")]
+    assert not result.uncovered and not result.notes
     text = gate.format_result(result)
     assert "bug detected: mean WER = 0.933 >= 0.500" in text
-    assert text.rstrip().endswith("-> pass (exit 0)")
+    assert "bug detected: misaligned positions in the text region = 2499 >= 1" in text
+    assert text.rstrip().endswith("gate: 9 passed, 0 failed, 0 could not be evaluated -> pass (exit 0)")
+
+
+def test_default_rules_fail_main_as_a_candidate() -> None:
+    """The same numbers with main's role changed in the config: the exact rules fail it (no name decides)."""
+    default = gate.load_rules(DEPLOY_DIR / "gates.yaml")
+    as_candidate = [dataclasses.replace(c, role="candidate") for c in GOOD]
+    result = gate.evaluate(default, as_candidate)
+    assert result.exit_code == 1
+    failed = [k for k, status in statuses(result) if status == "fail"]
+    assert failed == ["candidate-contract:main/reference/1", "candidate-contract:main/stress/1",
+                      "candidate-contract:main/stress/2", "candidate-stress-matches-reference:main/stress/1",
+                      "candidate-stress-matches-reference:main/stress/2"]
+    assert result.notes == ["rule 'baseline-reference-speaks' not applied: no baseline arm in this run",
+                            "rule 'baseline-stress-shows-bug' not applied: no baseline arm in this run"]
+    msg = next(c for c in result.cases if c.cell.key == ("main", "reference", 1)).message
+    assert msg == "max_misaligned_text_positions: misaligned positions in the text region = 16 > 0; " \
+                  "max_misaligned_end_positions: misaligned positions in the end region = 11137 > 0"
+
+
+def test_any_arm_gets_a_verdict_by_role() -> None:
+    """A plugin arm (a candidate by default) is gated by the shipped rules: no 'not gated', no exit 2."""
+    default = gate.load_rules(DEPLOY_DIR / "gates.yaml")
+    mine = [cell("mine", "reference", wer=0.02), cell("mine", "stress", wer=0.02, chunks=30, replays=4)]
+    assert gate.evaluate(default, mine).exit_code == 0
+    # one text-region position misaligned, WER untouched: the exact rule fails it
+    result = gate.evaluate(default, [mine[0], cell("mine", "stress", wer=0.02, chunks=30, replays=4, text=1)])
+    assert result.exit_code == 1 and statuses(result)[1] == ("candidate-contract:mine/stress/1", "fail")
+    # the end region alone (a dropped persistent text-PAD) fails too
+    result = gate.evaluate(default, [mine[0], cell("mine", "stress", wer=0.02, chunks=30, replays=4, end=5)])
+    assert result.exit_code == 1
+    assert "max_misaligned_end_positions: misaligned positions in the end region = 5 > 0" in result.cases[1].message
+    # not measured by the backend (real server without the row check): skipped, the rest still decides
+    unmeasured = [cell("mine", "reference", misaligned_known=False),
+                  cell("mine", "stress", chunks=3, replays=1, misaligned_known=False)]
+    result = gate.evaluate(default, unmeasured)
+    assert result.exit_code == 0
+    assert [c.status for c in result.cases[0].checks] == ["skip", "skip", "pass", "pass"]
+
+
+def test_a_rule_naming_an_arm_overrides_role_rules() -> None:
+    r = rules({"name": "cand-stress", "role": "candidate", "deploy": "stress", "max_mean_wer": 0.05},
+              {"name": "cand-any", "role": "candidate", "deploy": "*", "max_errors": 0},
+              {"name": "mine-stress", "arm": "mine", "deploy": "stress", "max_mean_wer": 0.3})
+    cells = [cell("mine", "reference"), cell("mine", "stress", wer=0.2), cell("other", "stress", wer=0.2)]
+    result = gate.evaluate(r, cells)
+    assert statuses(result) == [("cand-stress:other/stress/1", "fail"), ("cand-any:mine/reference/1", "pass"),
+                                ("cand-any:other/stress/1", "pass"), ("mine-stress:mine/stress/1", "pass")]
+    assert result.overridden == [("cand-stress", ("mine", "stress", 1), "mine-stress"),
+                                 ("cand-any", ("mine", "stress", 1), "mine-stress")]
+    assert "note   rule 'cand-stress' not applied to mine/stress repeat 1: overridden by 'mine-stress', which " \
+           "names the arm" in gate.format_result(result)
+
+
+def test_role_rule_without_arms_of_its_role_is_a_note_but_a_missing_deploy_cannot_evaluate() -> None:
+    r = rules({"name": "base", "role": "baseline", "deploy": "stress", "expect": "fail", "min_mean_wer": 0.5},
+              {"name": "cand", "role": "candidate", "deploy": "stress", "max_mean_wer": 0.1})
+    result = gate.evaluate(r, [cell("pr", "reference")])
+    assert result.exit_code == 2 and result.notes == ["rule 'base' not applied: no baseline arm in this run"]
+    assert result.problems == ["rule 'cand': no cell of this run matches role 'candidate' x deploy 'stress' "
+                               "(run has arms pr (candidate); deploys reference)"]
+
+
+def test_paired_and_worst_of_repeats_metrics() -> None:
+    """A mean that hides one bad prompt: the paired delta and the worst of N repeats see it."""
+    r = rules({"arm": "pr", "deploy": "stress", "max_wer_delta": 0.05, "max_worst_paired_delta": 0.2},
+              {"name": "repeats", "arm": "pr", "deploy": "stress", "max_worst_of_repeats_requests_over": 0,
+               "max_worst_of_repeats_mean_wer": 0.05},
+              reference_deploy="reference")
+    ref = cell("pr", "reference", scores=[0.0, 0.1, 0.0, 0.0])
+    run1 = cell("pr", "stress", 1, scores=[0.0, 0.0, 0.0, 0.15])  # mean delta +0.0125, worst pair +0.15
+    run2 = cell("pr", "stress", 2, scores=[0.0, 0.0, 0.6, 0.0])  # p02 over 0.5 in this repeat only
+    result = gate.evaluate(r, [ref, run1, run2])
+    assert statuses(result) == [("pr/stress:pr/stress/1", "pass"), ("pr/stress:pr/stress/2", "fail"),
+                                ("repeats:pr/stress/1", "fail"), ("repeats:pr/stress/2", "fail")]
+    assert result.cases[0].checks[1].message == (
+        "max_worst_paired_delta: largest per-prompt WER increase over the same prompt in the reference deploy = "
+        "+0.150 <= +0.200 (prompt p03: 0.150 vs 0.000 in pr/reference)")
+    assert result.cases[1].checks[1].value == pytest.approx(0.6)
+    worst = result.cases[2].checks
+    assert [c.value for c in worst] == [1.0, pytest.approx((0.0 + 0.0 + 0.6 + 0.15) / 4)]
+    assert worst[0].message == ("max_worst_of_repeats_requests_over: prompts with WER over 0.5 in at least one repeat "
+                                "(2 repeats) = 1 > 0")
 
 
 @pytest.mark.parametrize("bound,value_cell,ok", [
@@ -146,7 +248,7 @@ def test_rule_matching_no_cell_cannot_evaluate() -> None:
     result = gate.evaluate(r, GOOD[3:])
     assert result.exit_code == 2
     assert result.problems == [("rule 'main/stress': no cell of this run matches arm 'main' x deploy 'stress' "
-                                "(run has arms pr; deploys reference, stress)")]
+                                "(run has arms pr (candidate); deploys reference, stress)")]
     r = rules({"arm": "main", "deploy": "stress", "max_mean_wer": 0.1, "optional": True})
     result = gate.evaluate(r, GOOD[3:])
     assert result.exit_code == 0 and len(result.uncovered) == 3
@@ -163,7 +265,13 @@ def test_empty_cell_cannot_evaluate_and_unmeasured_misalignment_is_skipped() -> 
 @pytest.mark.parametrize("doc,message", [
     ([], "top level: expected a mapping"),
     ({"rules": []}, "rules: expected a non-empty list"),
-    ({"rules": [{"arm": "pr"}]}, "rules[0]: needs 'arm' and 'deploy'"),
+    ({"rules": [{"arm": "pr"}]}, "rules[0]: needs 'deploy' and 'arm' or 'role'"),
+    ({"rules": [{"deploy": "stress", "max_errors": 0}]}, "rules[0]: needs 'deploy' and 'arm' or 'role'"),
+    ({"rules": [{"role": "fix", "deploy": "s", "max_errors": 0}]},
+     "rules[0].role: must be baseline, candidate or .{3}, got 'fix'"),
+    ({"rules": [{"role": "candidate", "deploy": "s", "max_worst_paired_delta": 0.1}]}, "needs reference_deploy"),
+    ({"rules": [{"role": "baseline", "deploy": "s", "expect": "fail", "min_misaligned_text_positions": 1,
+                 "max_worst_paired_delta": 1}], "reference_deploy": "r"}, "contradicts max_worst_paired_delta"),
     ({"rules": [{"arm": "pr", "deploy": "x", "max_wer": 1}]}, "rules[0] (pr/x).max_wer: unknown key"),
     ({"rules": [{"arm": "pr", "deploy": "x", "max_mean_wer": "low"}]}, "max_mean_wer: must be a number"),
     ({"rules": [{"arm": "pr", "deploy": "x"}]}, "no bound"),
@@ -196,9 +304,10 @@ def test_junit_xml_counts_and_messages() -> None:
     assert suite is not None and suite.get("name") == "omni-stress gate: r1"
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("5", "1", "2")
     cases = suite.findall("testcase")
-    assert [c.get("name") for c in cases] == ["ref: main/reference run 1", "ref: pr/reference run 1",
-                                              "pr-stress: pr/stress run 1", "pr-stress: pr/stress run 2",
-                                              "could not evaluate (1)"]
+    assert [c.get("name") for c in cases] == ["ref: main/reference run 1 [baseline]",
+                                              "ref: pr/reference run 1 [candidate]",
+                                              "pr-stress: pr/stress run 1 [candidate]",
+                                              "pr-stress: pr/stress run 2 [candidate]", "could not evaluate (1)"]
     failure = cases[2].find("failure")
     assert failure is not None and failure.get("message", "").startswith("max_wer_delta: mean WER minus")
     assert cases[3].find("error") is not None and cases[4].find("error") is not None
@@ -208,19 +317,30 @@ def test_junit_xml_counts_and_messages() -> None:
 # --------------------------------------------------------------------------- CLI
 
 
-def write_gate_run(root: Path, cells: list[tuple[str, str, int, float, int, int]]) -> Path:
-    """A run dir with events only in the request records: (arm, deploy, repeat, wer, chunks, replays)."""
+ROLES = {"main": "baseline", "pr": "candidate"}
+
+
+def write_gate_run(root: Path, cells: list[tuple[str, str, int, float, int, int]], finished: bool = True,
+                   prompts: int = 4) -> Path:
+    """A complete run dir with events only in the request records: (arm, deploy, repeat, wer, chunks, replays).
+
+    A cell with WER >= 0.5 also gets text-region misaligned positions (the bug shows in the rows)."""
     root.mkdir(parents=True)
     w = JsonlWriter(root / "requests.jsonl")
     for arm, deploy, repeat, wer, chunks, replays in cells:
-        for i in range(4):
+        for i in range(prompts):
             ev = EventCounts(nonzero_offset_chunks=chunks if i == 0 else 0, cross_boundary_replays=replays if i == 0
-                             else 0)
+                             else 0, misaligned_text_positions=10 if wer >= 0.5 else 0,
+                             misaligned_positions=10 if wer >= 0.5 else 0)
             w.write(RequestRecord(arm=arm, deploy=deploy, repeat=repeat, prompt_id=f"p{i}", backend="sim",
                                   reference_text="a b", wer=wer, events=ev))
     w.close()
-    write_manifest(root, {"run_id": root.name, "argv": [], "started": None, "finished": None, "backend": "sim",
-                          "asr": None, "cells": [{"arm": a, "deploy": d, "repeat": r} for a, d, r, *_ in cells]})
+    arms = list(dict.fromkeys(c[0] for c in cells))
+    write_manifest(root, {"run_id": root.name, "argv": [], "started": "2026-01-01T00:00:00",
+                          "finished": "2026-01-01T00:01:00" if finished else None, "backend": "sim", "asr": None,
+                          "arms": [{"name": a, "talker": "x:y", "role": ROLES.get(a, "candidate")} for a in arms],
+                          "prompt_ids": [f"p{i}" for i in range(prompts)],
+                          "cells": [{"arm": a, "deploy": d, "repeat": r} for a, d, r, *_ in cells]})
     return root
 
 
@@ -234,18 +354,24 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     junit = tmp_path / "out" / "gate.xml"
     res = runner.invoke(main, ["gate", str(good), "--junit", str(junit)])
     assert res.exit_code == 0, res.output
-    assert ET.parse(junit).getroot().get("tests") == "4"
+    assert ET.parse(junit).getroot().get("tests") == "6"
 
     broken = write_gate_run(tmp_path / "broken", SEED_CELLS[:3] + [("pr", "stress", 1, 0.5, 91, 26)])
     res = runner.invoke(main, ["gate", str(broken)])
-    assert res.exit_code == 1 and "FAIL   pr-stress-matches-reference: pr/stress run 1" in res.output
+    assert res.exit_code == 1 and "FAIL   candidate-stress-matches-reference: pr/stress run 1 [candidate]" in res.output
+    assert "FAIL   candidate-contract: pr/stress run 1 [candidate]" in res.output  # its rows are wrong too
 
     vacuous = write_gate_run(tmp_path / "vacuous", SEED_CELLS[:3] + [("pr", "stress", 1, 0.0, 0, 0)])
     assert runner.invoke(main, ["gate", str(vacuous)]).exit_code == 1
+    vacuous_base = write_gate_run(tmp_path / "vacuous_base", [SEED_CELLS[0], ("main", "stress", 1, 0.9, 0, 0)])
+    res = runner.invoke(main, ["gate", str(vacuous_base)])
+    assert res.exit_code == 1 and "replays crossing the prompt boundary = 0 < 1" in res.output
 
-    only_pr = write_gate_run(tmp_path / "only_pr", SEED_CELLS[2:])
-    res = runner.invoke(main, ["gate", str(only_pr)])
-    assert res.exit_code == 2 and "rule 'main-stress-detects-bug': no cell of this run matches arm 'main'" in res.output
+    only_ref = write_gate_run(tmp_path / "only_ref", [SEED_CELLS[2]])
+    res = runner.invoke(main, ["gate", str(only_ref)])
+    assert res.exit_code == 2
+    assert "rule 'candidate-stress-matches-reference': no cell of this run matches role 'candidate' x deploy " \
+           "'stress'" in res.output
 
     res = runner.invoke(main, ["gate", str(tmp_path / "nowhere"), "--junit", str(junit)])
     assert res.exit_code == 2 and "run directory not found" in res.output
@@ -260,6 +386,97 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     bad.write_text("rules: [\n")
     res = runner.invoke(main, ["gate", str(good), "--rules", str(bad)])
     assert res.exit_code == 2 and "malformed YAML" in res.output
+
+
+# --------------------------------------------------------------------------- complete runs only
+
+
+def _damage(run_dir: Path, how: str) -> None:
+    path = run_dir / "requests.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    if how == "killed":  # 1 of 4 records per cell, finished null
+        keep = [ln for ln in lines if '"prompt_id": "p0"' in ln]
+        path.write_text("".join(keep))
+        manifest["finished"] = None
+    elif how == "torn":  # the last record cut off mid-write
+        path.write_text("".join(lines[:-1]) + lines[-1][:40])
+    elif how == "duplicated":  # two --resume of the same run at once
+        path.write_text("".join(lines + lines[1:]))
+    elif how == "foreign":  # a record of a cell the manifest does not list
+        path.write_text("".join(lines) + lines[0].replace('"deploy": "stress"', '"deploy": "specdec"')
+                        .replace('"deploy": "reference"', '"deploy": "specdec"'))
+    elif how == "backend":
+        path.write_text("".join(lines[:-1]) + lines[-1].replace('"backend": "sim"', '"backend": "vllm-omni"'))
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("how,line", [
+    ("killed", "incomplete run (2 problems): the run did not finish (manifest.json: finished is null; killed, still "
+               "running, or resumed without completing); 12 of 16 request records missing (first: main/reference "
+               "repeat 1 prompt p1); not gated"),
+    ("torn", "incomplete run (2 problems): requests.jsonl: the last line is cut off (a write was interrupted; that "
+             "record is lost); 1 of 16 request records missing (first: pr/stress repeat 1 prompt p3); not gated"),
+    ("duplicated", "incomplete run (1 problem): 15 request records written more than once (first: main/reference "
+                   "repeat 1 prompt p1, 2 times); not gated"),
+    ("foreign", "incomplete run (1 problem): 1 request record for a cell manifest.json does not list (first: "
+                "main/specdec repeat 1 prompt p0); not gated"),
+    ("backend", "incomplete run (1 problem): 1 request record from backend 'vllm-omni', manifest.json says 'sim' "
+                "(first: pr/stress repeat 1 prompt p3); not gated"),
+])
+def test_gate_refuses_incomplete_runs(tmp_path: Path, how: str, line: str) -> None:
+    run_dir = write_gate_run(tmp_path / how, SEED_CELLS)
+    _damage(run_dir, how)
+    junit = tmp_path / "gate.xml"
+    res = CliRunner().invoke(main, ["gate", str(run_dir), "--junit", str(junit)])
+    assert res.exit_code == 2
+    assert res.stdout == ""
+    assert res.stderr == f"omni-stress: error: {run_dir}: {line}\n"  # one line
+    root = ET.parse(junit).getroot()
+    assert (root.get("tests"), root.get("errors")) == ("1", "1")
+    # report and compare still show it, with a visible warning
+    res = CliRunner().invoke(main, ["report", str(run_dir), "--no-write"])
+    assert res.exit_code == 0
+    assert res.stderr.startswith(f"omni-stress: warning: {run_dir}: incomplete run (")
+    assert "WARNING: incomplete run, the gate refuses it: " in res.stdout
+    res = CliRunner().invoke(main, ["compare", str(run_dir), str(run_dir)])
+    assert res.exit_code == 0 and res.stderr.count("omni-stress: warning:") == 2
+
+
+def test_gate_reads_roles_from_the_run(tmp_path: Path) -> None:
+    """The same records with main recorded as a candidate: the shipped rules fail it (exit 1)."""
+    run_dir = write_gate_run(tmp_path / "roles", SEED_CELLS)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["arms"][0]["role"] = "candidate"
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    res = CliRunner().invoke(main, ["gate", str(run_dir)])
+    assert res.exit_code == 1 and "FAIL   candidate-contract: main/stress run 1 [candidate]" in res.output
+    manifest["arms"][0]["role"] = "reference"
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    res = CliRunner().invoke(main, ["gate", str(run_dir)])
+    assert res.exit_code == 2
+    assert res.stderr == (f"omni-stress: error: {run_dir / 'manifest.json'}: arms[0].role: expected baseline or "
+                          f"candidate, got 'reference'\n")
+
+
+def test_arm_roles_in_arms_yaml(tmp_path: Path) -> None:
+    from harness.config import load_arms, resolve_arm
+
+    arms = load_arms()
+    assert (arms["main"].role, arms["pr"].role) == ("baseline", "candidate")
+    assert resolve_arm("mine=tests.fixtures.mutants:OffByOneDecode", arms).role == "candidate"
+    assert resolve_arm("main=harness.talkers.main:MainTalker", arms).role == "candidate"  # a plugin arm
+    bad = tmp_path / "arms.yaml"
+    bad.write_text("arms:\n  main:\n    talker: harness.talkers.main:MainTalker\n    role: reference\n")
+    with pytest.raises(ConfigError) as exc:
+        load_arms(bad)
+    assert str(exc.value) == f"{bad}: arms.main.role: must be one of baseline, candidate, got 'reference'"
+    res = CliRunner().invoke(main, ["run", "--arms-file", str(bad), "--arm", "main", "--asr", "none",
+                                    "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2
+    assert res.stderr == f"omni-stress: error: {bad}: arms.main.role: must be one of baseline, candidate, " \
+                         f"got 'reference'\n"
+    assert not (tmp_path / "out").exists()
 
 
 def test_ci_workflow_runs_the_matrix_and_the_gate() -> None:

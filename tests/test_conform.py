@@ -38,6 +38,11 @@ VENDORED = {
         "d6ae3f32666139de853a3cfaece1e2ac612a7ba8d755ce732f9d0b111efdf0f5",
     "vllm_omni/model_executor/models/qwen3_tts/qwen3_tts_talker.py":
         "d9cc88373f8081439a019bfa061b91bb26dd7cfca182ec9354eb2d4af8449aa2",
+    "vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_tts.py":
+        "bdcc8e9fb1b6e074a2d8d34b3a816978a05bbc2701a64ea75d0ff0ef64601b6e",
+    "vllm_omni/model_executor/stage_input_processors/minicpmo_4_5_omni.py":
+        "c4f63043488200a356c03760da14f3ab854dea637126840551c571d7cd25c735",
+    "vllm_omni/engine/duplex/intermediate.py": "6e8eb6cdc3ca72cd4a0009f78857d75483698d9fc0fc7b1fd52345e8d1c3ed03",
 }
 GEN = 24  # generated positions per forced schedule: m = 6 decode steps before the first preemption
 SITUATIONS = ("chunk", "tail", "multi_decode", "cross_replay", "repeated_replay")
@@ -169,7 +174,7 @@ def test_a_short_return_is_a_row_count_cell_and_a_bare_position() -> None:
     assert r.cells["row_count"].status == "row-count"
     assert "span c=0 n=20 (prefill from position 0) returned 19 rows" in r.cells["row_count"].detail
     assert _first(r, "chunk")[:3] == (9, 0, 10)
-    assert r.cells["chunk"].first.got == "the bare embedding of its own id (no conditioning row)"
+    assert r.cells["chunk"].first.got == "the bare embedding of its own id (the runner's starting row)"
 
 
 def test_a_decode_counter_fails_multi_decode_and_replays_first_where_the_counter_falls_behind() -> None:
@@ -180,7 +185,7 @@ def test_a_decode_counter_fails_multi_decode_and_replays_first_where_the_counter
     assert _first(r, "multi_decode")[:3] == (P + 5, P + 4, 3)
     # the replay crossing P returns prompt rows only; then the counter restarts at 0 for position P+m+1
     assert _first(r, "cross_replay")[:3] == (P, P - 2, 6 + 3)
-    assert r.cells["cross_replay"].first.got == "the bare embedding of its own id (no conditioning row)"
+    assert r.cells["cross_replay"].first.got == "the bare embedding of its own id (the runner's starting row)"
 
 
 # ----------------------------------------------------------------------------- calibration: Qwen2.5-Omni
@@ -202,7 +207,7 @@ def test_calibration_main_fails_every_situation_and_pr_conforms() -> None:
     # the replay's second span [P-2, P+7) starts over from prompt row 0 again
     assert _first(main, "cross_replay") == (P - 2, P - 2, 9, ref0)
     # a replay from 0 gets the P prompt rows only: position P is left as its bare codec embedding
-    assert _first(main, "repeated_replay") == (P, 0, P + 7, "the bare embedding of its own id (no conditioning row)")
+    assert _first(main, "repeated_replay") == (P, 0, P + 7, "the bare embedding of its own id (the runner's starting row)")
     rc = main.cells["row_count"]
     assert rc.status == "row-count" and "span c=0 n=30 (prefill from position 0) returned 61 rows" in rc.detail
 
@@ -227,7 +232,7 @@ def test_qwen3_omni_0_30_0_slices_prefill_by_offset_but_not_decode_spans_or_repl
                                        "talker_preprocess_prefill"]
     assert files[1]["methods"] == ["thinker2talker_full_payload", "_compute_talker_prompt_ids_length"]
     P = 28  # _compute_talker_prompt_ids_length: user turn (19 ids) + 9 assistant rows
-    bare = "the bare embedding of its own id (no conditioning row)"
+    bare = "the bare embedding of its own id (the runner's starting row)"
     assert r.cells["chunk"].status == "conforms" and r.cells["tail"].status == "conforms"
     # a decode span of n > 1 gets no text_step (the runner's MTP path is for n == 1 only)
     assert _first(r, "multi_decode") == (P + 4, P + 4, 3, bare)
@@ -243,12 +248,29 @@ def test_qwen3_tts_0_30_0_replays_from_a_running_offset_and_pads() -> None:
     assert r.provenance.files[0]["from_stand_in"] == ["embed_input_ids"]
     P = 21
     assert r.cells["chunk"].status == "conforms" and r.cells["tail"].status == "conforms"
-    assert _first(r, "multi_decode") == (P + 4, P + 4, 3, "the bare embedding of its own id (no conditioning row)")
+    assert _first(r, "multi_decode") == (P + 4, P + 4, 3, "the bare embedding of its own id (the runner's starting row)")
     # after a preemption the stored prompt is sliced from talker_prefill_offset (P + ...), not from c = 0:
     # past the end, so every replayed prompt position is padded with tts_pad
     assert _first(r, "cross_replay") == (0, 0, P - 2, "the tts_pad row")
     assert _first(r, "repeated_replay") == (0, 0, P + 7, "the tts_pad row")
     assert r.cells["row_count"].status == "conforms"  # it pads to n rather than return fewer
+
+
+def test_minicpmo_0_30_0_raises_on_a_crossing_replay_and_embeds_only_the_last_decode_id() -> None:
+    r = _check("minicpmo-4.5")
+    assert [f["methods"] for f in r.provenance.files] == [
+        ["_boundary_embeddings", "_build_condition_embeddings", "_build_streaming_recompute_embeddings", "preprocess"],
+        ["_build_tts_scheduler_prompt_token_ids"], ["get_tts_handoff", "set_tts_handoff"]]
+    P = 59  # the scheduler prompt is the speech segment's token ids: the reply's 59 words
+    assert r.cells["chunk"].status == "conforms" and r.cells["tail"].status == "conforms"
+    # decode embeds only the span's last id: one row for three positions, and it is position P+6's
+    assert _first(r, "multi_decode") == (P + 4, P + 4, 3, f"the reference row of position {P + 6}")
+    assert "span c=63 n=3 (multi-position decode span) returned 1 rows" in r.cells["row_count"].detail
+    # a prefill slice past the condition raises (the runner does not catch it: the engine step fails)
+    assert r.cells["cross_replay"].status == "raised"
+    assert "span c=57 n=9 (span crossing the prompt boundary, replay 1): ValueError: MiniCPM-o Talker prefill span " \
+           "exceeds condition" in r.cells["cross_replay"].detail
+    assert r.cells["repeated_replay"].status == "raised"
 
 
 # ----------------------------------------------------------------------------- vLLM's scheduler
@@ -275,7 +297,7 @@ def test_vendored_files_are_the_pinned_0_30_0_files() -> None:
     for member, sha in VENDORED.items():
         data = (VENDOR_DIR / member).read_bytes()
         assert hashlib.sha256(data).hexdigest() == sha, member
-        if member.endswith("omni.py") or member.endswith("talker.py"):
+        if member != "vllm_omni/_version.py":
             assert data.startswith(b"# SPDX-License-Identifier: Apache-2.0\n")
     assert (VENDOR_DIR / "LICENSE").read_text().startswith("\n") or "Apache License" in (VENDOR_DIR / "LICENSE").read_text()
 

@@ -97,7 +97,7 @@ class RowNamer:
         if float(row.abs().max()) <= ATOL:
             return "zeros"
         if bare is not None and _close(row, bare):
-            return "the bare embedding of its own id (no conditioning row)"
+            return "the bare embedding of its own id (the runner's starting row)"
         for key, vec in self.named.items():
             if vec.shape == row.shape and _close(row, vec):
                 return key

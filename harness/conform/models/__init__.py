@@ -32,12 +32,19 @@ def _qwen3_tts() -> Adapter:
     return Qwen3TTSAdapter()
 
 
+def _minicpmo() -> Adapter:
+    from harness.conform.models.minicpmo import MiniCPMoAdapter
+
+    return MiniCPMoAdapter()
+
+
 MODELS: dict[str, Callable[[], Adapter]] = {
     "qwen2.5-omni": _qwen25("upstream"),
     "qwen3-omni": _qwen3_omni,
     "qwen3-tts": _qwen3_tts,
+    "minicpmo-4.5": _minicpmo,
     "qwen2.5-omni:main": _qwen25("main"),
     "qwen2.5-omni:pr": _qwen25("pr"),
 }
-UPSTREAM_MODELS = ("qwen2.5-omni", "qwen3-omni", "qwen3-tts")
+UPSTREAM_MODELS = ("qwen2.5-omni", "qwen3-omni", "qwen3-tts", "minicpmo-4.5")
 CALIBRATION = {"qwen2.5-omni:main": "fails", "qwen2.5-omni:pr": "conforms"}

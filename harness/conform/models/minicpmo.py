@@ -1,0 +1,163 @@
+"""MiniCPM-o 4.5's TTS talker, from the real upstream code.
+
+Hook: ``MiniCPMO45OmniTTSForConditionalGeneration.preprocess`` in
+``vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_tts.py`` (0.30.0: l.425), with
+``_build_condition_embeddings`` and ``_boundary_embeddings``. No MTP path and no batched decode
+hook, so every span goes through ``preprocess``.
+
+Payload: the AR stage's handoff stored with the real ``set_tts_handoff`` and read back by the
+real ``get_tts_handoff`` (``vllm_omni/engine/duplex/intermediate.py``): ``ids.tts``, the speech
+segment's text token ids, and ``hidden_states.tts``, their hidden states (deterministic rows).
+The scheduler prompt is the real ``_build_tts_scheduler_prompt_token_ids``
+(``stage_input_processors/minicpmo_4_5_omni.py``), i.e. the segment's token ids. Offline (not
+native duplex) requests.
+
+Stand-in (``MiniCPMoStandIn``): ``emb_text`` (a deterministic row per id), ``emb_code[0]`` (the
+codec table, 6562 audio tokens), ``projector_semantic`` as a fixed random linear map (hidden
+width 48 -> 64), ``normalize_projected_hidden``, the special ids of the 4.5 config and
+``max_position_embeddings``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from harness.conform.adapter import (
+    Adapter,
+    ConformRequest,
+    Provenance,
+    _file_info,
+    fixed_tokens,
+    read_model_source,
+    tagged,
+)
+
+HIDDEN = 64
+LLM_DIM = 48
+NUM_AUDIO_TOKENS = 6562
+SIP_MEMBER = "vllm_omni/model_executor/stage_input_processors/minicpmo_4_5_omni.py"
+HANDOFF_MEMBER = "vllm_omni/engine/duplex/intermediate.py"
+
+
+class _EmbText:
+    """``nn.Embedding`` of the 150k-id text vocabulary: one deterministic row per id, made on use."""
+
+    def __init__(self) -> None:
+        self.weight = torch.zeros(1, HIDDEN)  # device and dtype, as the hook reads them
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        out = []
+        for i in ids.reshape(-1).tolist():
+            if i not in self._rows:
+                self._rows[i] = tagged(1, HIDDEN, "minicpmo", "emb_text", i)[0]
+            out.append(self._rows[i])
+        return torch.stack(out).reshape(*ids.shape, HIDDEN)
+
+
+class _EmbCode:
+    def __init__(self) -> None:
+        self.weight = tagged(NUM_AUDIO_TOKENS, HIDDEN, "minicpmo", "emb_code")
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids.long()]
+
+
+class _Projector:
+    def __init__(self) -> None:
+        self.weight = tagged(LLM_DIM, HIDDEN, "minicpmo", "projector_semantic") / LLM_DIM ** 0.5
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() @ self.weight
+
+
+class MiniCPMoStandIn:
+    """What the offline preprocess path of the MiniCPM-o 4.5 talker touches."""
+
+    _shared: dict[str, Any] = {}
+
+    def __init__(self) -> None:
+        if not self._shared:  # the tables are constants: build them once per process
+            MiniCPMoStandIn._shared.update(emb_text=_EmbText(), emb_code=[_EmbCode()], proj=_Projector())
+        self.emb_text = self._shared["emb_text"]
+        self.emb_code = self._shared["emb_code"]
+        self.projector_semantic = self._shared["proj"]
+        self._normalize = True
+        self._tts_bos_id = 151687
+        self._text_eos_id = 151692
+        self._codec_eos_id = NUM_AUDIO_TOKENS - 1
+        self._tts_config = SimpleNamespace(max_position_embeddings=4096)
+        self._request_audio_states: dict[str, dict[str, Any]] = {}
+        self._request_condition_states: dict[str, dict[str, Any]] = {}
+
+    def embed_input_ids(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
+        return self.emb_code[0](input_ids)
+
+
+class MiniCPMoAdapter(Adapter):
+    name = "minicpmo-4.5"
+    title = "MiniCPM-o 4.5 TTS talker"
+    member = "vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_tts.py"
+    class_name = "MiniCPMO45OmniTTSForConditionalGeneration"
+    module_name = "vllm_omni.model_executor.models.minicpmo_4_5.minicpmo_4_5_omni_tts"
+    entries = ("preprocess",)
+    codec_vocab = 2048
+    hidden = HIDDEN
+    notes = ("stand-in: emb_text / emb_code tables, projector_semantic as a fixed random map, 4.5 config ids; "
+             "payload: the real set_tts_handoff / get_tts_handoff and _build_tts_scheduler_prompt_token_ids")
+
+    def __init__(self) -> None:
+        self._fns: dict[str, Any] = {}
+
+    def stand_in_class(self) -> type:
+        return MiniCPMoStandIn
+
+    def embed(self, model: Any, ids: torch.Tensor) -> torch.Tensor:
+        return model.embed_input_ids(ids).float()
+
+    def _handoff(self, spec: str, base_dir: Path | None, wheel_dir: Path | None) -> tuple[Any, dict[str, Any]]:
+        from harness.talkers.upstream import build_functions
+
+        src = read_model_source(spec, HANDOFF_MEMBER, base_dir, wheel_dir)
+        return src, build_functions(src, ("get_tts_handoff", "set_tts_handoff"),
+                                    module_name="vllm_omni.engine.duplex.intermediate")
+
+    def load(self, spec: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> tuple[Any, Provenance]:
+        # the hook imports get_tts_handoff: give it the real one before compiling the hook
+        src, fns = self._handoff(spec, base_dir, wheel_dir)
+        self._fns.update(fns)
+        impl, prov = super().load(spec, base_dir, wheel_dir)
+        prov.files.append(_file_info(src, ("get_tts_handoff", "set_tts_handoff"), fns["__stubbed__"]))
+        return impl, prov
+
+    def shims(self) -> dict[tuple[str, str], Any]:
+        return {("vllm_omni.engine.duplex.intermediate", "get_tts_handoff"): self._fns["get_tts_handoff"]}
+
+    def extra_sources(self, spec: str, base_dir: Path | None, wheel_dir: Path | None, prov: Provenance) -> None:
+        from harness.talkers.upstream import build_functions
+
+        src = read_model_source(spec, SIP_MEMBER, base_dir, wheel_dir)
+        names = ("_build_tts_scheduler_prompt_token_ids",)
+        self._fns.update(build_functions(src, names, module_name="vllm_omni.model_executor.stage_input_processors."
+                                         "minicpmo_4_5_omni"))
+        prov.files.append(_file_info(src, names, self._fns["__stubbed__"]))
+
+    def requests(self, count: int, generated: int) -> list[ConformRequest]:
+        from harness.config import load_prompts
+        from harness.tokenizer import tokenize
+
+        vocab: dict[str, int] = {}
+        out = []
+        for prompt in load_prompts("default").prompts[:count]:
+            ids = [vocab.setdefault(w, 1000 + len(vocab)) for w in tokenize(prompt.reply)]
+            token_ids = torch.tensor(ids, dtype=torch.long)
+            payload: dict[str, Any] = {}
+            self._fns["set_tts_handoff"](payload, token_ids, tagged(len(ids), LLM_DIM, prompt.id, "tts-hidden"))
+            prompt_ids = self._fns["_build_tts_scheduler_prompt_token_ids"](token_ids, [], [])
+            out.append(ConformRequest(prompt.id, [int(i) % NUM_AUDIO_TOKENS for i in prompt_ids], payload,
+                                      fixed_tokens(prompt.id, generated + 1, self.codec_vocab)))
+        return out

@@ -7,10 +7,20 @@ from pathlib import Path
 
 import click
 
-from harness.config import ArmSpec, load_arms, load_deploy, load_prompts, resolve_arm
+from harness.config import MAX_SEED, ArmSpec, Deploy, load_arms, load_deploy, load_prompts, resolve_arm
 from harness.errors import UserError
 from harness.pipeline import RunOptions, RunPlan, check_resume, execute, manifest_for, new_run_id, prepare_run_dir
-from harness.records import read_manifest, write_manifest
+from harness.proc import stdout_to_stderr
+from harness.records import MANIFEST_FILE, write_manifest
+from harness.rundir import (
+    DISK_FULL,
+    check_run_id,
+    check_same_scoring,
+    disk_full_error,
+    locked,
+    read_resumable_manifest,
+)
+from harness.sim import armcall
 
 
 @click.command("run")
@@ -24,11 +34,12 @@ from harness.records import read_manifest, write_manifest
               help="Prompt set name (prompts/NAME.yaml) or a YAML path.")
 @click.option("--repeat", type=click.IntRange(1, 100), default=1, show_default=True,
               help="Run each cell N times (the seed's run 1 / run 2).")
-@click.option("--seed", type=int, default=42, show_default=True,
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=42, show_default=True,
               help="Talker sampling seed; repeat r of a sim cell uses seed + r - 1.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
               help="Folder for run directories.")
-@click.option("--run-id", default=None, help="Name of the run directory (default: timestamp and arms).")
+@click.option("--run-id", default=None,
+              help="Name of the run directory inside --out (letters, digits, '.', '_', '-'; default: timestamp and arms).")
 @click.option("--resume", "resume_dir", type=click.Path(path_type=Path), default=None,
               help="Continue an interrupted run directory: completed requests are kept, the rest run.")
 @click.option("--backend", type=click.Choice(["sim", "vllm-omni"]), default="sim", show_default=True)
@@ -52,9 +63,32 @@ from harness.records import read_manifest, write_manifest
               help="vllm-omni backend: seconds to wait for /health.")
 @click.option("--request-timeout", type=float, default=900.0, show_default=True,
               help="vllm-omni backend: seconds per request.")
+@click.option("--platform", "serve_platform", type=click.Choice(["auto", "gpu", "cpu"]), default="auto",
+              show_default=True, help="vllm-omni backend: the server's platform profile (auto: gpu when this host "
+              "has a GPU device node).")
+@click.option("--serve-python", type=click.Path(path_type=Path), default=None,
+              help="vllm-omni backend: interpreter for arms whose arms.yaml entry has no serve: entry "
+              "(default $OMNI_STRESS_SERVE_PYTHON, else ./.venv-omni/bin/python).")
+@click.option("--arm-timeout", type=click.FloatRange(0, 86400), default=armcall.DEFAULT_LIMIT_S, show_default=True,
+              help="sim: seconds one talker_preprocess call may take before it fails its request (0: no limit).")
 def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
-            asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout) -> None:
+            asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout,
+            serve_platform, serve_python, arm_timeout) -> None:
     """Run the prompts through every arm x deploy, transcribe the Talker audio, tabulate WER and events."""
+    if run_id is not None:
+        check_run_id(run_id)
+    # Whatever an arm (or a library) prints while the run works goes to stderr: stdout is the table's.
+    with stdout_to_stderr():
+        printed = _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr,
+                       asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model,
+                       health_timeout, request_timeout, arm_timeout, serve_platform, serve_python)
+    click.echo(printed)
+
+
+def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
+         asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout,
+         arm_timeout, serve_platform="auto", serve_python=None) -> str:
+    """The run; returns what goes to stdout (the tables), printed once stdout is stdout again."""
     known = load_arms(arms_file) if arms_file else load_arms()
     arm_specs = [resolve_arm(a, known) for a in arms]
     names = [a.name for a in arm_specs]
@@ -76,27 +110,43 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
             raise UserError(f"{prompts.path}: prompt {with_audio[0]!r}: audio_seconds inputs are simulated only; "
                             "the vllm-omni backend sends text prompts")
 
-        options.serve = ServeOptions(model=model, health_timeout_s=health_timeout, request_timeout_s=request_timeout)
+        options.serve = ServeOptions(model=model, health_timeout_s=health_timeout, request_timeout_s=request_timeout,
+                                     platform=serve_platform, default_python=str(serve_python) if serve_python else None)
         if dry_run:
             run_dir = (resume_dir or out / (run_id or new_run_id(arm_specs, deploy_specs)))
-            for a in arm_specs:
-                for d in deploy_specs:
-                    click.echo(describe_cell(a, d, run_dir, options.serve))
-            return
+            return "\n".join(describe_cell(a, d, run_dir, options.serve) for a in arm_specs for d in deploy_specs)
     elif dry_run:
         raise UserError("--dry-run applies to --backend vllm-omni (the sim has no commands to print)")
-    _preflight(backend, arm_specs, options)
+    _preflight(backend, arm_specs, deploy_specs, options)
+    armcall.set_limit(arm_timeout)  # before any sim worker is forked: they inherit it
 
     if resume_dir is not None:
-        plan = RunPlan(resume_dir, arm_specs, deploy_specs, prompts, options)
-        state = check_resume(resume_dir, manifest_for(plan))
-        manifest = read_manifest(resume_dir)
-        manifest.setdefault("resumed", []).append(" ".join(sys.argv))
-        manifest["finished"] = None
-        write_manifest(resume_dir, manifest)
+        if not (resume_dir / MANIFEST_FILE).is_file():
+            raise UserError(f"--resume {resume_dir}: not a run directory (no {MANIFEST_FILE})")
+        run_dir = resume_dir
     else:
         run_dir = prepare_run_dir(out, run_id or new_run_id(arm_specs, deploy_specs))
-        plan = RunPlan(run_dir, arm_specs, deploy_specs, prompts, options)
+    with locked(run_dir):
+        try:
+            return _locked_run(run_dir, resume_dir is not None, arm_specs, deploy_specs, prompts, options, quiet)
+        except OSError as exc:
+            if exc.errno in DISK_FULL:
+                raise disk_full_error(exc, run_dir) from None
+            raise
+
+
+def _locked_run(run_dir: Path, resume: bool, arm_specs: list[ArmSpec], deploy_specs: list[Deploy], prompts,
+                options: RunOptions, quiet: bool) -> str:
+    plan = RunPlan(run_dir, arm_specs, deploy_specs, prompts, options)
+    if resume:
+        manifest = read_resumable_manifest(run_dir)
+        planned = manifest_for(plan)
+        check_same_scoring(run_dir, manifest, planned)
+        state = check_resume(run_dir, planned)
+        manifest.setdefault("resumed", []).append(" ".join(sys.argv))
+        manifest["finished"] = None
+        write_manifest(run_dir, manifest)
+    else:
         write_manifest(run_dir, manifest_for(plan))
         state = None
     if not quiet:
@@ -108,26 +158,29 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
     run = load_run(plan.run_dir)  # read once, for the files and the printed tables
     cells = summarize_cells(run)
     write_reports(run, cells)
-    click.echo(terminal_table(run, cells))
-    click.echo(f"\nwall time per stage: sim {times.sim_wall:.1f} s, TTS {times.tts:.1f} s, ASR {times.asr:.1f} s "
-               f"({times.asr_transcribed} transcribed, {times.asr_cache_hits} cache hits)"
-               + (f", {times.asr_wait:.1f} s waiting for Whisper at the end" if times.asr_wait >= 0.05 else ""))
-    click.echo(f"results: {plan.run_dir}")
+    return (terminal_table(run, cells)
+            + f"\n\nwall time per stage: sim {times.sim_wall:.1f} s, TTS {times.tts:.1f} s, ASR {times.asr:.1f} s "
+              f"({times.asr_transcribed} transcribed, {times.asr_cache_hits} cache hits)"
+            + (f", {times.asr_wait:.1f} s waiting for Whisper at the end" if times.asr_wait >= 0.05 else "")
+            + f"\nresults: {plan.run_dir}")
 
 
-def _preflight(backend: str, arm_specs: list[ArmSpec], options: RunOptions) -> None:
-    """Checks that need no run: a broken plugin arm, a real-backend arm that cannot be started, or a
-    missing ASR model is refused before a run directory exists (nothing is loaded yet)."""
+def _preflight(backend: str, arm_specs: list[ArmSpec], deploy_specs: list[Deploy], options: RunOptions) -> None:
+    """Checks that need no run: a broken plugin arm, scheduler settings vLLM refuses, a real-backend
+    arm that cannot be started, or a missing ASR model is refused before a run directory exists."""
     if backend == "sim":
+        from harness.sim.scheduler import scheduler_config_for
         from harness.talkers import load_impl
 
         for arm in arm_specs:
             load_impl(arm)
+        for deploy in deploy_specs:
+            scheduler_config_for(deploy)
     else:
         from harness.serve.backend import server_prefix
 
         for arm in arm_specs:
-            server_prefix(arm)
+            server_prefix(arm, options.serve)
     if options.asr != "none":
         from harness.audio.asr import make_transcriber
 

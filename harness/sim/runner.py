@@ -20,6 +20,7 @@ import torch
 
 from harness.contract import misaligned_regions
 from harness.records import SpanRecord
+from harness.sim import armcall
 from harness.sim.codec import CODEC_BOS, CODEC_PAD
 from harness.sim.model import VOICE, SimTalkerModelBase
 from harness.sim.rows import NONE, RowSpace
@@ -42,6 +43,7 @@ class SimRunner:
         self._spk_id = int(space.identify(model.embed_text_spk_tokens[VOICE])[0][0])
         self._eos_id = int(space.identify(model.embed_text_eos_token)[0][0])
         self._pad_id = int(space.identify(model.embed_text_pad_token)[0][0])
+        armcall.prepare()  # the per-call time limit's signal handler, once per cell
 
     def add_request(self, out: ThinkerOutput, payload: dict[str, Any], capacity: int) -> None:
         self.buffer[out.request_id] = payload
@@ -81,14 +83,21 @@ class SimRunner:
         req_infos["_omni_seed"] = request.sampling_params.seed
         inputs_embeds = self.model.talker.embed_input_ids(span_ids)
         arm, deploy, repeat = self.cell
-        try:
-            _ids, req_embeds, update_dict = self.model.talker_preprocess(
-                input_ids=span_ids.clone(), input_embeds=inputs_embeds, **req_infos)
-            rows = int(req_embeds.shape[0])
-        except Exception as exc:  # the arm's failure is this request's failure, not the run's
-            span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows=0, error=f"{type(exc).__name__}: {exc}")
+        try:  # the arm's failure (an exception, sys.exit, a hang, bad rows) is this request's, not the run's
+            result = armcall.call(self.model.talker_preprocess, input_ids=span_ids.clone(),
+                                  input_embeds=inputs_embeds, **req_infos)
+            try:
+                _ids, req_embeds, update_dict = result
+                rows = armcall.check_rows(req_embeds, inputs_embeds.shape[1])
+                self._update_buffer(rid, update_dict)
+            except armcall.ArmFailure:
+                raise
+            except Exception as exc:
+                raise armcall.ArmFailure(f"{type(exc).__name__}: talker_preprocess returned something the runner "
+                                         f"cannot use: {exc}") from None
+        except armcall.ArmFailure as exc:
+            span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows=0, error=str(exc))
             return CallResult(span, span.error)
-        self._update_buffer(rid, update_dict)
         seg = min(n, rows)
         inputs_embeds[:seg] = req_embeds[:seg].to(inputs_embeds.dtype)
         text_ids, codec_ids = self.space.identify(inputs_embeds)

@@ -1,0 +1,131 @@
+"""Guards around a run directory: a safe ``--run-id``, one run at a time in a directory (a lock),
+a manifest and records that ``--resume`` can trust, and a full disk said in one line.
+
+Each check fails with a ``UserError`` naming the file (and line, or field), so the CLI prints one
+line and exits 2 (docs/robustness.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from harness.config import check_name
+from harness.errors import UserError
+from harness.records import MANIFEST_FILE, REQUESTS_FILE
+
+LOCK_FILE = ".lock"
+
+
+def check_run_id(run_id: str) -> None:
+    """``--run-id`` names one folder inside ``--out``: no separators, no ``..``, not absolute."""
+    if (bad := check_name(run_id)) is not None:
+        raise UserError(f"--run-id: {bad}")
+
+
+@contextmanager
+def locked(run_dir: Path) -> Iterator[None]:
+    """Holds ``RUN_DIR/.lock`` (``flock``) while a run writes the directory: a second ``run
+    --resume`` of the same directory is refused instead of appending duplicate records. The lock
+    goes with the process (also on SIGKILL: the kernel releases it); the file stays, empty."""
+    path = run_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot open the run directory's lock ({exc.strerror})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise UserError(f"{path}: cannot lock the run directory ({exc.strerror})") from None
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            raise UserError(f"{run_dir}: another omni-stress run is writing this run directory"
+                            f"{f' (pid {holder})' if holder.isdigit() else ''}; wait for it to finish or stop it, "
+                            "then --resume") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+_MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
+    "config_hashes": (dict,), "cells": (list,), "backend": (str,), "asr": (dict,), "seed": (int,),
+    "resumed": (list,), "cell_wall_s": (dict,),
+}
+
+
+def read_resumable_manifest(run_dir: Path) -> dict[str, Any]:
+    """The manifest of a run directory to resume, checked enough that resuming cannot trip on it."""
+    from harness.records import read_manifest
+
+    path = run_dir / MANIFEST_FILE
+    if not path.is_file():
+        raise UserError(f"--resume {run_dir}: not a run directory (no {MANIFEST_FILE})")
+    try:
+        manifest = read_manifest(run_dir)
+    except (ValueError, OSError) as exc:  # JSON or UTF-8 errors are ValueErrors
+        raise UserError(f"{path}: unreadable manifest ({' '.join(str(exc).split())})") from None
+    if not isinstance(manifest, dict):
+        raise UserError(f"{path}: unreadable manifest (expected a JSON object, got {_json_type(manifest)})")
+    for key, types in _MANIFEST_TYPES.items():
+        value = manifest.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            want = {dict: "an object", list: "a list", str: "a string", int: "an integer"}[types[0]]
+            raise UserError(f"{path}: {key}: expected {want}, got {_json_type(value)}")
+    for i, cell in enumerate(manifest.get("cells") or []):
+        if not isinstance(cell, dict) or not all(k in cell for k in ("arm", "deploy", "repeat")):
+            raise UserError(f"{path}: cells[{i}]: expected an object with arm, deploy and repeat")
+    return manifest
+
+
+def check_same_scoring(run_dir: Path, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """A resumed run is scored as it started: WER from one ASR backend, model and beam, so its
+    table never mixes Whisper with oracle scores (or two Whisper models)."""
+    was, now = old.get("asr"), new.get("asr")
+    if was != now:
+        raise UserError(f"--resume {run_dir}: asr differs from the manifest (was {_asr_text(was)}, now "
+                        f"{_asr_text(now)}); resume with the same --asr/--asr-model/--beam-size, or start a new run")
+
+
+def _asr_text(asr: Any) -> str:
+    if not isinstance(asr, dict):
+        return repr(asr)
+    if asr.get("backend") == "none":
+        return "--asr none"
+    return f"--asr {asr.get('backend')} --asr-model {asr.get('model')} --beam-size {asr.get('beam_size')}"
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number"}.get(type(value), type(value).__name__)
+
+
+def count_records(run_dir: Path) -> int:
+    """Complete lines in ``requests.jsonl`` (what a resume keeps)."""
+    try:
+        with open(run_dir / REQUESTS_FILE, "rb") as fh:
+            return sum(1 for line in fh if line.endswith(b"\n") and line.strip())
+    except OSError:
+        return 0
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full_error(exc: OSError, run_dir: Path) -> UserError:
+    """``OSError: [Errno 28]`` while a run writes, as one line that says what is kept and what to do."""
+    what = exc.strerror or "no space left on device"
+    where = f" writing {exc.filename}" if exc.filename else ""
+    n = count_records(run_dir)
+    return UserError(f"{what.lower()}{where}: {n} record{'s' if n != 1 else ''} kept in {run_dir}; "
+                     f"free some space, then --resume {run_dir} continues")
+

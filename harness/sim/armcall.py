@@ -1,0 +1,141 @@
+"""One call of an arm's ``talker_preprocess``, fenced so that the arm can break its own request
+but never the run (docs/robustness.md, "Arms that misbehave").
+
+* Whatever the arm raises, including ``SystemExit`` (``sys.exit``), fails the call.
+* ``os._exit`` called by the arm during the call fails the call instead of ending the process
+  (``os._exit`` is swapped for the length of the call; a plugin that bound ``_exit`` before, or
+  kills itself with a signal, still ends its process: in a sim worker that is one error line and
+  ``--resume``, see ``harness.sim.pool``).
+* A call that does not return within the per-call limit (``--arm-timeout``, default
+  ``DEFAULT_LIMIT_S``) is interrupted by ``SIGALRM`` and fails. Python code is interrupted
+  wherever it is (a loop, ``time.sleep``, a lock wait); a call stuck inside native code is
+  interrupted when it returns to Python. The limit needs the main thread (signals are delivered
+  there); elsewhere calls are not limited.
+* The returned rows must be a 2-D tensor as wide as the Talker's hidden size; anything else
+  fails the call before the runner copies a row.
+
+Why 10 s: a call takes 30-200 µs (the slowest seen, the first call of the upstream arm, which
+imports vLLM-Omni's helpers, under a second on the 2-core machine), so 10 s is four orders of
+magnitude above a working arm and still bounds a hung arm to 10 s per request: a 16-prompt
+cell whose arm hangs on every request finishes, as 16 error records, in under 3 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+
+DEFAULT_LIMIT_S = 10.0
+_limit_s = DEFAULT_LIMIT_S
+_real_exit = os._exit
+
+
+def set_limit(seconds: float) -> None:
+    """The per-call limit of this process and of the sim workers it forks later (0: none)."""
+    global _limit_s
+    _limit_s = float(seconds)
+
+
+def limit() -> float:
+    return _limit_s
+
+
+class ArmTimeout(BaseException):
+    """Raised into an arm's call at its time limit (a BaseException: ``except Exception`` in the
+    arm cannot swallow it)."""
+
+
+class ArmExit(BaseException):
+    """Raised instead of ending the process when the arm calls ``os._exit``."""
+
+
+def _exit_guard(code: int = 0) -> None:
+    if threading.current_thread() is threading.main_thread():
+        raise ArmExit(code)
+    _real_exit(code)  # another thread (a worker's parent watchdog) really exits
+
+
+_armed = False  # an arm's call is running under the timer
+_installed = False
+_previous_handler: Any = None
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    if _armed:
+        raise ArmTimeout()
+    if callable(_previous_handler):  # not ours: whoever handled SIGALRM before still does
+        _previous_handler(signum, frame)
+
+
+def _install() -> None:
+    """The SIGALRM handler, installed once per cell (``prepare``) rather than per call
+    (``signal.signal`` costs ~10 µs, more than most arm calls; ``setitimer`` per call ~2 µs). It
+    passes alarms it did not arm to the handler that was there before."""
+    global _installed, _previous_handler
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    if previous is not _on_alarm:
+        _previous_handler = previous
+    _installed = True
+
+
+def prepare() -> None:
+    """Called as a cell starts: (re)installs the handler, in case someone replaced it since."""
+    if _limit_s > 0 and threading.current_thread() is threading.main_thread():
+        _install()
+
+
+def call(fn: Any, /, **kwargs: Any) -> Any:
+    """``fn(**kwargs)`` under the guards above; arm failures come out as ``ArmFailure``."""
+    global _armed
+    timed = _limit_s > 0 and threading.current_thread() is threading.main_thread()
+    previous_delay = 0.0
+    t0 = 0.0
+    os._exit = _exit_guard  # type: ignore[assignment]
+    try:
+        if timed:
+            if not _installed:
+                _install()
+            _armed = True
+            previous_delay, _ = signal.setitimer(signal.ITIMER_REAL, _limit_s)
+            if previous_delay > 0:
+                t0 = time.monotonic()
+        try:
+            return fn(**kwargs)
+        finally:
+            if timed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                _armed = False
+    except ArmTimeout:
+        raise ArmFailure(f"ArmTimeout: talker_preprocess did not return within {_limit_s:g} s "
+                         f"(the per-call limit, --arm-timeout)") from None
+    except ArmExit as exc:
+        raise ArmFailure(f"ArmExit: talker_preprocess called os._exit({exc.args[0]!r})") from None
+    except SystemExit as exc:
+        raise ArmFailure(f"SystemExit: talker_preprocess called sys.exit({exc.code!r})") from None
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        raise ArmFailure(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        os._exit = _real_exit
+        if previous_delay > 0:  # someone else's timer (a test runner's timeout): give it back
+            signal.setitimer(signal.ITIMER_REAL, max(previous_delay - (time.monotonic() - t0), 1e-3))
+
+
+class ArmFailure(Exception):
+    """The arm's call failed; ``str()`` is the request's error text."""
+
+
+def check_rows(rows: Any, width: int) -> int:
+    """The number of rows an arm returned, after checking they are rows the runner can copy."""
+    if not isinstance(rows, torch.Tensor):
+        raise ArmFailure(f"TypeError: talker_preprocess returned {type(rows).__name__} rows, not a torch.Tensor")
+    if rows.dim() != 2 or rows.shape[1] != width:
+        raise ArmFailure(f"ValueError: talker_preprocess returned rows of shape {tuple(rows.shape)}; "
+                         f"expected (rows, {width}), {width} being the Talker's hidden size")
+    return int(rows.shape[0])

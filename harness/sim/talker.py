@@ -26,18 +26,16 @@ Rules (arm-agnostic; README "How the simulation works"):
 5. Sampling: temperature / top-k / top-p over the sim codec vocabulary with a generator seeded
    by (seed, request, position), so identical KV rows give identical tokens under any schedule.
 
-Speed without changing a token: the logits depend only on the target (noise, silence, or a
-word's onset / sustain codes), so each target's filtered distribution is computed once per
-cell. The draw is ``torch.multinomial(probs, 1, generator)`` with the same per-position
-generator, computed the way PyTorch computes it for one sample (``argmax(probs / q)``,
-``q ~ Exp(1)`` drawn by ``exponential_`` from that generator) but only over the prefix of the
-vocabulary that holds the target's support; ``exponential_`` on the CPU is prefix-consistent,
-so the prefix's draws are the same numbers. A self-check against ``torch.multinomial`` runs
-once per process and falls back to it if a PyTorch version ever differs.
+Speed: the logits depend only on the target (noise, silence, or a word's onset / sustain
+codes), so each target's filtered distribution is computed once per cell, as its support and
+cumulative probabilities. A draw is the inverse CDF at one uniform number keyed by (seed,
+request, position): a splitmix64 hash of the request's seed and the position (no generator
+object per token), so the same position always gets the same number under any schedule.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,16 +93,15 @@ def _as_np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Dist:
-    """One target's filtered distribution: dense probabilities over its vocabulary prefix."""
+    """One target's filtered distribution: its support and cumulative probabilities."""
 
-    probs: np.ndarray  # float32, length = last supported code + 1
-    full: torch.Tensor  # the whole filtered vector, for the torch.multinomial fallback
-    noise: torch.Tensor  # scratch for exponential_ draws, same length as probs
-    noise_np: np.ndarray
+    codes: tuple[int, ...]  # supported codes, ascending
+    cum: list[float]  # cumulative probability after each code (last = 1.0)
+    full: torch.Tensor  # the whole filtered vector (tests, inspection)
 
 
 _NOISE, _SILENCE, _ONSET, _SUSTAIN = 0, 1, 2, 3
-_FAST_DRAW: bool | None = None  # the exponential trick reproduces torch.multinomial here (checked once)
+_M64 = (1 << 64) - 1
 
 
 class SimTalker:
@@ -114,7 +111,7 @@ class SimTalker:
         self._cls_np: np.ndarray | None = None  # speech class of each registered text row (freeze)
         self._word_np = np.zeros(0, dtype=np.int64)
         self._dists: dict[tuple[int, int], _Dist] = {}
-        self._gen = torch.Generator()
+        self._draw_seeds: dict[str, int] = {}  # per request: the key of its sampling uniforms
         self._text_len: dict[str, int] = {}  # T per request: its Thinker output rows (freeze)
         self._end_draws: dict[str, np.ndarray] = {}  # per request: the babble-end uniform of each position
 
@@ -187,10 +184,12 @@ class SimTalker:
     def _dist(self, key: tuple[int, int]) -> _Dist:
         dist = self._dists.get(key)
         if dist is None:
-            full = self._filtered(self._logits(key))
-            length = int(torch.nonzero(full).max()) + 1
-            noise = torch.empty(length)
-            dist = _Dist(full[:length].numpy().copy(), full, noise, noise.numpy())
+            full = self._filtered(self._logits(key)).double()
+            codes = torch.nonzero(full).flatten()
+            cum = torch.cumsum(full[codes], dim=0)
+            cum = (cum / cum[-1]).tolist()
+            cum[-1] = 1.0
+            dist = _Dist(tuple(int(c) for c in codes), cum, full.float())
             self._dists[key] = dist
         return dist
 
@@ -209,36 +208,19 @@ class SimTalker:
         filtered[order[keep]] = probs[order[keep]]
         return filtered
 
+    def uniform(self, request_id: str, position: int) -> float:
+        """The sampling uniform of (seed, request, position), in [0, 1): splitmix64 of the
+        request's key plus the position times the golden-ratio increment."""
+        base = self._draw_seeds.get(request_id)
+        if base is None:
+            base = self._draw_seeds[request_id] = _seed(self.sampling.seed, "sample", request_id)
+        z = (base + (position + 1) * 0x9E3779B97F4A7C15) & _M64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        z ^= z >> 31
+        return (z >> 11) * (1.0 / (1 << 53))
+
     def _draw(self, dist: _Dist, request_id: str, position: int) -> int:
-        """``torch.multinomial(dist, 1)`` with the generator seeded by (seed, request, position)."""
-        gen = self._gen.manual_seed(_seed(self.sampling.seed, request_id, position))
-        if not _fast_draw_ok():
-            return int(torch.multinomial(dist.full, 1, generator=gen))
-        dist.noise.exponential_(1, generator=gen)
-        return int(np.argmax(dist.probs / dist.noise_np))
-
-    def _sample(self, logits: torch.Tensor, request_id: str, position: int) -> int:
-        """Reference implementation (one token from raw logits); ``next_token`` gives the same."""
-        gen = torch.Generator().manual_seed(_seed(self.sampling.seed, request_id, position))
-        return int(torch.multinomial(self._filtered(logits), 1, generator=gen))
-
-
-def _fast_draw_ok() -> bool:
-    """Whether ``argmax(p / Exp(1)[:len])`` equals ``torch.multinomial(p, 1)`` in this PyTorch."""
-    global _FAST_DRAW
-    if _FAST_DRAW is None:
-        ok = True
-        check = torch.Generator().manual_seed(1234)
-        for trial in range(32):
-            size = 64 + 97 * trial
-            probs = torch.zeros(size)
-            support = torch.randperm(size, generator=check)[: 1 + trial % 7]
-            probs[support] = torch.rand(support.shape[0], generator=check) + 0.01
-            probs /= probs.sum()
-            length = int(support.max()) + 1
-            want = int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(trial)))
-            noise = torch.empty(length).exponential_(1, generator=torch.Generator().manual_seed(trial))
-            got = int(np.argmax(probs[:length].numpy() / noise.numpy()))
-            ok = ok and want == got
-        _FAST_DRAW = ok
-    return _FAST_DRAW
+        """One code from ``dist`` at the uniform of (seed, request, position) (inverse CDF)."""
+        i = bisect_right(dist.cum, self.uniform(request_id, position))
+        return dist.codes[min(i, len(dist.codes) - 1)]

@@ -543,7 +543,7 @@ def audio_tag(run: Run, record: RequestRecord | None, label: str) -> str:
         src = "data:audio/wav;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
     else:
         src = html.escape(record.audio_path)
-    return (f"<span>{html.escape(label)} <audio controls preload=\"none\" "
+    return (f"<span>{html.escape(label)}: <audio controls preload=\"none\" "
             f"title=\"{html.escape(record.audio_path)}\" src=\"{src}\"></audio></span>")
 
 
@@ -563,8 +563,7 @@ def html_paired(run: Run, cells: list[CellSummary]) -> str:
         audio = ""
         if worst:
             ref_rec = next((r for r in pr.reference.records if r.prompt_id == pr.prompt_id), None)
-            audio = (audio_tag(run, pr.record, f"{pr.cell.deploy}:") + " "
-                     + audio_tag(run, ref_rec, f"{pr.reference.deploy}:"))
+            audio = audio_tag(run, pr.record, pr.cell.deploy) + " " + audio_tag(run, ref_rec, pr.reference.deploy)
         tr = '<tr class="worst">' if worst else "<tr>"
         body.append(f"{tr}{cells_html}<td>{audio}</td></tr>")
     return (f"<table class=\"paired\"><thead><tr>{head}</tr></thead><tbody>" + "".join(body)

@@ -40,7 +40,8 @@ def _scores(mean: float, over: int) -> list[float]:
 def _spans(arm: str, deploy: str, repeat: int, cell: tuple, base: int, offset: int = 0) -> list[SpanRecord]:
     """Spans giving exactly the cell's counts: per request a first chunk [0, 32), its share of
     non-zero-offset chunks, its share of replays [0, P+5) crossing P, then 3 decode steps.
-    ``main`` returns all P rows on every prefill call (the seed's row-count mismatch)."""
+    ``main`` returns all P rows on every prefill call (the seed's row-count mismatch); its
+    non-zero-offset chunks are misaligned in the text region and its decode steps in the end region."""
     _, _, nonzero, cross = cell
     out = []
     step = base
@@ -50,7 +51,8 @@ def _spans(arm: str, deploy: str, repeat: int, cell: tuple, base: int, offset: i
             step += 1
             rows = P if (arm == "main" and c < P) else n
             return SpanRecord(arm, deploy, repeat + offset, pid, step, P, c, n, rows,
-                              misaligned=(n if arm == "main" and c > 0 and c < P else 0))
+                              misaligned_text=(n if arm == "main" and c > 0 and c < P else 0),
+                              misaligned_end=(1 if arm == "main" and c >= P else 0))
         if deploy == "reference":
             out.append(span(0, P))
         else:
@@ -102,6 +104,8 @@ def write_run(root: Path, name: str = "seed", whisper: bool = True, with_spans: 
     write_manifest(run_dir, {
         "run_id": name, "argv": ["omni-stress", "run", "--arm", "main", "--arm", "pr", "--repeat", "2"],
         "cells": [{"arm": a, "deploy": d, "repeat": r + repeat_offset} for a, d, r in cells],
+        "arms": [{"name": a, "talker": "x:y", "role": "baseline" if a == "main" else "candidate"}
+                 for a in dict.fromkeys(a for a, _, _ in cells)],
         "started": "2025-01-01T00:00:00Z", "finished": None, "backend": "sim",
         "asr": "faster-whisper base" if whisper else None,
     })
@@ -151,8 +155,13 @@ def test_extended_table_cells(seed_run: Path) -> None:
     assert main1["WER (median)"] == "0.933"
     assert main1["Oracle WER (mean)"] == "1.000"
     # main returns P rows on every prefill call; misaligned = n of each non-zero-offset chunk:
-    # 13 requests get chunks 32+26+32, 3 get 32+26
-    assert main1["Misaligned positions"] == str(13 * 90 + 3 * 58)
+    # 13 requests get chunks 32+26+32, 3 get 32+26 (text region); one per decode step (end region)
+    assert main1["Misaligned (text)"] == str(13 * 90 + 3 * 58)
+    assert main1["Misaligned (end)"] == str(16 * 3)
+    assert rows[("pr", "stress", "1")]["Misaligned (text)"] == rows[("pr", "stress", "1")]["Misaligned (end)"] == "0"
+    # the worst request of each cell: main's odd prompts are at mean + 0.05, pr's last prompt carries its mean
+    assert main1["Worst request"] == "p02 (0.983)"
+    assert rows[("pr", "stress", "1")]["Worst request"] == "p16 (0.256)"
     assert rows[("pr", "stress", "2")]["Errors"] == "1"
     assert main1["Preemptions"] == "2"
     assert main1["Multi-position decode spans"] == "0"
@@ -246,15 +255,69 @@ def test_write_reports_files(written: dict[str, Path], seed_run: Path) -> None:
     assert len(data["requests"]) == 96 and len(data["cells"]) == 6
     assert written["markdown"].read_text().count("0.933 / 0.925") == 1
 
+    with open(written["paired_csv"], newline="") as fh:
+        paired = list(csv.DictReader(fh))
+    assert len(paired) == 4 * 16  # main and pr, stress run 1 and 2, 16 prompts each
+    row = next(r for r in paired if (r["arm"], r["repeat"], r["prompt"]) == ("main", "1", "p02"))
+    assert (row["role"], row["reference_deploy"], row["worst_of_cell"]) == ("baseline", "reference", "True")
+    assert float(row["wer_delta"]) == pytest.approx(0.983) and float(row["oracle_wer_delta"]) == 1.0
+    assert len(data["paired"]) == 64 and data["roles"] == {"main": "baseline", "pr": "candidate"}
+    assert data["complete"] is False and data["problems"][0].startswith("the run did not finish")
+    main1_json = next(c for c in data["cells"] if (c["arm"], c["deploy"], c["repeat"]) == ("main", "stress", 1))
+    assert (main1_json["misaligned_text_positions"], main1_json["misaligned_end_positions"]) == (13 * 90 + 3 * 58, 48)
+    assert (main1["misaligned_text_positions"], main1["worst_request"], main1["role"]) == (
+        str(13 * 90 + 3 * 58), "p02", "baseline")
+
     parser = _Collector()
     parser.feed(written["html"].read_text())
-    assert parser.tables == 3
+    assert parser.tables == 4
     assert "0.933 / 0.925" in parser.cells and "16/16 / 16/16" in parser.cells and "68/68" in parser.cells
     assert "main, stress deploy (run 1 / run 2)" in parser.cells
     assert len(parser.images) == 3
     for src in parser.images:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1]).startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_html_plays_the_worst_requests_inline(tmp_path: Path) -> None:
+    """The paired table's worst request of each cell carries its audio and the reference's, inline."""
+    run_dir = write_run(tmp_path, "audio", with_spans=False)
+    lines = []
+    for line in (run_dir / "requests.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        rec["audio_path"] = f"audio/{rec['arm']}-{rec['deploy']}-{rec['repeat']}-{rec['prompt_id']}.wav"
+        (run_dir / "audio").mkdir(exist_ok=True)
+        (run_dir / rec["audio_path"]).write_bytes(b"RIFF" + rec["audio_path"].encode())
+        lines.append(json.dumps(rec))
+    (run_dir / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    run, cells = _cells(run_dir)
+    page = report.html_report(run, cells, {})
+    paired = page.split('<table class="paired">')[1].split("</table>")[0]
+    assert paired.count('<tr class="worst">') == 4  # main and pr, stress runs 1 and 2
+    assert paired.count("<audio controls") == 8  # each with the same prompt's reference audio
+    wav = base64.b64encode(b"RIFFaudio/main-stress-1-p02.wav").decode()
+    assert f'src="data:audio/wav;base64,{wav}"' in paired
+    ref = base64.b64encode(b"RIFFaudio/main-reference-1-p02.wav").decode()
+    assert f'src="data:audio/wav;base64,{ref}"' in paired
+    no_audio = report.html_report(*_cells(write_run(tmp_path, "noaudio", with_spans=False)), {})
+    assert no_audio.count("stress: no audio") == 4 and no_audio.count("reference: no audio") == 4
+
+
+def test_spans_written_before_the_split_count_in_the_text_region(tmp_path: Path) -> None:
+    """Old spans.jsonl lines carry only ``misaligned``: counted as text (the conservative reading)."""
+    run_dir = write_run(tmp_path, "old")
+    path = run_dir / "spans.jsonl"
+    old = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        for key in ("misaligned_text", "misaligned_end", "is_prefill"):
+            rec.pop(key)
+        old.append(json.dumps(rec))
+    path.write_text("\n".join(old) + "\n")
+    _, cells = _cells(run_dir)
+    main1 = next(c for c in cells if c.key == ("main", "stress", 1)).events
+    assert (main1.misaligned_text_positions, main1.misaligned_end_positions) == (13 * 90 + 3 * 58 + 48, 0)
+    assert main1.misaligned_positions == 13 * 90 + 3 * 58 + 48
 
 
 def test_timeline_picks_a_stressed_request(seed_run: Path) -> None:
@@ -274,7 +337,9 @@ def test_compare_table_deltas(seed_run: Path, tmp_path: Path) -> None:
     table = report.compare_table(a, b)
     pr = table[table["Arm"] == "pr, stress deploy"].iloc[0].tolist()
     assert pr == ["pr, stress deploy", "0.016 / 0.016", "0.026 / 0.026", "+0.010", "0/16 / 0/16", "0/16 / 0/16", "+0",
-                  "91 / 92", "91 / 94", "+1", "26 / 26", "26 / 30", "+2"]
+                  "91 / 92", "91 / 94", "+1", "26 / 26", "26 / 30", "+2", "0 / 0", "0 / 0", "+0", "0 / 0", "0 / 0", "+0"]
+    main = table[table["Arm"] == "main, stress deploy"].iloc[0].tolist()
+    assert main[-6:] == ["1344 / 1408", "1344 / 1408", "+0", "48 / 48", "48 / 48", "+0"]
     assert table[table["Arm"] == "main, reference deploy"].iloc[0].tolist()[3] == "+0.000"
 
 
@@ -284,9 +349,16 @@ def test_cli_report_and_compare(seed_run: Path, tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert "| pr, stress deploy (run 1 / run 2) | 0.016 / 0.016 | 0/16 / 0/16 | 91 / 92 | 26 / 26 |" in res.output
     res = runner.invoke(main, ["report", str(seed_run), "--format", "json", "--no-write"])
-    assert res.exit_code == 0 and json.loads(res.output)["seed_table"][0]["WER (mean)"] == "0.017"
+    assert res.exit_code == 0 and json.loads(res.stdout)["seed_table"][0]["WER (mean)"] == "0.017"
+    assert res.stderr.startswith(f"omni-stress: warning: {seed_run}: incomplete run (1 problem): the run did not")
     res = runner.invoke(main, ["report", str(seed_run), "--format", "csv", "--no-write"])
-    assert res.exit_code == 0 and res.output.splitlines()[0].startswith("arm,deploy,repeat,run,")
+    assert res.exit_code == 0 and res.stdout.splitlines()[0].startswith("arm,deploy,repeat,run,")
+    res = runner.invoke(main, ["report", str(seed_run), "--paired", "--no-write"])
+    assert res.exit_code == 0
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("main  stress    1  p02 "))
+    assert line.split() == ["main", "stress", "1", "p02", "0.000", "0.983", "+0.983", "+1.000", "90", "3", "worst"]
+    assert "Arms: main (baseline), pr (candidate)" in res.stdout
+    assert "WARNING: incomplete run, the gate refuses it: the run did not finish" in res.stdout
     res = runner.invoke(main, ["compare", str(seed_run), str(seed_run)])
     assert res.exit_code == 0 and "0.933 / 0.925" in res.output and "+0.000" in res.output
 

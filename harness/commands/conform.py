@@ -16,8 +16,8 @@ _DEFAULT_SOURCE = "vllm-omni:0.30.0"
 
 @click.command("conform")
 @click.option("--model", "models", multiple=True, metavar="NAME",
-              help="A model to check (repeatable): qwen2.5-omni, qwen3-omni, qwen3-tts (real upstream code), or "
-                   "the calibration arms qwen2.5-omni:main / qwen2.5-omni:pr. Default: the three upstream models.")
+              help="A model to check (repeatable): qwen2.5-omni, qwen3-omni, qwen3-tts, minicpmo-4.5 (real upstream code), or "
+                   "the calibration arms qwen2.5-omni:main / qwen2.5-omni:pr. Default: the four upstream models.")
 @click.option("--source", default=_DEFAULT_SOURCE, show_default=True, metavar="vllm-omni:SOURCE",
               help="Where the upstream code comes from: a checkout, a site-packages folder, a wheel, a version "
                    "(installed, cached, or the vendored 0.30.0) or 'installed' (docs/upstream-arm.md).")

@@ -310,6 +310,22 @@ def test_a_version_not_installed_or_cached_reads_the_vendored_copy(tmp_path: Pat
         read_model_source("0.29.0", member, wheel_dir=tmp_path)
 
 
+def test_a_wheel_and_a_checkout_are_sources_too(tmp_path: Path) -> None:
+    import zipfile
+
+    wheel = tmp_path / "vllm_omni-0.30.0-py3-none-any.whl"  # what `pip download vllm-omni==0.30.0 --no-deps` leaves
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for member in VENDORED:
+            zf.writestr(member, (VENDOR_DIR / member).read_bytes())
+        zf.writestr("vllm_omni-0.30.0.dist-info/METADATA", "Metadata-Version: 2.4\nName: vllm-omni\nVersion: 0.30.0\n")
+    from_wheel = _check("qwen3-tts", str(wheel))
+    assert from_wheel.provenance.files[0]["location"].endswith(
+        ".whl!vllm_omni/model_executor/models/qwen3_tts/qwen3_tts_talker.py")
+    from_checkout = _check("qwen3-tts", str(VENDOR_DIR))
+    assert from_checkout.provenance.files[0]["version"] == "0.30.0"
+    assert {k: c.detail for k, c in from_wheel.cells.items()} == {k: c.detail for k, c in from_checkout.cells.items()}
+
+
 # ----------------------------------------------------------------------------- the command
 
 

@@ -290,6 +290,16 @@ def test_vllm_stress_preempts_and_separates_main_from_pr() -> None:
     assert f.got == "the reference row of position 0"
 
 
+def test_vllm_specdec_verify_spans_are_multi_position_decodes() -> None:
+    kw = {"requests": 1, "deploy_generated": 30}
+    spec = (load_deploy("specdec"),)
+    pr, q3 = _check("qwen2.5-omni:pr", deploys=spec, **kw), _check("qwen3-omni", deploys=spec, **kw)
+    assert pr.cells["vllm:specdec"].status == "conforms"
+    assert pr.stats["vllm:specdec"]["multi_position_decode_spans"] >= 9  # k = 2: every decode step verifies 3
+    f = q3.cells["vllm:specdec"].first
+    assert (f.position, f.c, f.n, f.span) == (28, 28, 3, "multi-position decode span")  # the first verify span
+
+
 # ----------------------------------------------------------------------------- sources and the vendored copy
 
 

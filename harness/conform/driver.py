@@ -101,15 +101,20 @@ def run_forced(adapter: Adapter, impl: Any, req: ConformRequest, schedule: Sched
 def run_deploy(adapter: Adapter, impl: Any, requests: list[ConformRequest], deploy: Deploy,
                max_steps: int = 100_000) -> tuple[list[Feed], dict[str, int]]:
     """All requests at once through vLLM's scheduler under ``deploy`` (one model instance, as one
-    server), until each has its fixed output tokens. Returns the feeds and the scheduler's counts."""
+    server), until each has its fixed output tokens. Returns the feeds and the scheduler's counts.
+
+    A deploy with ``speculative`` gets vLLM's spec-decode scheduling (``harness.sim.specdec``):
+    the drafts handed over after each step are the request's next fixed tokens, so every draft
+    is accepted and each verify span carries ``k + 1`` positions whose ids are the fixed ones."""
     from harness.sim.scheduler import _quiet_vllm, make_scheduler
 
     _quiet_vllm()
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
-    scheduler, resolved = make_scheduler(deploy)
+    k = deploy.speculative.num_speculative_tokens if deploy.speculative else 0
+    scheduler, resolved = make_scheduler(deploy, k)
     runner = ConformRunner(adapter, adapter.make_model(impl))
     by_id = {r.request_id: r for r in requests}
     live: dict[str, Any] = {}
@@ -133,21 +138,28 @@ def run_deploy(adapter: Adapter, impl: Any, requests: list[ConformRequest], depl
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         failed: list[str] = []
+        drafts_by_req = sched.scheduled_spec_decode_tokens
         for rid, n in sched.num_scheduled_tokens.items():
             q, r = live[rid], by_id[rid]
             c = before[rid]
+            drafts = len(drafts_by_req.get(rid, ()))
             feed = runner.feed(r, c, n, step, f"vllm:{deploy.name}", q.num_preemptions, len(r.generated))
             feeds.append(feed)
             if feed.error is not None:
                 failed.append(rid)
                 continue
             req_ids.append(rid)
-            # the fixed token that follows the span's last position, once the span reaches the end
-            sampled.append([r.tokens[c + n]] if c + n >= q.num_tokens else [])
+            # the fixed tokens that follow the span's last position, once the span reaches the end
+            # (a verify span: its accepted drafts plus the bonus token)
+            sampled.append(r.tokens[q.num_tokens:q.num_tokens + drafts + 1] if c + n >= q.num_tokens + drafts else [])
         if failed:
             scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
         scheduler.update_from_output(sched, ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled))
+        if k:  # the engine hands the runner's drafts to the scheduler after each step
+            ids = [rid for rid, toks in zip(req_ids, sampled) if toks and not live[rid].is_finished()]
+            scheduler.update_draft_token_ids(DraftTokenIds(
+                ids, [by_id[rid].tokens[live[rid].num_tokens:live[rid].num_tokens + k] for rid in ids]))
         for rid in [r for r, q in live.items() if q.is_finished()]:
             preemptions += live.pop(rid).num_preemptions
             runner.remove_request(rid)

@@ -234,8 +234,10 @@ def test_qwen3_omni_0_30_0_slices_prefill_by_offset_but_not_decode_spans_or_repl
     P = 28  # _compute_talker_prompt_ids_length: user turn (19 ids) + 9 assistant rows
     bare = "the bare embedding of its own id (the runner's starting row)"
     assert r.cells["chunk"].status == "conforms" and r.cells["tail"].status == "conforms"
-    # a decode span of n > 1 gets no text_step (the runner's MTP path is for n == 1 only)
+    # a decode span of n > 1 gets no text_step (the runner's MTP path is for n == 1 only); decode row k carries
+    # trailing_text[k] = the assistant turn's token 4 + k (the turn starts at Thinker token 30)
     assert _first(r, "multi_decode") == (P + 4, P + 4, 3, bare)
+    assert r.cells["multi_decode"].first.want == "its id's embedding + the projected Thinker embedding of token 38"
     # the crossing replay is a prefill slice [c, c+n) of the P prompt rows: 2 rows, generated positions bare
     assert _first(r, "cross_replay") == (P, P - 2, 9, bare)
     assert _first(r, "repeated_replay") == (P, 0, P + 7, bare)
@@ -252,6 +254,8 @@ def test_qwen3_tts_0_30_0_replays_from_a_running_offset_and_pads() -> None:
     # after a preemption the stored prompt is sliced from talker_prefill_offset (P + ...), not from c = 0:
     # past the end, so every replayed prompt position is padded with tts_pad
     assert _first(r, "cross_replay") == (0, 0, P - 2, "the tts_pad row")
+    assert r.cells["cross_replay"].first.want == "prompt row 0"
+    assert r.cells["multi_decode"].first.want == "its id's embedding + trailing_text row 4"
     assert _first(r, "repeated_replay") == (0, 0, P + 7, "the tts_pad row")
     assert r.cells["row_count"].status == "conforms"  # it pads to n rather than return fewer
 

@@ -159,6 +159,12 @@ class Qwen3OmniAdapter(Adapter):
             out.append(ConformRequest(rid, [0] * int(P), payload, fixed_tokens(rid, generated + 1, self.codec_vocab)))
         return out
 
+    def request_tables(self, req: ConformRequest) -> dict[str, torch.Tensor]:
+        """Row ``j``: the Thinker's embedding of token ``j`` projected as the talker does (bf16), which is
+        what user-turn prompt positions and the ``trailing_text`` decode rows carry."""
+        proj = _Linear("text_projection")
+        return {"the projected Thinker embedding of token": proj(req.payload["embed"]["prefill"].to(torch.bfloat16))}
+
     def named_rows(self, model: Any) -> dict[str, torch.Tensor]:
         proj = model.talker.text_projection
         return {f"the projected {k} row": proj(v.to(torch.bfloat16)).reshape(1, -1)

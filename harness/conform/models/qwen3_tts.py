@@ -95,5 +95,10 @@ class Qwen3TTSAdapter(Adapter):
                                       fixed_tokens(prompt.id, generated + 1, self.codec_vocab)))
         return out
 
+    def request_tables(self, req: ConformRequest) -> dict[str, torch.Tensor]:
+        text = req.payload["text"][0]
+        built = _PromptBuilderStandIn().build_prompt_embeds(task_type="CustomVoice", info_dict={"text": [text]})
+        return {"prompt row": built[0], "trailing_text row": built[1]}
+
     def named_rows(self, model: Any) -> dict[str, torch.Tensor]:
         return {"the tts_pad row": model._tts_pad_embed}

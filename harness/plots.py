@@ -1,7 +1,9 @@
 """PNG plots for a run (matplotlib, Agg): people look at these before the tables.
 
 * ``wer``: every request's WER per cell, with the 0.5 line and the cell mean;
-* ``events``: the scheduler events per cell (the seed's columns and what explains them);
+* ``events``: the scheduler events per cell (the seed's columns and what explains them), and the
+  misaligned positions per cell in their two regions (text: up to and including text-EOS; end:
+  after it);
 * ``timeline``: the spans of one stressed request, positions on x and steps on y, one panel per
   arm for the same prompt/deploy/run, so a reader sees *why* one arm failed and the other did not.
 
@@ -22,6 +24,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.path import Path
 
+from harness.contract import span_regions
 from harness.records import SpanRecord
 from harness.summary import WER_THRESHOLD, CellSummary, Run
 
@@ -98,8 +101,15 @@ EVENT_METRICS = [
 
 
 def plot_events(cells: list[CellSummary]) -> bytes:
-    """Grouped bars of each cell's scheduler events: a stress run that stressed nothing shows flat."""
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(cells) + 2), 4.6))
+    """Grouped bars of each cell's scheduler events: a stress run that stressed nothing shows flat.
+    Below them, where the backend measures them, the misaligned positions per region."""
+    measured = [c for c in cells if c.misaligned_known]
+    width_in = max(6.0, 1.6 * len(cells) + 2)
+    if measured:
+        fig, (ax, ax_mis) = plt.subplots(2, 1, figsize=(width_in, 8.0), gridspec_kw={"height_ratios": [3, 2]})
+        _plot_misaligned(ax_mis, cells)
+    else:
+        fig, ax = plt.subplots(figsize=(width_in, 4.6))
     width = 0.8 / len(EVENT_METRICS)
     cmap = plt.get_cmap("tab10")
     top = 0
@@ -119,7 +129,41 @@ def plot_events(cells: list[CellSummary]) -> bytes:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.set_title("Scheduler events per arm x deploy x run")
+    fig.tight_layout()
     return _png(fig)
+
+
+MISALIGNED_REGIONS = [
+    ("misaligned_text_positions", "text region (prompt, reply up to text-EOS)", "#c44e52"),
+    ("misaligned_end_positions", "end region (after text-EOS)", "#dd8452"),
+]
+
+
+def _plot_misaligned(ax: Any, cells: list[CellSummary]) -> None:
+    """Side-by-side bars of each cell's misaligned positions in the text and the end region
+    (symlog scale: 0.30.0's end region runs to thousands while a text-region bug may be a handful)."""
+    width = 0.35
+    top = 0
+    for j, (name, label, colour) in enumerate(MISALIGNED_REGIONS):
+        values = [getattr(c.events, name) if c.misaligned_known else 0 for c in cells]
+        top = max([top] + values)
+        xs = [x - width / 2 + j * width for x in range(len(cells))]
+        bars = ax.bar(xs, values, width=width * 0.92, color=colour, label=label)
+        ax.bar_label(bars, labels=[str(v) if c.misaligned_known and v else "" for v, c in zip(values, cells)],
+                     fontsize=7, padding=1)
+    for x, cell in enumerate(cells):
+        text = "not measured" if not cell.misaligned_known else (
+            "none" if not any(getattr(cell.events, n) for n, _, _ in MISALIGNED_REGIONS) else "")
+        if text:
+            ax.annotate(text, (x, 0), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8,
+                        color="#777")
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_ylim(0, max(10, top) * 3)
+    ax.set_xticks(range(len(cells)), [_cell_label(c) for c in cells], fontsize=8)
+    ax.set_ylabel("misaligned positions")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.set_title("Misaligned positions per region (rows that differ from the contract's)")
 
 
 def _span_kinds(run: Run, indices: np.ndarray) -> list[str]:
@@ -150,14 +194,14 @@ def pick_stressed_request(run: Run) -> tuple[str, int, str] | None:
     return best if any(score[best]) else None  # nothing was stressed: no timeline worth drawing
 
 
-def _hatched_boxes(boxes: list[list[tuple[float, float]]]) -> PathCollection:
+def _hatched_boxes(boxes: list[list[tuple[float, float]]], hatch: str = "////") -> PathCollection:
     """All boxes as one compound path: Agg hatches a collection path by path (~0.25 s for the
     ~1800 misaligned decode boxes of main under stress), a single path once; the picture is the
     same (only the anti-aliasing where outlines overlap differs)."""
     verts = np.asarray(boxes, dtype=float)  # (boxes, 4, 2)
     verts = np.concatenate([verts, verts[:, :1]], axis=1).reshape(-1, 2)  # close each box
     codes = np.tile([Path.MOVETO, Path.LINETO, Path.LINETO, Path.LINETO, Path.CLOSEPOLY], len(boxes))
-    return PathCollection([Path(verts, codes)], facecolors="none", edgecolors="black", hatch="////",
+    return PathCollection([Path(verts, codes)], facecolors="none", edgecolors="black", hatch=hatch,
                           linewidths=0.6, zorder=3)
 
 
@@ -195,13 +239,17 @@ def plot_timeline(run: Run, cells: list[CellSummary], max_arms: int = 4) -> byte
         hidden = [s for s in by_arm[arm] if s.step - firsts[arm] > y_max]
         first = firsts[arm]
         polys: dict[str, list[list[tuple[float, float]]]] = {k: [] for k in SPAN_KINDS}
-        bad: list[list[tuple[float, float]]] = []
+        bad: list[list[tuple[float, float]]] = []  # text region misaligned
+        bad_end: list[list[tuple[float, float]]] = []  # only the end region
         for s in spans:
             y = s.step - first
             box = [(s.c, y - half), (s.c + s.n, y - half), (s.c + s.n, y + half), (s.c, y + half)]
             polys[kind_of[id(s)]].append(box)
-            if s.misaligned:
+            text, end = span_regions(s)
+            if text:
                 bad.append(box)
+            elif end:
+                bad_end.append(box)
         totals = {k: 0 for k in SPAN_KINDS}  # legend counts cover the whole request, not just the window
         for s in by_arm[arm]:
             totals[kind_of[id(s)]] += 1
@@ -211,11 +259,16 @@ def plot_timeline(run: Run, cells: list[CellSummary], max_arms: int = 4) -> byte
                 label, colour = SPAN_KINDS[kind]
                 ax.add_collection(PolyCollection(boxes, facecolors=colour, edgecolors=colour, linewidths=0.4))
                 handles.append(Patch(color=colour, label=f"{label} ({totals[kind]})"))
+        regions = [span_regions(s) for s in spans]
         if bad:
             ax.add_collection(_hatched_boxes(bad))
-            total = sum(s.misaligned or 0 for s in spans)
             handles.append(Patch(facecolor="white", edgecolor="black", hatch="////",
-                                 label=f"misaligned rows ({total} positions)"))
+                                 label=f"misaligned rows, text region ({sum(t for t, _ in regions)} positions)"))
+        if bad_end:
+            ax.add_collection(_hatched_boxes(bad_end, "...."))
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch="....",
+                                 label=f"misaligned rows, end region only "
+                                       f"({sum(e for t, e in regions if not t)} positions)"))
         mism = [s for s in spans if s.rows != s.n]
         if mism:
             ax.scatter([s.c + s.n for s in mism], [s.step - first for s in mism], marker="x", s=22, color="black",

@@ -83,7 +83,11 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
         return ModelResult(adapter.name, adapter.title, None, error=str(exc), seconds=time.perf_counter() - t0)
     result = ModelResult(adapter.name, adapter.title, prov)
     generated = max(forced_generated, deploy_generated if deploys else 0)
-    reqs = adapter.requests(requests, generated)
+    try:
+        reqs = adapter.requests(requests, generated)
+    except Exception as exc:  # noqa: BLE001 -- e.g. a newer stage input processor the stand-in does not fit
+        return ModelResult(adapter.name, adapter.title, prov, error=f"building the payload failed: "
+                           f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0)
     # reference rows, far enough for every run
     baselines = {}
     ref_feeds: list[Feed] = []

@@ -365,6 +365,9 @@ class ServeSettings:
     python: str | None = None
     command: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    # True: the server binds this arm's talker_preprocess onto the installed vLLM-Omni's real model
+    # (harness.serve.arm_binding); False: the environment's vLLM-Omni runs as it is installed.
+    bind_arm: bool = True
 
 
 @dataclass(frozen=True)
@@ -406,7 +409,7 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
         serve = None
         if f.has("serve"):
             s = f.sub("serve")
-            s.reject_unknown({"python", "command", "env"})
+            s.reject_unknown({"python", "command", "env", "bind_arm"})
             command = s.data.get("command") or []
             if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
                 raise s.fail("command", "must be a list of strings")
@@ -415,8 +418,11 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
                 raise s.fail("env", "must be a mapping of strings")
             if not s.has("python") and not command:
                 raise s.fail("python", "give 'python' (a venv interpreter) or 'command' (a prefix)")
+            bind_arm = s.data.get("bind_arm", True)
+            if not isinstance(bind_arm, bool):
+                raise s.fail("bind_arm", f"must be true or false, got {bind_arm!r}")
             serve = ServeSettings(python=s.str_("python"), command=tuple(command),
-                                  env={str(k): str(v) for k, v in env.items()})
+                                  env={str(k): str(v) for k, v in env.items()}, bind_arm=bind_arm)
         arms[str(name)] = ArmSpec(name=str(name), talker=talker, description=f.str_("description") or "",
                                   serve=serve, source=str(path), role=role)
     return arms

@@ -405,6 +405,7 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
     progress = Progress(plan.options.quiet)
     sink = RecordSink(scorer, requests_out, progress, times)
     cell_walls: dict[str, float] = {}
+    cell_extra: dict[str, dict[str, Any]] = {}  # e.g. which implementation a real server ran
     todo: list[tuple[Cell, frozenset[str]]] = []
     for cell in plan.cells:
         skip = frozenset(pid for pid in prompt_ids if (cell.arm.name, cell.deploy.name, cell.repeat, pid) in done)
@@ -431,6 +432,8 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
                                        idle=lambda: sink.flush(block=False))
             times.add(outcome)
             cell_walls[job.key] = round(outcome.seconds, 3)
+            if outcome.extra:
+                cell_extra[job.key] = outcome.extra
         sink.flush(block=True)
         ok = True
     finally:
@@ -448,6 +451,7 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
         key = f"{c['arm']}/{c['deploy']}/{c['repeat']}"
         if key in manifest["cell_wall_s"]:
             c["wall_s"] = manifest["cell_wall_s"][key]
+        c.update(cell_extra.get(key, {}))
     write_manifest(plan.run_dir, manifest)
     return times
 

@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from harness.backends import CellOutcome, safe_name, wav_rel_path
-from harness.config import ArmSpec, Deploy, Prompt, PromptSet
+from harness.config import ArmSpec, Deploy, Prompt, PromptSet, ServeSettings
 from harness.contract import count_events
 from harness.errors import UserError
 from harness.records import RequestRecord, SpanRecord
 from harness.serve import client as chat
-from harness.serve.deploy_args import translate_deploy
+from harness.serve.deploy_args import DeployTranslation, detect_platform, translate_deploy
 from harness.serve.launcher import HOST, ServerLauncher, progress
-from harness.serve.trace_plugin import ENV_DIR, TRACE_GLOB
+from harness.serve.trace_plugin import ENV_ARM, ENV_DIR, IMPLEMENTATION_GLOB, TRACE_GLOB
 
 BACKEND = "vllm-omni"
 CLI_MODULE = "vllm.entrypoints.cli.main"  # `vllm serve ... --omni` delegates to vllm_omni (maybe_run_omni)
@@ -52,6 +52,29 @@ class ServeOptions:
     request_timeout_s: float = 900.0
     retries: int = 1
     extra_args: tuple[str, ...] = ()
+    platform: str = "auto"  # gpu, cpu, or auto (harness.serve.deploy_args.detect_platform)
+    default_python: str | None = None  # for arms without a serve: entry (--serve-python)
+
+    @property
+    def resolved_platform(self) -> str:
+        return detect_platform() if self.platform == "auto" else self.platform
+
+
+DEFAULT_SERVE_PYTHON = ".venv-omni/bin/python"  # what scripts/install-real-cpu.sh builds
+ENV_SERVE_PYTHON = "OMNI_STRESS_SERVE_PYTHON"
+
+
+def default_serve_python(options: ServeOptions | None = None) -> str | None:
+    """The interpreter for arms without a ``serve:`` entry: ``--serve-python``, then
+    ``$OMNI_STRESS_SERVE_PYTHON``, then ``./.venv-omni/bin/python`` or the checkout's own."""
+    if options is not None and options.default_python:
+        return options.default_python
+    if os.environ.get(ENV_SERVE_PYTHON):
+        return os.environ[ENV_SERVE_PYTHON]
+    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (base / DEFAULT_SERVE_PYTHON).exists():
+            return str(base / DEFAULT_SERVE_PYTHON)
+    return None
 
 
 # ---------------------------------------------------------------------------- paths and command
@@ -72,40 +95,69 @@ def audio_rel_path(arm: ArmSpec, deploy: Deploy, repeat: int, prompt_id: str) ->
     return wav_rel_path(arm.name, deploy.name, repeat, prompt_id)
 
 
-def _require_serve(arm: ArmSpec) -> None:
-    if arm.serve is None:
+def serve_settings(arm: ArmSpec, options: ServeOptions | None = None) -> ServeSettings:
+    """The arm's ``serve:`` entry, or the default real environment (``default_serve_python``)."""
+    if arm.serve is not None:
+        return arm.serve
+    python = default_serve_python(options)
+    if python is None:
         raise UserError(
-            f"arm '{arm.name}' has no 'serve' entry in deploy_configs/arms.yaml; add one with 'python' "
-            "(the interpreter of a venv that has its vLLM-Omni) or 'command' (a prefix such as [/venv/bin/vllm]) "
-            "to run it with --backend vllm-omni"
+            f"arm '{arm.name}' has no 'serve' entry in deploy_configs/arms.yaml and there is no default real "
+            f"environment ({DEFAULT_SERVE_PYTHON}: run scripts/install-real-cpu.sh, or give --serve-python); or add "
+            "'python' (the interpreter of a venv that has its vLLM-Omni) or 'command' to the arm's serve entry"
         )
+    return ServeSettings(python=python)
 
 
-def server_prefix(arm: ArmSpec) -> list[str]:
+def _require_serve(arm: ArmSpec, options: ServeOptions | None = None) -> ServeSettings:
+    return serve_settings(arm, options)
+
+
+def _resolve_python(python: str) -> str:
+    """A relative interpreter path is taken from the working directory, else from this checkout."""
+    path = Path(os.path.expanduser(python))
+    if path.is_absolute() or path.exists():
+        return str(path)
+    in_checkout = Path(__file__).resolve().parents[2] / path
+    return str(in_checkout) if in_checkout.exists() else str(path)
+
+
+def server_prefix(arm: ArmSpec, options: ServeOptions | None = None) -> list[str]:
     """``[python, -m, vllm.entrypoints.cli.main]`` or the arm's command prefix (e.g. ``[/venv/bin/vllm]``)."""
-    _require_serve(arm)
-    assert arm.serve is not None
-    if arm.serve.command:
-        return [os.path.expanduser(arm.serve.command[0]), *arm.serve.command[1:]]
-    assert arm.serve.python is not None
-    return [os.path.expanduser(arm.serve.python), "-m", CLI_MODULE]
+    serve = _require_serve(arm, options)
+    if serve.command:
+        return [os.path.expanduser(serve.command[0]), *serve.command[1:]]
+    assert serve.python is not None
+    return [_resolve_python(serve.python), "-m", CLI_MODULE]
+
+
+def binds_arm(arm: ArmSpec, options: ServeOptions | None = None) -> bool:
+    """Whether the server binds this arm onto the installed model (``harness.serve.arm_binding``):
+    a ``module:attr`` arm whose serve entry does not say ``bind_arm: false``; an upstream
+    ``vllm-omni:`` arm is what the environment has installed."""
+    return serve_settings(arm, options).bind_arm and not arm.talker.startswith("vllm-omni:")
 
 
 def server_argv(arm: ArmSpec, deploy: Deploy, options: ServeOptions, port: int | str) -> list[str]:
     """The exact command line: ``... serve MODEL --omni --host 127.0.0.1 --port N <deploy> <extra>``."""
-    translation = translate_deploy(deploy)
+    translation = translate_deploy(deploy, options.resolved_platform)
     return [
-        *server_prefix(arm), "serve", options.model, "--omni", "--host", HOST, "--port", str(port),
+        *server_prefix(arm, options), "serve", options.model, "--omni", "--host", HOST, "--port", str(port),
         *translation.cli_args, *options.extra_args,
     ]
 
 
-def server_env_overrides(arm: ArmSpec, trace_dir: Path) -> dict[str, str]:
-    """What the server's environment adds to ours: the arm's ``env`` plus the trace directory."""
-    assert arm.serve is not None
-    env = dict(arm.serve.env)
+def server_env_overrides(arm: ArmSpec, trace_dir: Path, options: ServeOptions | None = None,
+                         translation: DeployTranslation | None = None) -> dict[str, str]:
+    """What the server's environment adds to ours: the platform's variables, the arm's ``env``, the
+    trace directory and, for a bound arm, ``OMNI_STRESS_ARM``."""
+    serve = serve_settings(arm, options)
+    env = dict(translation.env) if translation is not None else {}
+    env.update(serve.env)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[ENV_DIR] = str(trace_dir)
+    if binds_arm(arm, options):
+        env[ENV_ARM] = arm.talker
     return env
 
 
@@ -137,11 +189,11 @@ def check_plugin_installed(python: str, timeout_s: float = 60.0) -> str | None:
 
 def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOptions) -> str:
     """For ``--dry-run``: the exact command line, environment and files of one cell (nothing started)."""
-    _require_serve(arm)
-    translation = translate_deploy(deploy)
+    _require_serve(arm, options)
+    translation = translate_deploy(deploy, options.resolved_platform)
     run_dir = Path(run_dir).resolve()  # as run_cell: the server gets absolute paths
     trace = cell_dir(run_dir, arm, deploy, "<repeat>")
-    env = server_env_overrides(arm, trace)
+    env = server_env_overrides(arm, trace, options, translation)
     argv = server_argv(arm, deploy, options, "$PORT")
     cmd = shlex.join(argv).replace("'$PORT'", "$PORT")
     env_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
@@ -150,11 +202,14 @@ def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOpt
                            prompts=(placeholder,), path=Path("<prompts>"))
     example = chat.build_body(options.model, prompt_set, placeholder, deploy, "omni-stress-<prompt_id>-<hex32>")
     lines = [
-        f"# arm {arm.name!r} x deploy {deploy.name!r} ({deploy.path}) -- backend vllm-omni",
+        f"# arm {arm.name!r} x deploy {deploy.name!r} ({deploy.path}) -- backend vllm-omni, platform "
+        f"{translation.platform}" + (f", arm {arm.talker} bound onto the installed model" if binds_arm(arm, options)
+                                    else ", the installed vLLM-Omni as it is"),
         "# server ($PORT: a free port on 127.0.0.1 picked at launch; own process group; stopped with SIGINT -> SIGTERM -> SIGKILL)",
         f"env {env_text} \\",
         f"  {cmd}",
-        "# --stage-overrides (stage 0 Thinker, 1 Talker, 2 Code2Wav), on top of the arm's default deploy/qwen2_5_omni.yaml:",
+        f"# --stage-overrides (stage 0 Thinker, 1 Talker, 2 Code2Wav; {translation.platform} profile), on top of the "
+        "arm's default deploy/qwen2_5_omni.yaml:",
         *("#   " + ln for ln in json.dumps(translation.stage_overrides, indent=2, sort_keys=True).splitlines()),
         f"# health: GET http://{HOST}:$PORT/health (timeout {options.health_timeout_s:g} s)",
         (f"# requests: POST http://{HOST}:$PORT/v1/chat/completions, every prompt in flight, timeout "
@@ -235,6 +290,9 @@ def span_from_line(line: dict[str, Any], arm: str, deploy: str, repeat: int, pro
     rows = line.get("rows")
     error = line.get("error")
     rows_i = int(rows) if isinstance(rows, int) else 0  # a call that raised delivered no rows
+    if not isinstance(error, str) and isinstance(line.get("contract_error"), str):
+        error = f"contract check: {line['contract_error']}"  # the worker could not build the expected rows
+
     def count(key: str) -> int | None:  # the worker's contract check, when the trace has it
         value = line.get(key)
         return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
@@ -266,21 +324,20 @@ def run_cell(
     that dies mid-run: records already emitted stay, the rest get an error naming the log, then
     ``UserError`` (exit 2).
     """
-    _require_serve(arm)
-    translate_deploy(deploy)  # refuse untranslatable deploys before starting anything
+    serve = _require_serve(arm, options)
+    translation = translate_deploy(deploy, options.resolved_platform)  # refuse untranslatable deploys first
     run_dir = Path(run_dir).resolve()  # the server gets absolute paths whatever its working directory
-    assert arm.serve is not None
-    if arm.serve.python and not arm.serve.command:
-        problem = check_plugin_installed(os.path.expanduser(arm.serve.python))
+    if serve.python and not serve.command:
+        problem = check_plugin_installed(_resolve_python(serve.python))
         if problem:
             raise UserError(f"arm '{arm.name}': {problem}")
     trace = cell_dir(run_dir, arm, deploy, repeat)
     trace.mkdir(parents=True, exist_ok=True)
-    for stale in list(trace.glob(TRACE_GLOB)) + [trace / "attempts.jsonl"]:
+    for stale in list(trace.glob(TRACE_GLOB)) + list(trace.glob(IMPLEMENTATION_GLOB)) + [trace / "attempts.jsonl"]:
         stale.unlink(missing_ok=True)  # a rerun of this cell must not see the previous server's spans
     (run_dir / "audio").mkdir(parents=True, exist_ok=True)
     log_path = server_log_path(run_dir, arm, deploy)
-    env = {**os.environ, **server_env_overrides(arm, trace)}
+    env = {**os.environ, **server_env_overrides(arm, trace, options, translation)}
     label = f"vllm-omni server for arm '{arm.name}' deploy '{deploy.name}' (repeat {repeat})"
 
     specs: list[chat.RequestSpec] = []
@@ -366,6 +423,21 @@ def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.
     )
 
 
+def implementation_of(run_dir: Path, arm: ArmSpec, deploy: Deploy, repeat: int,
+                      options: ServeOptions) -> dict[str, Any]:
+    """What ran where, for the manifest: the server command's interpreter and platform, and what each
+    worker that loaded the Talker reported (``implementation-<pid>.json``: the bound arm's file and
+    hash, the model file and hash, package versions)."""
+    workers = []
+    for path in sorted(cell_dir(Path(run_dir).resolve(), arm, deploy, repeat).glob(IMPLEMENTATION_GLOB)):
+        try:
+            workers.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return {"server": server_prefix(arm, options)[0], "platform": options.resolved_platform,
+            "arm": arm.talker if binds_arm(arm, options) else "installed vLLM-Omni", "workers": workers}
+
+
 class ServeBackend:
     """The real backend behind ``harness.backends.Backend``: one server per cell, records carry
     the server's audio (written by the client under ``audio/``)."""
@@ -391,7 +463,9 @@ class ServeBackend:
 
         run_cell(job.arm, job.deploy, job.prompts, job.repeat, self.run_dir, self.options,
                  on_request=on_request, on_spans=emit_spans)
-        return CellOutcome(seconds=time.perf_counter() - t0)
+        return CellOutcome(seconds=time.perf_counter() - t0,
+                           extra={"implementation": implementation_of(self.run_dir, job.arm, job.deploy, job.repeat,
+                                                                      self.options)})
 
     def close(self, cancel: bool = False) -> None:
         return None

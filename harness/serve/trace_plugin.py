@@ -29,6 +29,16 @@ request repeats within the current step, or when the span's offset in the step's
 (``input_ids.storage_offset()``) does not increase.
 
 ``OMNI_STRESS_TRACE_TARGET=module:Class`` retargets the hook (a branch that moved the class).
+
+Two more jobs, both in the Talker worker and both off unless the launcher asks:
+
+* ``OMNI_STRESS_ARM=package.module:attr``: the arm's ``talker_preprocess`` is bound onto the class
+  first (``harness.serve.arm_binding``), so the trace wraps the arm; what ran is written to
+  ``<dir>/implementation-<pid>.json``.
+* The contract check (on while tracing; ``OMNI_STRESS_CONTRACT=0`` turns it off): each line also
+  carries ``misaligned_text``/``misaligned_end``, the positions whose delivered row differs from the
+  contract's (``harness.serve.worker_contract``), or ``contract_error`` when the payload could not
+  give the expected rows. It imports torch lazily, only inside the worker's calls.
 """
 
 from __future__ import annotations
@@ -47,6 +57,9 @@ from typing import Any
 
 ENV_DIR = "OMNI_STRESS_TRACE"
 ENV_TARGET = "OMNI_STRESS_TRACE_TARGET"
+ENV_ARM = "OMNI_STRESS_ARM"
+ENV_CONTRACT = "OMNI_STRESS_CONTRACT"
+IMPLEMENTATION_GLOB = "implementation-*.json"
 DEFAULT_TARGET = "vllm_omni.model_executor.models.qwen2_5_omni.qwen2_5_omni:Qwen2_5OmniForConditionalGeneration"
 METHOD = "talker_preprocess"
 TRACE_GLOB = "trace-*.jsonl"
@@ -63,6 +76,7 @@ TRACE_KEYS = (
     "time",
     "error",
 )
+CONTRACT_KEYS = ("misaligned_text", "misaligned_end", "contract_error")  # added by the contract check
 _MARK = "__omni_stress_traced__"
 
 
@@ -131,7 +145,8 @@ class TraceWriter:
         self._last_offset = offset
         return self._step
 
-    def record(self, info: dict[str, Any], input_ids: Any, result: Any, error: str | None = None) -> dict[str, Any]:
+    def record(self, info: dict[str, Any], input_ids: Any, result: Any, error: str | None = None,
+               contract: dict[str, Any] | None = None) -> dict[str, Any]:
         request_id = str(info.get("request_id"))
         offset = None
         storage_offset = getattr(input_ids, "storage_offset", None)
@@ -159,9 +174,26 @@ class TraceWriter:
                 "time": time.time(),
                 "error": error,
             }
+            if contract:
+                line.update(contract)
             self._seq += 1
             os.write(fd, (json.dumps(line, sort_keys=True) + "\n").encode("utf-8"))
         return line
+
+
+def _contract_enabled() -> bool:
+    return os.environ.get(ENV_CONTRACT, "1") != "0"
+
+
+def _check_contract(model: Any, info: dict, ids_before: Any, result: Any, embeds_after: Any) -> dict[str, Any] | None:
+    if ids_before is None or not (isinstance(result, tuple) and len(result) >= 2):
+        return None
+    try:
+        from harness.serve.worker_contract import count_misaligned
+
+        return count_misaligned(model, info, ids_before, result, embeds_after)
+    except Exception as exc:  # noqa: BLE001 - the check must never break generation
+        return {"contract_error": f"{type(exc).__name__}: {exc}"}
 
 
 def wrap_talker_preprocess(cls: type, writer: TraceWriter, method: str = METHOD) -> bool:
@@ -181,13 +213,17 @@ def wrap_talker_preprocess(cls: type, writer: TraceWriter, method: str = METHOD)
     @functools.wraps(original)
     def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
+        input_embeds = kwargs.get("input_embeds", args[1] if len(args) > 1 else None)
         info = kwargs
+        check = _contract_enabled()
+        ids_before = input_ids.clone() if check and hasattr(input_ids, "clone") else None
         try:
             result = original(self, *args, **kwargs)
         except BaseException as exc:
             _safe_record(writer, info, input_ids, None, f"{type(exc).__name__}: {exc}", failed)
             raise
-        _safe_record(writer, info, input_ids, result, None, failed)
+        contract = _check_contract(self, info, ids_before, result, input_embeds) if check else None
+        _safe_record(writer, info, input_ids, result, None, failed, contract)
         return result
 
     setattr(traced, _MARK, True)
@@ -195,9 +231,10 @@ def wrap_talker_preprocess(cls: type, writer: TraceWriter, method: str = METHOD)
     return True
 
 
-def _safe_record(writer: TraceWriter, info: dict, input_ids: Any, result: Any, error: str | None, failed: list) -> None:
+def _safe_record(writer: TraceWriter, info: dict, input_ids: Any, result: Any, error: str | None, failed: list,
+                 contract: dict[str, Any] | None = None) -> None:
     try:
-        writer.record(info, input_ids, result, error)
+        writer.record(info, input_ids, result, error, contract)
     except Exception as exc:  # noqa: BLE001 - tracing must never break generation
         if not failed:
             failed.append(exc)
@@ -265,21 +302,48 @@ class PostImportHook(importlib.abc.MetaPathFinder):
 _installed: dict[str, Any] = {}
 
 
-def install(directory: str, target: str = DEFAULT_TARGET) -> str:
-    """Wrap ``target`` (``module:Class``) now if imported, else when it is; returns what it did."""
+def _bind_arm(cls: type, arm: str, directory: str | None) -> None:
+    """Binds the arm, and says what ran where (``implementation-<pid>.json``); a failure is loud."""
+    try:
+        from harness.serve.arm_binding import bind
+
+        info = bind(cls, arm)
+    except Exception as exc:  # noqa: BLE001 - refuse to serve the wrong implementation silently
+        _warn(f"cannot bind arm {arm!r}: {type(exc).__name__}: {exc}")
+        info = {"pid": os.getpid(), "arm": arm, "error": f"{type(exc).__name__}: {exc}"}
+
+        def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"omni-stress: arm {arm!r} could not be bound in this worker: {info['error']}")
+
+        setattr(cls, METHOD, refuse)
+    if directory:
+        path = os.path.join(directory, f"implementation-{os.getpid()}.json")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(info, sort_keys=True) + "\n")
+
+
+def install(directory: str | None, target: str = DEFAULT_TARGET, arm: str | None = None) -> str:
+    """Wrap ``target`` (``module:Class``) now if imported, else when it is; returns what it did.
+
+    ``directory`` None: no trace (only the arm binding); ``arm``: bind it before tracing."""
     module_name, _, class_name = target.partition(":")
     if not module_name or not class_name:
         raise ValueError(f"{ENV_TARGET}: expected 'module:Class', got {target!r}")
-    writer = _installed.get(directory)
-    if writer is None:
-        writer = _installed[directory] = TraceWriter(directory)
+    writer = None
+    if directory:
+        writer = _installed.get(directory)
+        if writer is None:
+            writer = _installed[directory] = TraceWriter(directory)
 
     def wrap(module: ModuleType) -> None:
         cls = getattr(module, class_name, None)
         if cls is None:
             _warn(f"{module_name} has no class {class_name}; nothing traced")
             return
-        wrap_talker_preprocess(cls, writer)
+        if arm:
+            _bind_arm(cls, arm, directory)
+        if writer is not None:
+            wrap_talker_preprocess(cls, writer)
 
     if module_name in sys.modules:
         wrap(sys.modules[module_name])
@@ -291,14 +355,18 @@ def install(directory: str, target: str = DEFAULT_TARGET) -> str:
 
 
 def register() -> None:
-    """vLLM general-plugin entry point: inert unless ``OMNI_STRESS_TRACE`` names a directory."""
-    directory = os.environ.get(ENV_DIR)
-    if not directory:
+    """vLLM general-plugin entry point: inert unless ``OMNI_STRESS_TRACE`` names a directory or
+    ``OMNI_STRESS_ARM`` names an arm."""
+    directory = os.environ.get(ENV_DIR) or None
+    arm = os.environ.get(ENV_ARM) or None
+    if not directory and not arm:
         return
-    if not os.path.isdir(directory):
+    if directory and not os.path.isdir(directory):
         _warn(f"{ENV_DIR}={directory!r} is not a directory; tracing disabled")
-        return
+        directory = None
+        if not arm:
+            return
     try:
-        install(directory, os.environ.get(ENV_TARGET) or DEFAULT_TARGET)
+        install(directory, os.environ.get(ENV_TARGET) or DEFAULT_TARGET, arm)
     except Exception as exc:  # noqa: BLE001 - never break vLLM's plugin loading
         _warn(f"cannot install the trace hook: {type(exc).__name__}: {exc}")

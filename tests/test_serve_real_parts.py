@@ -1,0 +1,121 @@
+"""Pure parts of the real backend on CPU, in the sim's environment: the cpu platform profile of the
+deploy translation, what an arm binding sets on the model class, and the worker's contract check
+(run here on the sim's model host, which carries the same helper methods as vLLM-Omni's model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness.config import load_deploy, load_prompts
+from harness.errors import UserError
+from harness.serve import arm_binding
+from harness.serve.deploy_args import translate_deploy
+from harness.serve.worker_contract import count_misaligned
+from harness.sim.model import bind_arm
+from harness.sim.rows import RowSpace
+from harness.sim.thinker import run_thinker, token_id_table
+from harness.talkers.main import MainTalker
+from harness.talkers.pr import FixedTalker
+
+
+def test_cpu_profile_of_the_stress_deploy() -> None:
+    t = translate_deploy(load_deploy("stress"), "cpu")
+    assert t.stage_overrides == {
+        "0": {"block_size": 32, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 1},
+        "1": {"block_size": 32, "enable_chunked_prefill": True, "enable_prefix_caching": False,
+              "kv_cache_memory_bytes": 256 << 20, "max_model_len": 1984, "max_num_batched_tokens": 32,
+              "max_num_seqs": 4, "num_gpu_blocks_override": 64},  # 128 blocks of 16 = 64 blocks of 32
+        "2": {"block_size": 32, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 1},
+    }
+    assert dict(t.env) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert t.platform == "cpu"
+
+
+def test_gpu_profile_is_unchanged() -> None:
+    t = translate_deploy(load_deploy("stress"))
+    assert json.loads(t.cli_args[1]) == {
+        "0": {"max_num_seqs": 1},
+        "1": {"block_size": 16, "enable_chunked_prefill": True, "enable_prefix_caching": False,
+              "max_model_len": 1984, "max_num_batched_tokens": 32, "max_num_seqs": 4, "num_gpu_blocks_override": 128},
+        "2": {"max_num_seqs": 1},
+    }
+    assert t.env == () and t.platform == "gpu"
+
+
+def test_unknown_platform_is_refused() -> None:
+    with pytest.raises(UserError, match="--platform 'tpu'"):
+        translate_deploy(load_deploy("reference"), "tpu")
+
+
+def test_binding_takes_the_arms_own_methods_not_the_helper_port() -> None:
+    assert sorted(arm_binding.methods_of(MainTalker)) == [
+        "talker_preprocess", "thinker_to_talker_decode_one_step", "thinker_to_talker_process"]
+    assert sorted(arm_binding.methods_of(FixedTalker)) == ["talker_preprocess"]
+
+    class Model:
+        def talker_preprocess(self, input_ids, input_embeds, **info):  # noqa: ANN001, ANN202
+            return "upstream"
+
+    info = arm_binding.bind(Model, "harness.talkers.pr:FixedTalker")
+    assert Model.talker_preprocess is FixedTalker.talker_preprocess
+    assert Model._omni_stress_upstream_talker_preprocess(None, None, None) == "upstream"
+    assert info["bound_methods"] == ["talker_preprocess"] and info["arm"] == "harness.talkers.pr:FixedTalker"
+    assert info["arm_file"].endswith("harness/talkers/pr.py") and len(info["arm_sha256"]) == 64
+
+
+def test_binding_a_missing_arm_raises() -> None:
+    with pytest.raises(AttributeError):
+        arm_binding.bind(type("M", (), {}), "harness.talkers.pr:NoSuchArm")
+
+
+def _call(impl: type, c: int, n: int) -> tuple[dict, object]:
+    space = RowSpace(0)
+    model = bind_arm(impl, space)
+    model.profile_run(64)
+    out = run_thinker(load_prompts("default"), space, 1.0)[0]
+    ids_all = list(out.talker_prompt_ids) + [7, 8, 9, 10, 11, 12] * 40  # prompt, then codec tokens
+    ids = torch.tensor(ids_all[c:c + n], dtype=torch.int64)
+    embeds = model.talker.embed_input_ids(ids)
+    info = {**out.payload(token_id_table([out])), "_omni_prompt_len": out.P, "_omni_num_computed_tokens": c,
+            "_omni_is_prefill": c < out.P, "request_id": out.request_id}
+    before = ids.clone()
+    result = model.talker_preprocess(input_ids=ids, input_embeds=embeds, **info)
+    return count_misaligned(model, info, before, result, embeds), out
+
+
+@pytest.mark.parametrize("c,n", [(0, 32), (32, 32), (50, 32), (90, 30)])
+def test_contract_check_counts_nothing_for_pr(c: int, n: int) -> None:
+    got, out = _call(FixedTalker, c, n)
+    assert got == {"misaligned_text": 0, "misaligned_end": 0}, (got, out.P)
+
+
+def test_contract_check_counts_mains_chunk_rows() -> None:
+    got, out = _call(MainTalker, 16, 32)  # main copies prompt rows 0..31 into positions 16..47
+    assert out.P > 48
+    assert got == {"misaligned_text": 32, "misaligned_end": 0}
+
+
+def test_contract_check_splits_regions_past_text_eos() -> None:
+    # codec rows without their text-PAD component past text-EOS (0.30.0's empty queue) count as end
+    got, out = _call(FixedTalker, 0, 8)
+    assert got == {"misaligned_text": 0, "misaligned_end": 0}
+    space = RowSpace(0)
+    model = bind_arm(FixedTalker, space)
+    K = out.output_rows.shape[0]
+    c = out.P + K + 3  # past text-EOS
+    ids = torch.tensor([5, 6], dtype=torch.int64)
+    info = {**out.payload(token_id_table([out])), "_omni_prompt_len": out.P, "_omni_num_computed_tokens": c}
+    wrong = (ids, model.talker.embed_input_ids(ids), {})  # codec rows without the text-PAD component
+    assert count_misaligned(model, info, ids, wrong, None) == {"misaligned_text": 0, "misaligned_end": 2}
+
+
+def test_contract_check_reports_a_payload_it_cannot_use() -> None:
+    space = RowSpace(0)
+    model = bind_arm(FixedTalker, space)
+    ids = torch.tensor([1, 2])
+    got = count_misaligned(model, {"_omni_prompt_len": 10, "_omni_num_computed_tokens": 0}, ids,
+                           (ids, torch.zeros(2, 64), {}), None)
+    assert got == {"contract_error": "ValueError: no Thinker output rows (hidden_states.output)"}

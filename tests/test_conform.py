@@ -196,7 +196,7 @@ def test_calibration_main_fails_every_situation_and_pr_conforms() -> None:
     assert pr.status == "conforms" and all(c.status == "conforms" for c in pr.cells.values())
     assert main.status == "fails"
     P = 61  # p01-weather's Talker prompt: Pt = 59 Thinker prompt rows + speaker + codec-BOS
-    ref0 = "the reference row of position 0"
+    ref0 = "Thinker prompt row 0"  # the Talker prompt's row 0: the Thinker's embedding of prompt token 0
     # n > 1 rebuilds the prompt from row 0 whatever the offset: the second chunk starts over
     assert _first(main, "chunk") == (30, 30, 31, ref0)
     # n == 1 at c = P-1 is routed to decode: codec embedding + the first reply row, not BOS
@@ -291,7 +291,7 @@ def test_vllm_stress_preempts_and_separates_main_from_pr() -> None:
     assert pr.cells["vllm:stress"].status == "conforms"
     f = main.cells["vllm:stress"].first
     assert (f.position, f.c, f.span) == (32, 32, "non-zero-offset prefill chunk")  # the 32-token budget's 2nd chunk
-    assert f.got == "the reference row of position 0"
+    assert (f.got, f.want) == ("Thinker prompt row 0", "Thinker prompt row 32")
 
 
 def test_vllm_specdec_verify_spans_are_multi_position_decodes() -> None:

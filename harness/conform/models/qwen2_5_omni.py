@@ -76,7 +76,8 @@ class Qwen25OmniAdapter(Adapter):
                                fixed_tokens(o.request_id, generated + 1, self.codec_vocab)) for o in outputs]
 
     def request_tables(self, req: ConformRequest) -> dict[str, torch.Tensor]:
-        return {"Thinker output row": req.payload["hidden_states"]["output"]}
+        return {"Thinker prompt row": req.payload["embed"]["prefill"],
+                "Thinker output row": req.payload["hidden_states"]["output"]}
 
     def named_rows(self, model: Any) -> dict[str, torch.Tensor]:
         return {"the text-EOS row": model.embed_text_eos_token, "the text-PAD row": model.embed_text_pad_token}

@@ -20,6 +20,22 @@ from harness.errors import UserError
 from harness.records import MANIFEST_FILE, REQUESTS_FILE
 
 LOCK_FILE = ".lock"
+_held: set[int] = set()  # lock fds this process holds
+
+
+def _close_in_child() -> None:
+    """A forked child (a sim worker) must not keep the run's lock: after a SIGKILL of the run its
+    workers live on for up to half a second (``proc.exit_with_parent``), and a ``--resume`` then
+    would find the directory still locked. An flock lives while any copy of its fd is open."""
+    for fd in list(_held):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def check_run_id(run_id: str) -> None:
@@ -50,8 +66,10 @@ def locked(run_dir: Path) -> Iterator[None]:
                             "then --resume") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _held.add(fd)
         yield
     finally:
+        _held.discard(fd)
         os.close(fd)  # releases the lock
 
 

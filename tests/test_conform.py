@@ -201,11 +201,13 @@ def test_calibration_main_fails_every_situation_and_pr_conforms() -> None:
     assert _first(main, "chunk") == (30, 30, 31, ref0)
     # n == 1 at c = P-1 is routed to decode: codec embedding + the first reply row, not BOS
     assert _first(main, "tail") == (P - 1, P - 1, 1, "its id's embedding + Thinker output row 1")
+    assert main.cells["tail"].first.want == "Thinker output row 0 + codec-BOS (P-1)"
     # a three-position decode span is taken for a prefill: prompt row 0 at position P+4
     assert _first(main, "multi_decode") == (P + 4, P + 4, 3, ref0)
     assert main.cells["multi_decode"].first.want == "its id's embedding + Thinker output row 5"
     # the replay's second span [P-2, P+7) starts over from prompt row 0 again
     assert _first(main, "cross_replay") == (P - 2, P - 2, 9, ref0)
+    assert main.cells["cross_replay"].first.want == "the speaker + codec-PAD row (P-2)"
     # a replay from 0 gets the P prompt rows only: position P is left as its bare codec embedding
     assert _first(main, "repeated_replay") == (P, 0, P + 7, "the bare embedding of its own id (the runner's starting row)")
     rc = main.cells["row_count"]

@@ -104,13 +104,14 @@ class RowNamer:
             if bare is not None and vec.shape == row.shape and _close(row, bare + vec):
                 return f"its id's embedding + {key}"
         for label, table in self.tables.get(request, {}).items():  # the request's payload rows
+            index = "" if table.shape[0] == 1 else " {}"  # a one-row table is named by its label alone
             hit = _find(table, row)
             if hit is not None:
-                return f"{label} {hit}"
+                return label + index.format(hit)
             if bare is not None:
                 hit = _find(table, row - bare)
                 if hit is not None:
-                    return f"its id's embedding + {label} {hit}"
+                    return f"its id's embedding + {label}" + index.format(hit)
         own = self.baselines.get(request)
         for who, table in ([(request, own)] if own is not None else []) + [
                 (r, t) for r, t in self.baselines.items() if r != request]:

@@ -76,8 +76,15 @@ class Qwen25OmniAdapter(Adapter):
                                fixed_tokens(o.request_id, generated + 1, self.codec_vocab)) for o in outputs]
 
     def request_tables(self, req: ConformRequest) -> dict[str, torch.Tensor]:
+        from harness.sim.model import VOICE, SimTalkerModelBase
+        from harness.sim.rows import RowSpace
+
+        m = SimTalkerModelBase(RowSpace(SEED))  # the same special rows as every model instance
+        out0 = req.payload["hidden_states"]["output"][0:1]
         return {"Thinker prompt row": req.payload["embed"]["prefill"],
-                "Thinker output row": req.payload["hidden_states"]["output"]}
+                "Thinker output row": req.payload["hidden_states"]["output"],
+                "the speaker + codec-PAD row (P-2)": m.embed_text_spk_tokens[VOICE] + m.embed_codec_pad_token,
+                "Thinker output row 0 + codec-BOS (P-1)": out0 + m.embed_codec_bos_token}
 
     def named_rows(self, model: Any) -> dict[str, torch.Tensor]:
         return {"the text-EOS row": model.embed_text_eos_token, "the text-PAD row": model.embed_text_pad_token}

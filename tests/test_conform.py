@@ -188,6 +188,24 @@ def test_a_decode_counter_fails_multi_decode_and_replays_first_where_the_counter
     assert r.cells["cross_replay"].first.got == "the bare embedding of its own id (the runner's starting row)"
 
 
+class _ReachesVllm:
+    """Decode reaches a name only vLLM has (a stub): the check's limit, not the model's failure."""
+
+    def talker_preprocess(self, input_ids: torch.Tensor, input_embeds: torch.Tensor, **info: Any):
+        from harness.talkers.upstream import UpstreamUnavailable
+
+        c, n = info["_omni_num_computed_tokens"], input_ids.shape[0]
+        if c >= info["_omni_prompt_len"] and n > 1:
+            raise UpstreamUnavailable("the upstream code reached 'current_omni_platform'")
+        return input_ids, _rows(info["request_id"], c, c + n), {}
+
+
+def test_a_stub_reached_is_could_not_check_not_a_failure() -> None:
+    r = _toy(_ReachesVllm)
+    assert r.status == "error" and "UpstreamUnavailable" in r.error and "c=24 n=3" in r.error
+    assert Matrix("vllm-omni:x", (), [r]).exit_code == 2
+
+
 # ----------------------------------------------------------------------------- calibration: Qwen2.5-Omni
 
 

@@ -96,6 +96,7 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
         feeds = run_forced(adapter, impl, r, sched)
         err = first_error(feeds)
         if err is not None:  # no reference: every cell says why
+            _unavailable(result, [err])
             detail = (f"the reference schedule raised at {r.request_id}, span c={err.c} n={err.n} "
                       f"({span_kind(err.P, err.c, err.n, 0)}): {err.error}")
             for key in columns(tuple(d.name for d in deploys)):
@@ -135,8 +136,18 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
         result.stats[f"vllm:{d.name}"] = {**counts, **events}
         say(f"{adapter.name}: vLLM {d.name} deploy: {cell.summary}")
     result.cells["row_count"] = row_count_cell(all_feeds)
+    _unavailable(result, all_feeds)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _unavailable(result: ModelResult, feeds: list[Feed]) -> None:
+    """A call that reached a vLLM-only name the stand-in cannot provide is the check's limit, not the
+    model's failure: the model could not be checked (exit 2)."""
+    hit = next((f for f in feeds if f.error and f.error.startswith("UpstreamUnavailable")), None)
+    if hit is not None:
+        result.error = (f"{hit.request}, {hit.schedule}, span c={hit.c} n={hit.n}: {hit.error} "
+                        f"(extend the adapter's stand-in)")
 
 
 def _truncate(r: Any, generated: int) -> Any:

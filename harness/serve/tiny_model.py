@@ -88,7 +88,8 @@ def tiny_config() -> object:
                         emb_dim=32, enc_emb_dim=32, enc_dim=32, enc_channels=[32, 32, 32, 32, 96],
                         enc_attention_channels=16, enc_se_channels=16, look_ahead_layers=[1],
                         look_backward_layers=[0, 1], mel_dim=80, num_embeds=8193, block_size=24, repeats=2),
-        bigvgan_config=dict(mel_dim=80, upsample_initial_channel=32, resblock_kernel_sizes=[3],
+        # BigVGAN halves its channels at each of its 6 upsampling stages: 128 leaves 2 at the end
+        bigvgan_config=dict(mel_dim=80, upsample_initial_channel=128, resblock_kernel_sizes=[3],
                             resblock_dilation_sizes=[[1, 3, 5]]),
     )
     config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, token2wav_config=token2wav,

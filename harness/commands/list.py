@@ -26,7 +26,8 @@ def command(what: str) -> None:
             serve = "no real-backend entry"
             if arm.serve:
                 serve = f"serve: {arm.serve.python or ' '.join(arm.serve.command)}"
-            click.echo(f"  {arm.name:<10} {arm.talker}\n  {'':<10} {arm.description}\n  {'':<10} {serve}")
+            click.echo(f"  {arm.name:<10} {arm.talker} (role: {arm.role})\n  {'':<10} {arm.description}\n"
+                       f"  {'':<10} {serve}")
     if what in ("all", "deploys"):
         click.echo("Deploys (deploy_configs/):")
         for name in list_yaml(DEPLOY_DIR, exclude=("arms", "gates")):

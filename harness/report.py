@@ -527,11 +527,13 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> 
 
 
 MAX_INLINE_AUDIO = 2_000_000  # bytes: a larger WAV is linked (relative to report.html), not inlined
+MAX_INLINE_AUDIO_TOTAL = 16_000_000  # bytes of WAV inlined into one page; the rest are linked
 
 
-def audio_tag(run: Run, record: RequestRecord | None, label: str) -> str:
-    """An inline ``<audio>`` player for a request's WAV (a data URI, so the page stays self-contained);
-    a note when the request has no audio (``--asr none`` writes none)."""
+def audio_tag(run: Run, record: RequestRecord | None, label: str, budget: list[int] | None = None) -> str:
+    """An inline ``<audio>`` player for a request's WAV (a data URI, so the page stays self-contained,
+    while ``budget[0]`` bytes are left; else linked relative to report.html); a note when the request
+    has no audio (``--asr none`` writes none)."""
     if record is None or not record.audio_path:
         return f"<span class=\"note\">{html.escape(label)}: no audio</span>"
     path = run.run_dir / record.audio_path
@@ -539,7 +541,9 @@ def audio_tag(run: Run, record: RequestRecord | None, label: str) -> str:
         size = path.stat().st_size
     except OSError:
         return f"<span class=\"note\">{html.escape(label)}: {html.escape(record.audio_path)} missing</span>"
-    if size <= MAX_INLINE_AUDIO:
+    budget = budget if budget is not None else [MAX_INLINE_AUDIO_TOTAL]
+    if size <= min(MAX_INLINE_AUDIO, budget[0]):
+        budget[0] -= size
         src = "data:audio/wav;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
     else:
         src = html.escape(record.audio_path)
@@ -557,13 +561,15 @@ def html_paired(run: Run, cells: list[CellSummary]) -> str:
                for pr in paired_rows(cell, cells, reference_deploy)]  # type: ignore[arg-type]
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in list(df.columns) + ["Audio (worst request)"])
     body = []
+    budget = [MAX_INLINE_AUDIO_TOTAL]
     for pr, row in zip(records, df.itertuples(index=False)):
         worst = row[-1] == "worst"
         cells_html = "".join(f"<td>{html.escape(str(v))}</td>" for v in row)
         audio = ""
         if worst:
             ref_rec = next((r for r in pr.reference.records if r.prompt_id == pr.prompt_id), None)
-            audio = audio_tag(run, pr.record, pr.cell.deploy) + " " + audio_tag(run, ref_rec, pr.reference.deploy)
+            audio = (audio_tag(run, pr.record, pr.cell.deploy, budget) + " "
+                     + audio_tag(run, ref_rec, pr.reference.deploy, budget))
         tr = '<tr class="worst">' if worst else "<tr>"
         body.append(f"{tr}{cells_html}<td>{audio}</td></tr>")
     return (f"<table class=\"paired\"><thead><tr>{head}</tr></thead><tbody>" + "".join(body)

@@ -180,3 +180,22 @@ def test_signal_to_the_launcher_process_reaps_the_server(tmp_path, sig):
             proc.kill()
     assert rc != 0
     assert wait_gone(server, worker), "server or its worker survived the launcher"
+
+
+def test_sigkill_of_the_launcher_process_does_not_orphan_the_server(tmp_path):
+    """No cleanup code runs on SIGKILL: the kernel's parent-death signal (harness.proc.die_with_parent)
+    sends the server SIGTERM, and the server stops its worker as on any SIGTERM."""
+    pidfile = tmp_path / "pids.json"
+    code = SCRIPT.format(fake_dir=str(Path(__file__).resolve().parent / "fake_vllm"), pidfile=str(pidfile),
+                         log=str(tmp_path / "s.log"))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        server, worker = pids(pidfile)
+        assert pid_alive(server) and pid_alive(worker)
+        proc.kill()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert wait_gone(server, worker, timeout=30), "server or its worker outlived a SIGKILLed omni-stress"

@@ -79,6 +79,13 @@ def _proc_state(pid: int) -> str | None:
     return data[data.rfind(")") + 2 :].split(" ", 1)[0]
 
 
+def _package_root() -> str:
+    """The folder that holds ``harness``, so the reaper imports this very checkout."""
+    root = str(Path(__file__).resolve().parents[2])
+    extra = os.environ.get("PYTHONPATH")
+    return root if not extra else os.pathsep.join([root, extra])
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes of process group ``pgid``."""
     if not os.path.isdir("/proc"):
@@ -158,6 +165,7 @@ class ServerLauncher:
         self._log_start = 0
         self._prev_sigterm: object = None
         self._sigterm_installed = False
+        self._reaper: subprocess.Popen[bytes] | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -260,7 +268,29 @@ class ServerLauncher:
                 self.proc = None
                 why = "not found" if exc.errno == errno.ENOENT else (exc.strerror or str(exc))
                 raise UserError(f"{self.label}: cannot start {self.argv[0]!r}: {why}") from None
+        self._start_reaper(self.proc.pid)
         self.announce(f"started {self.label} (pid {self.proc.pid}, port {port}); log: {self.log_path}")
+
+    def _start_reaper(self, pgid: int) -> None:
+        """``harness.serve.reaper``: stops the server's group if this process dies without doing it."""
+        try:
+            self._reaper = subprocess.Popen(
+                [sys.executable, "-m", "harness.serve.reaper", str(os.getpid()), str(pgid)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, env={**os.environ, "PYTHONPATH": _package_root()},
+            )
+        except OSError:
+            self._reaper = None  # the in-process stop paths still apply
+
+    def _stop_reaper(self) -> None:
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None and reaper.poll() is None:
+            reaper.terminate()
+            try:
+                reaper.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                reaper.kill()
+                reaper.wait(timeout=5)
 
     def _wait_healthy(self) -> str:
         assert self.proc is not None
@@ -322,6 +352,7 @@ class ServerLauncher:
             if proc.poll() is None:
                 self._kill_now(proc, pgid)
             self.returncode = proc.returncode
+            self._stop_reaper()
         return self.returncode
 
     def _sweep_group(self, pgid: int, grace_s: float = 5.0) -> None:

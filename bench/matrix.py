@@ -260,7 +260,7 @@ def floor_rows(fl: Floors, cold: RunResult | None, steady: SteadyResult | None) 
         whisper_floor = fl.unique_audio_s * fl.asr_rtf_alone / fl.asr_workers if fl.asr_rtf_alone else None
         row("Whisper (cold)", cold.asr_s / fl.asr_workers if cold.asr_s else None, whisper_floor,
             f"{fl.unique_audio_s:.0f} s unique audio x RTF {fl.asr_rtf_alone} alone / {fl.asr_workers} workers")
-        row("sim (cold run)", cold.sim_cpu_s / fl.sim_workers,
+        row("sim (cold run: cells + Code2Wav, cores shared with Whisper)", cold.sim_cpu_s / fl.sim_workers,
             steady.scheduler_s / fl.sim_workers if steady else None,
             f"vLLM schedule()+update_from_output() for the same steps / {fl.sim_workers} workers")
         startup = cold.wall_s - cold.sim_cpu_s / fl.sim_workers - cold.tts_s - cold.asr_wait_s

@@ -92,7 +92,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], list[str]]] = [
     ("deploy-not-a-mapping", lambda t: ["--deploy", _text(t, "list.yaml", "- a\n- b\n")],
      ["list.yaml", "top level", "expected a mapping, got list"]),
     ("unknown-arm", lambda t: ["--arm", "mian"], ["--arm 'mian'", "unknown arm", "known: main"]),
-    ("unknown-deploy", lambda t: ["--deploy", "strss"], ["unknown deploy 'strss'", "known: reference"]),
+    ("unknown-deploy", lambda t: ["--deploy", "strss"], ["unknown deploy 'strss'", "known: ", "reference", "stress"]),
     ("deploy-file-missing", lambda t: ["--deploy", str(t / "nope.yaml")], ["nope.yaml", "not found"]),
     ("unknown-prompt-set", lambda t: ["--prompts", "defualt"], ["unknown prompt set 'defualt'"]),
     ("missing-prompt-field", lambda t: ["--prompts", _prompts(t, _drop_reply)],

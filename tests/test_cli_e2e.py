@@ -121,7 +121,7 @@ def test_real_backend_against_fake_server(tmp_path):
         "arms:\n"
         "  main:\n"
         "    talker: harness.talkers.main:MainTalker\n"
-        f"    serve: {{command: [{json.dumps(sys.executable)}, {json.dumps(str(FAKE_VLLM))}]}}\n"
+        f"    serve: {{command: [{json.dumps(sys.executable)}, {json.dumps(str(FAKE_VLLM))}], bind_arm: false}}\n"
     )
     common = ["--backend", "vllm-omni", "--arms-file", str(arms), "--arm", "main", "--deploy", "stress",
               "--prompts", str(DATA / "prompts_e2e.yaml"), "--model", "fake/Qwen2.5-Omni-7B"]

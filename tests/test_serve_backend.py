@@ -27,7 +27,7 @@ from harness.serve.deploy_args import translate_deploy
 from harness.serve.launcher import pid_alive
 
 PROMPTS = load_prompts("default")
-OPTIONS = ServeOptions(model="fake/Qwen2.5-Omni-7B", health_timeout_s=30, request_timeout_s=20, retries=1)
+OPTIONS = ServeOptions(model="fake/Qwen2.5-Omni-7B", health_timeout_s=30, request_timeout_s=20, retries=1, platform="gpu")
 
 
 @dataclasses.dataclass
@@ -159,12 +159,24 @@ def test_reference_deploy_and_no_stale_trace_on_rerun(tmp_path):
     assert (tmp_path / "run" / "server-main-reference.log").read_text().count("=== omni-stress:") == 2
 
 
-def test_arm_without_serve_entry_is_refused(tmp_path):
+def test_arm_without_serve_entry_and_no_real_environment_is_refused(tmp_path, monkeypatch):
+    import harness.serve.backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "default_serve_python", lambda options=None: None)
     arm = ArmSpec(name="plug", talker="x.y:z")
-    with pytest.raises(UserError, match=r"arm 'plug' has no 'serve' entry in deploy_configs/arms.yaml; "):
+    with pytest.raises(UserError, match=r"arm 'plug' has no 'serve' entry in deploy_configs/arms.yaml and there is "
+                                        r"no default real environment \(.venv-omni/bin/python: run scripts/"):
         run(tmp_path, arm)
     with pytest.raises(UserError, match="arm 'plug' has no 'serve' entry"):
         describe_cell(arm, deploy(tmp_path), tmp_path, OPTIONS)
+
+
+def test_arm_without_serve_entry_runs_in_the_default_real_environment(tmp_path):
+    arm = ArmSpec(name="plug", talker="x.y:z")
+    options = ServeOptions(platform="cpu", default_python="/venvs/real/bin/python")
+    text = describe_cell(arm, deploy(tmp_path), tmp_path, options)
+    assert "/venvs/real/bin/python -m vllm.entrypoints.cli.main serve" in text
+    assert "OMNI_STRESS_ARM=x.y:z" in text
 
 
 def test_health_timeout_is_a_user_error_and_reaps(tmp_path):
@@ -178,7 +190,8 @@ def test_health_timeout_is_a_user_error_and_reaps(tmp_path):
 def test_describe_cell_prints_the_exact_command(tmp_path):
     arm = ArmSpec(name="pr", talker="x:y", serve=ServeSettings(python="~/venvs/pr/bin/python", env={"HF_HOME": "/hf"}))
     dep = deploy(tmp_path)
-    text = describe_cell(arm, dep, tmp_path / "run", ServeOptions(extra_args=("--stage-init-timeout", "900")))
+    text = describe_cell(arm, dep, tmp_path / "run", ServeOptions(extra_args=("--stage-init-timeout", "900"),
+                                                                 platform="gpu"))
     cmd_line = next(ln for ln in text.splitlines() if "serve Qwen/Qwen2.5-Omni-7B" in ln)
     assert shlex.split(cmd_line.strip().replace("$PORT", "8091")) == [
         str(Path.home() / "venvs/pr/bin/python"), "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen2.5-Omni-7B", "--omni",

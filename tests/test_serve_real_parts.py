@@ -119,3 +119,35 @@ def test_contract_check_reports_a_payload_it_cannot_use() -> None:
     got = count_misaligned(model, {"_omni_prompt_len": 10, "_omni_num_computed_tokens": 0}, ids,
                            (ids, torch.zeros(2, 64), {}), None)
     assert got == {"contract_error": "ValueError: no Thinker output rows (hidden_states.output)"}
+
+
+def test_dry_run_shows_the_cpu_profile_and_the_bound_arm(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "--backend", "vllm-omni", "--dry-run", "--platform", "cpu",
+         "--serve-python", sys.executable, "--model", "/models/tiny", "--arm", "pr", "--deploy", "stress",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "platform cpu, arm harness.talkers.pr:FixedTalker bound onto the installed model" in text
+    assert "OMNI_STRESS_ARM=harness.talkers.pr:FixedTalker" in text
+    assert "VLLM_CPU_OMP_THREADS_BIND=nobind" in text and "OMP_NUM_THREADS=1" in text
+    assert '"num_gpu_blocks_override": 64' in text and '"dtype": "float32"' in text
+    assert f"{sys.executable} -m vllm.entrypoints.cli.main serve /models/tiny --omni" in text
+    assert not any(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_an_arm_without_serve_and_no_real_environment_is_one_line(tmp_path, monkeypatch) -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMNI_STRESS_SERVE_PYTHON"}
+    out = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "--backend", "vllm-omni", "--platform", "cpu",
+         "--serve-python", str(tmp_path / "no-such-python"), "--arm", "pr", "--deploy", "reference",
+         "--asr", "none", "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no-such-python" in lines[0] and "arm 'pr'" in lines[0], out.stderr

@@ -177,10 +177,10 @@ def _preflight(backend: str, arm_specs: list[ArmSpec], deploy_specs: list[Deploy
         for deploy in deploy_specs:
             scheduler_config_for(deploy)
     else:
-        from harness.serve.backend import server_prefix
+        from harness.serve.backend import preflight_arm
 
         for arm in arm_specs:
-            server_prefix(arm, options.serve)
+            preflight_arm(arm, options.serve)
     if options.asr != "none":
         from harness.audio.asr import make_transcriber
 

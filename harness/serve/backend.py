@@ -131,6 +131,22 @@ def server_prefix(arm: ArmSpec, options: ServeOptions | None = None) -> list[str
     return [_resolve_python(serve.python), "-m", CLI_MODULE]
 
 
+def preflight_arm(arm: ArmSpec, options: ServeOptions | None = None) -> None:
+    """Before any run directory exists: the arm's interpreter exists and has this package's plugin."""
+    serve = serve_settings(arm, options)
+    if serve.command:
+        server_prefix(arm, options)
+        return
+    assert serve.python is not None
+    python = _resolve_python(serve.python)
+    if not Path(python).exists():
+        raise UserError(f"arm '{arm.name}': interpreter {python!r} not found (run scripts/install-real-cpu.sh, "
+                        "give --serve-python, or fix the arm's serve: python)")
+    problem = check_plugin_installed(python)
+    if problem:
+        raise UserError(f"arm '{arm.name}': {problem}")
+
+
 def binds_arm(arm: ArmSpec, options: ServeOptions | None = None) -> bool:
     """Whether the server binds this arm onto the installed model (``harness.serve.arm_binding``):
     a ``module:attr`` arm whose serve entry does not say ``bind_arm: false``; an upstream

@@ -44,6 +44,13 @@ _INT_LIMITS = {  # field name -> largest value accepted (the smallest is 1, seed
     "default_max_model_len": MAX_MODEL_LEN, "max_steps": 10_000_000, "num_speculative_tokens": 64,
 }
 
+_LIMIT_WHY = {  # said next to the limit, so the user knows what it protects
+    "max_num_batched_tokens": "8x vLLM-Omni's Talker default; the sim's profile run allocates 256 bytes per token",
+    "max_model_len": "the Talker's max_position_embeddings", "max_tokens": "the Talker's max_position_embeddings",
+    "num_gpu_blocks_override": "vLLM builds one Python object per KV block",
+    "max_num_seqs": "vLLM's largest default", "seed": "a 32-bit seed, as `run --seed`",
+}
+
 # Prompt ids, arm, deploy and run names become file and folder names (audio/<arm>-<deploy>-r1-<id>.wav,
 # results/<run-id>/): one path component of portable characters, so nothing is written outside the run.
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -162,7 +169,8 @@ class _Fields:
             raise self.fail(key, f"must be a non-empty string, got {value!r}")
         return value
 
-    def int_(self, key: str, default: int | None = None, minimum: int = 1, maximum: int | None = None) -> int | None:
+    def int_(self, key: str, default: int | None = None, minimum: int = 1, maximum: int | None = None,
+             why: str | None = None) -> int | None:
         value = self.data.get(key, default)
         if value is None:
             return None
@@ -170,7 +178,7 @@ class _Fields:
             kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
             raise self.fail(key, f"must be {kind}, got {value!r}")
         if maximum is not None and value > maximum:
-            raise self.fail(key, f"must be at most {maximum}, got {value!r}")
+            raise self.fail(key, f"must be at most {maximum}{f' ({why})' if why else ''}, got {value!r}")
         return value
 
     def float_(self, key: str, default: float | None, lo: float, hi: float) -> float | None:
@@ -281,7 +289,8 @@ def _dataclass_from(fields: _Fields, cls: type, floats: dict[str, tuple[float, f
             kwargs[f.name] = fields.float_(f.name, None, 0.0, 1e9)
         else:
             minimum = 0 if f.name == "seed" else 1
-            kwargs[f.name] = fields.int_(f.name, None, minimum=minimum, maximum=_INT_LIMITS.get(f.name))
+            kwargs[f.name] = fields.int_(f.name, None, minimum=minimum, maximum=_INT_LIMITS.get(f.name),
+                                         why=_LIMIT_WHY.get(f.name))
     return cls(**kwargs)
 
 

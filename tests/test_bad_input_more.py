@@ -88,7 +88,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], list[str]]] = [
      ["deep.yaml", "nested too deeply"]),
     # F3: numbers past what any deploy can mean, refused with the limit
     ("F3-huge-batched-tokens", lambda t: ["--deploy", _deploy(t, talker={"max_num_batched_tokens": 10**12})],
-     ["bad.yaml", "talker.max_num_batched_tokens", "at most 262144", "1000000000000"]),
+     ["bad.yaml", "talker.max_num_batched_tokens", "at most 262144 (8x vLLM-Omni's Talker default", "1000000000000"]),
     ("F3-huge-max-model-len", lambda t: ["--deploy", _deploy(t, talker={"max_model_len": 10**9})],
      ["bad.yaml", "talker.max_model_len", "at most 32768"]),
     ("F3-huge-kv-cache", lambda t: ["--deploy", _deploy(t, talker={"num_gpu_blocks_override": 10**9})],

@@ -1,5 +1,6 @@
 """End to end on a real ``vllm serve --omni``, on CPU: tiny random Qwen2.5-Omni, arms main and pr bound
-into the real Talker worker, the reference deploy and the CPU stress deploy, four prompts.
+into the real Talker worker, the CPU reference and stress deploys (``cpu-reference``: the reference
+deploy with the stress deploy's Talker length), four prompts.
 
 Runs the CLI as a user would (``omni-stress tiny-model``, then ``omni-stress run --backend vllm-omni``)
 and asserts on the real trace: what vLLM-Omni 0.30.0's runner scheduled and what each arm returned.
@@ -46,7 +47,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     t0 = time.monotonic()
     run = subprocess.run(
         [*CLI, "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
-         "--model", str(model), "--arm", "main", "--arm", "pr", "--deploy", "reference", "--deploy", "cpu-stress",
+         "--model", str(model), "--arm", "main", "--arm", "pr", "--deploy", "cpu-reference", "--deploy", "cpu-stress",
          "--prompts", "cpu_smoke", "--asr", "none", "--out", str(tmp), "--run-id", "real", "--quiet",
          "--health-timeout", "900", "--request-timeout", "900"],
         cwd=tmp, capture_output=True, text=True, timeout=2700)
@@ -67,8 +68,8 @@ def test_every_request_answered_with_audio(real_run: Path) -> None:
     by_cell = defaultdict(list)
     for r in records:
         by_cell[(r.arm, r.deploy)].append(r)
-    assert sorted(by_cell) == [("main", "cpu-stress"), ("main", "reference"), ("pr", "cpu-stress"),
-                               ("pr", "reference")]
+    assert sorted(by_cell) == [("main", "cpu-reference"), ("main", "cpu-stress"), ("pr", "cpu-reference"),
+                               ("pr", "cpu-stress")]
     for cell, recs in by_cell.items():
         assert sorted(r.prompt_id for r in recs) == ["c01-tea", "c02-plants", "c03-run", "c04-stars"], cell
         for r in recs:
@@ -82,7 +83,7 @@ def test_every_request_answered_with_audio(real_run: Path) -> None:
 def test_reference_deploy_has_no_stress_events(real_run: Path) -> None:
     cells = _spans(real_run)
     for arm in ("main", "pr"):
-        spans = cells[(arm, "reference")]
+        spans = cells[(arm, "cpu-reference")]
         assert spans, arm
         assert sum(s.nonzero_offset for s in spans) == 0, arm
         assert sum(s.cross_boundary for s in spans) == 0, arm
@@ -110,7 +111,7 @@ def test_main_mismatches_every_multi_row_prefill_call_and_misaligns(real_run: Pa
 
 def test_pr_conforms_in_the_real_server(real_run: Path) -> None:
     cells = _spans(real_run)
-    for deploy in ("reference", "cpu-stress"):
+    for deploy in ("cpu-reference", "cpu-stress"):
         spans = cells[("pr", deploy)]
         assert all(s.misaligned_text is not None and s.misaligned_end is not None for s in spans), deploy
         assert sum(s.row_mismatch for s in spans) == 0, deploy

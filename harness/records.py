@@ -220,7 +220,18 @@ def read_requests(run_dir: Path) -> list[RequestRecord]:
 
 
 def read_spans(run_dir: Path) -> list[SpanRecord]:
-    return [span_from_dict(d) for d in iter_jsonl(run_dir / SPANS_FILE)]
+    """Every complete span; one that is not an object or lacks a field is a ValueError naming the
+    file and the line."""
+    path = run_dir / SPANS_FILE
+    spans = []
+    for number, data in iter_jsonl_numbered(path):
+        try:
+            if not isinstance(data, dict):
+                raise TypeError(f"expected a span record (a JSON object), got {type(data).__name__}")
+            spans.append(span_from_dict(data))
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"{path}: line {number}: malformed span ({exc})") from None
+    return spans
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:

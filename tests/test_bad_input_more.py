@@ -485,3 +485,15 @@ def test_subprocess_one_line_for_a_latin1_deploy(tmp_path):
     assert_one_line_error(res, "latin.yaml", "not UTF-8")
     assert not (tmp_path / "out").exists()
     assert os.listdir(tmp_path) == ["latin.yaml"]
+
+
+def test_F13_resume_with_a_span_missing_fields(tmp_path, small_run):
+    run_dir = _copy_run(small_run, tmp_path)
+    _interrupt(run_dir, 3)
+    path = run_dir / "spans.jsonl"
+    lines = path.read_text().splitlines()
+    span = json.loads(lines[4])
+    del span["P"]
+    lines[4] = json.dumps(span)
+    path.write_text("\n".join(lines) + "\n")
+    assert_one_line_error(_resume(run_dir), "spans.jsonl", "line 5", "malformed span", "'P'")

@@ -90,6 +90,8 @@ def read_resumable_manifest(run_dir: Path) -> dict[str, Any]:
         manifest = read_manifest(run_dir)
     except (ValueError, OSError) as exc:  # JSON or UTF-8 errors are ValueErrors
         raise UserError(f"{path}: unreadable manifest ({' '.join(str(exc).split())})") from None
+    except RecursionError:
+        raise UserError(f"{path}: unreadable manifest (nested too deeply)") from None
     if not isinstance(manifest, dict):
         raise UserError(f"{path}: unreadable manifest (expected a JSON object, got {_json_type(manifest)})")
     for key, types in _MANIFEST_TYPES.items():

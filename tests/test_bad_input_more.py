@@ -361,10 +361,15 @@ def test_F11_resume_with_other_asr_options_is_refused(tmp_path, small_run):
     ('{"cells": 3}', ["manifest.json", "cells: expected a list, got a number"]),
     ('{"cells": [1]}', ["manifest.json", "cells[0]: expected an object with arm, deploy and repeat"]),
     ('{"asr": "none"}', ["manifest.json", "asr: expected an object, got a string"]),
-], ids=["list", "null", "cells-number", "cell-not-object", "asr-string"])
+    ("[" * 100_000 + "]" * 100_000, ["manifest.json", "unreadable manifest (nested too deeply)"]),
+    (b"{\"run_id\": \"caf\xe9\"}", ["manifest.json", "unreadable manifest", "utf-8"]),
+], ids=["list", "null", "cells-number", "cell-not-object", "asr-string", "deep", "latin1"])
 def test_F13_resume_with_a_malformed_manifest(tmp_path, small_run, manifest, needles):
     run_dir = _copy_run(small_run, tmp_path)
-    (run_dir / "manifest.json").write_text(manifest)
+    if isinstance(manifest, bytes):
+        (run_dir / "manifest.json").write_bytes(manifest)
+    else:
+        (run_dir / "manifest.json").write_text(manifest)
     assert_one_line_error(_resume(run_dir), str(run_dir), *needles)
 
 

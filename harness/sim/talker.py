@@ -22,7 +22,10 @@ Rules (arm-agnostic; README "How the simulation works"):
    the request's Thinker output length (the ``thinker_result`` rows it was given): its mean
    duration is the time the text takes to speak, with no information about where in the text
    it is. Position ``p``'s draw is a uniform keyed by (seed, request, p), so a never-started
-   Talker stops at the same position under any schedule.
+   Talker stops at the same position under any schedule. Grounds: codec EOS (8294) is a token
+   the real Talker samples like any other; the seed's author reports that a misconditioned Talker
+   "keeps producing audio tokens, but the audio stops corresponding to the intended text", and its
+   table shows main generating less than the fix, not running to the 1900-token limit.
 5. Sampling: temperature / top-k / top-p over the sim codec vocabulary with a generator seeded
    by (seed, request, position), so identical KV rows give identical tokens under any schedule.
 

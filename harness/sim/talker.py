@@ -25,7 +25,8 @@ Rules (arm-agnostic; README "How the simulation works"):
    Talker stops at the same position under any schedule. Grounds: codec EOS (8294) is a token
    the real Talker samples like any other; the seed's author reports that a misconditioned Talker
    "keeps producing audio tokens, but the audio stops corresponding to the intended text", and its
-   table shows main generating less than the fix, not running to the 1900-token limit.
+   table's fewer stress events on main suggest shorter generations than the fix's, not runs to the
+   1900-token limit (an inference from the table, not a measurement).
 5. Sampling: temperature / top-k / top-p over the sim codec vocabulary with a generator seeded
    by (seed, request, position), so identical KV rows give identical tokens under any schedule.
 

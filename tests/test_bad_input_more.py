@@ -502,3 +502,20 @@ def test_F13_resume_with_a_span_missing_fields(tmp_path, small_run):
     lines[4] = json.dumps(span)
     path.write_text("\n".join(lines) + "\n")
     assert_one_line_error(_resume(run_dir), "spans.jsonl", "line 5", "malformed span", "'P'")
+
+
+def test_vllm_scheduler_refusal_is_one_line_before_the_run_directory(tmp_path, monkeypatch):
+    """Whatever else vLLM's SchedulerConfig refuses (its messages span lines) is found by the
+    pre-flight, said on one line naming the deploy file, before any run directory exists."""
+    import vllm.config
+
+    def refuse(**_kwargs):
+        raise ValueError("max_num_batched_tokens (32) is\nsmaller than something.\nPlease increase it.")
+
+    monkeypatch.setattr(vllm.config, "SchedulerConfig", refuse)
+    out = tmp_path / "out"
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS), "--out", str(out),
+                     "--deploy", "stress")
+    assert_one_line_error(res, "stress.yaml: talker: vLLM rejects these scheduler settings:",
+                          "max_num_batched_tokens (32) is smaller than something. Please increase it.")
+    assert not out.exists()

@@ -151,3 +151,23 @@ def test_an_arm_without_serve_and_no_real_environment_is_one_line(tmp_path, monk
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "no-such-python" in lines[0] and "arm 'pr'" in lines[0], out.stderr
+
+
+def test_contract_check_tolerates_bfloat16_rounding_not_wrong_rows() -> None:
+    """vLLM runs the tiny model's Talker in bfloat16 on CPU: correct rows rounded to bf16 are aligned,
+    rows from the wrong positions still are not."""
+    space = RowSpace(0)
+    out = run_thinker(load_prompts("default"), space, 1.0)[0]
+    K = out.output_rows.shape[0]
+    for impl, c, n, want in ((FixedTalker, 16, 32, {"misaligned_text": 0, "misaligned_end": 0}),
+                             (FixedTalker, out.P + K - 3, 6, {"misaligned_text": 0, "misaligned_end": 0}),
+                             (MainTalker, 16, 32, {"misaligned_text": 32, "misaligned_end": 0})):
+        model = bind_arm(impl, space)
+        model.profile_run(64)
+        ids_all = list(out.talker_prompt_ids) + [7, 8, 9, 10, 11, 12] * 40
+        ids = torch.tensor(ids_all[c:c + n], dtype=torch.int64)
+        info = {**out.payload(token_id_table([out])), "_omni_prompt_len": out.P, "_omni_num_computed_tokens": c}
+        embeds = model.talker.embed_input_ids(ids)
+        r_ids, r_embeds, upd = model.talker_preprocess(input_ids=ids, input_embeds=embeds, **info)
+        rounded = (r_ids, r_embeds.to(torch.bfloat16), upd)
+        assert count_misaligned(model, info, ids.clone(), rounded, embeds) == want, (impl.__name__, c, n)

@@ -406,17 +406,16 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
     sink = RecordSink(scorer, requests_out, progress, times)
     cell_walls: dict[str, float] = {}
     cell_extra: dict[str, dict[str, Any]] = {}  # e.g. which implementation a real server ran
-    todo: list[tuple[Cell, frozenset[str]]] = []
+    from harness.backends import CellJob, make_backend
+
+    jobs: list[CellJob] = []
     for cell in plan.cells:
         skip = frozenset(pid for pid in prompt_ids if (cell.arm.name, cell.deploy.name, cell.repeat, pid) in done)
         if len(skip) == len(prompt_ids):
             progress.note(f"{cell.label}: already complete, skipped")
         else:
-            todo.append((cell, skip))
-    from harness.backends import CellJob, make_backend
-
-    jobs = [CellJob(cell.arm, cell.deploy, plan.prompts, cell.repeat, plan.options.seed + cell.repeat - 1, skip)
-            for cell, skip in todo]
+            jobs.append(CellJob(cell.arm, cell.deploy, plan.prompts, cell.repeat,
+                                plan.options.seed + cell.repeat - 1, skip))
     backend = make_backend(plan.options.backend, plan.run_dir, plan.options)
     ok = False
     try:

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from harness.config import ArmSpec, Deploy, PromptSet, SamplingSettings
 from harness.contract import count_events
@@ -27,6 +28,14 @@ from harness.sim.specdec import Drafter, verify
 from harness.sim.talker import SimTalker
 from harness.sim.thinker import run_thinker, token_id_table
 from harness.talkers import load_impl
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+    from pathlib import Path
+
+    from harness.backends import CellJob, CellOutcome, EmitRecord, EmitSpans
+    from harness.pipeline import RunOptions
+    from harness.sim.pool import SimPool
 
 
 @dataclass
@@ -187,18 +196,18 @@ class SimBackend:
 
     name = "sim"
 
-    def __init__(self, run_dir, options) -> None:  # noqa: ANN001 - RunOptions (import cycle)
+    def __init__(self, run_dir: Path, options: RunOptions) -> None:
         self.options = options
         self.code2wav = None
         if options.asr != "none":  # --asr none scores the oracle transcript: no speech needed
             from harness.sim.code2wav import Code2Wav
 
             self.code2wav = Code2Wav.for_options(run_dir, options.cache_dir, options.use_cache)
-        self.pool = None
-        self.futures: dict = {}
+        self.pool: SimPool | None = None
+        self.futures: dict[str, Future] = {}
         self.warm_seconds = 0.0
 
-    def open(self, jobs) -> None:  # noqa: ANN001 - list[CellJob]
+    def open(self, jobs: list[CellJob]) -> None:
         import threading
 
         from harness.sim.pool import SimPool, default_workers
@@ -211,7 +220,8 @@ class SimBackend:
         self.warm_seconds = time.perf_counter() - t0
         self.futures = {j.key: self.pool.submit(j.arm, j.deploy, j.prompts, j.repeat, j.seed, j.skip) for j in jobs}
 
-    def run_cell(self, job, emit, emit_spans, idle):  # noqa: ANN001 - see harness.backends.Backend
+    def run_cell(self, job: CellJob, emit: EmitRecord, emit_spans: EmitSpans,
+                 idle: Callable[[], None]) -> CellOutcome:
         from harness.backends import CellOutcome
 
         t_sim = time.perf_counter()

@@ -123,6 +123,8 @@ def test_manifest_says_which_implementation_ran(real_run: Path) -> None:
     manifest = json.loads((real_run / "manifest.json").read_text())
     want = {"main": "harness.talkers.main:MainTalker", "pr": "harness.talkers.pr:FixedTalker"}
     for cell in manifest["cells"]:
+        sys.stderr.write(f"[real e2e] {cell['arm']}/{cell['deploy']}: {json.dumps(cell['serve_seconds'])}\n")
+        assert cell["serve_seconds"]["server_start_s"] > 0 and cell["serve_seconds"]["requests_s"] > 0
         impl = cell["implementation"]
         assert impl["platform"] == "cpu" and impl["arm"] == want[cell["arm"]]
         workers = impl["workers"]

@@ -332,8 +332,9 @@ def run_cell(
     options: ServeOptions,
     on_request: Callable[[RequestRecord], None],
     on_spans: Callable[[list[SpanRecord]], None],
-) -> None:
-    """Launch the arm's server with the deploy, send every prompt at once, emit records as they complete.
+) -> dict[str, float]:
+    """Launch the arm's server with the deploy, send every prompt at once, emit records as they complete;
+    returns where the cell's time went (``server_start_s``, ``requests_s``, ``server_stop_s``).
 
     Each ``RequestRecord`` is emitted once, right after its response (its Talker spans are already
     traced by then, so ``events`` is filled); its spans go to ``on_spans`` just before it. A server
@@ -382,7 +383,13 @@ def run_cell(
         lambda port: server_argv(arm, deploy, options, port), log_path, env=env, label=label,
         health_timeout_s=options.health_timeout_s,
     )
+    import time
+
+    t0 = time.perf_counter()
+    times: dict[str, float] = {}
     with launcher as server, open(trace / "attempts.jsonl", "a", encoding="utf-8") as attempts_fh:
+        t_healthy = time.perf_counter()
+        times["server_start_s"] = round(t_healthy - t0, 1)
 
         def gone() -> str:
             code = server.proc.poll() if server.proc is not None else None
@@ -405,6 +412,8 @@ def run_cell(
             server.base_url, specs, request_timeout_s=options.request_timeout_s, retries=options.retries,
             on_result=on_result, server_alive=server.alive, server_gone_message=gone,
         ))
+        times["requests_s"] = round(time.perf_counter() - t_healthy, 1)
+        t_stop = time.perf_counter()
         collector.poll()
         leftovers = [s for pid in list(collector.by_prompt) for s in spans_for(pid)]
         if leftovers:
@@ -413,6 +422,7 @@ def run_cell(
             server.stop()
             ok = sum(1 for r in emitted if r.error is None)
             raise UserError(server.death_message(f"during the run ({ok}/{len(specs)} requests completed)"))
+    times["server_stop_s"] = round(time.perf_counter() - t_stop, 1)
 
     if collector.total == 0 and any(r.error is None for r in emitted):
         progress(f"warning: no Talker spans were traced for {arm.name}/{deploy.name} r{repeat}: is omni-stress "
@@ -421,6 +431,7 @@ def run_cell(
     elif collector.unmatched or collector.unusable:
         print(f"omni-stress: {arm.name}/{deploy.name} r{repeat}: ignored {collector.unmatched} trace lines of "
               f"unknown requests and {collector.unusable} without runner metadata", file=sys.stderr)
+    return times
 
 
 def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.ChatResult,
@@ -477,11 +488,11 @@ class ServeBackend:
             if record.prompt_id not in job.skip:
                 emit(record)
 
-        run_cell(job.arm, job.deploy, job.prompts, job.repeat, self.run_dir, self.options,
-                 on_request=on_request, on_spans=emit_spans)
+        times = run_cell(job.arm, job.deploy, job.prompts, job.repeat, self.run_dir, self.options,
+                         on_request=on_request, on_spans=emit_spans)
         return CellOutcome(seconds=time.perf_counter() - t0,
                            extra={"implementation": implementation_of(self.run_dir, job.arm, job.deploy, job.repeat,
-                                                                      self.options)})
+                                                                      self.options), "serve_seconds": times})
 
     def close(self, cancel: bool = False) -> None:
         return None

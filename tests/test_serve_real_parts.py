@@ -95,7 +95,7 @@ def test_contract_check_counts_nothing_for_pr(c: int, n: int) -> None:
 def test_contract_check_counts_mains_chunk_rows() -> None:
     got, out = _call(MainTalker, 16, 32)  # main copies prompt rows 0..31 into positions 16..47
     assert out.P > 48
-    assert got == {"misaligned_text": 32, "misaligned_end": 0}
+    assert got == {"misaligned_text": 32, "misaligned_end": 0, "first_misaligned": 16}
 
 
 def test_contract_check_splits_regions_past_text_eos() -> None:
@@ -109,7 +109,8 @@ def test_contract_check_splits_regions_past_text_eos() -> None:
     ids = torch.tensor([5, 6], dtype=torch.int64)
     info = {**out.payload(token_id_table([out])), "_omni_prompt_len": out.P, "_omni_num_computed_tokens": c}
     wrong = (ids, model.talker.embed_input_ids(ids), {})  # codec rows without the text-PAD component
-    assert count_misaligned(model, info, ids, wrong, None) == {"misaligned_text": 0, "misaligned_end": 2}
+    assert count_misaligned(model, info, ids, wrong, None) == {"misaligned_text": 0, "misaligned_end": 2,
+                                                               "first_misaligned": c}
 
 
 def test_contract_check_reports_a_payload_it_cannot_use() -> None:
@@ -161,7 +162,8 @@ def test_contract_check_tolerates_bfloat16_rounding_not_wrong_rows() -> None:
     K = out.output_rows.shape[0]
     for impl, c, n, want in ((FixedTalker, 16, 32, {"misaligned_text": 0, "misaligned_end": 0}),
                              (FixedTalker, out.P + K - 3, 6, {"misaligned_text": 0, "misaligned_end": 0}),
-                             (MainTalker, 16, 32, {"misaligned_text": 32, "misaligned_end": 0})):
+                             (MainTalker, 16, 32, {"misaligned_text": 32, "misaligned_end": 0,
+                                                   "first_misaligned": 16})):
         model = bind_arm(impl, space)
         model.profile_run(64)
         ids_all = list(out.talker_prompt_ids) + [7, 8, 9, 10, 11, 12] * 40

@@ -76,7 +76,7 @@ TRACE_KEYS = (
     "time",
     "error",
 )
-CONTRACT_KEYS = ("misaligned_text", "misaligned_end", "contract_error")  # added by the contract check
+CONTRACT_KEYS = ("misaligned_text", "misaligned_end", "first_misaligned", "contract_error")  # the contract check
 _MARK = "__omni_stress_traced__"
 
 

@@ -92,7 +92,8 @@ def delivered_rows(result: Any, embeds_after: Any, n: int) -> tuple[Any, int]:
 
 def count_misaligned(model: Any, info: dict[str, Any], ids_before: Any, result: Any, embeds_after: Any
                      ) -> dict[str, Any]:
-    """``{"misaligned_text": t, "misaligned_end": e}`` for one call, or ``{"contract_error": why}``."""
+    """``{"misaligned_text": t, "misaligned_end": e}`` (plus ``first_misaligned``, the first such position,
+    when there is one) for one call, or ``{"contract_error": why}``."""
     import torch
 
     try:
@@ -109,6 +110,9 @@ def count_misaligned(model: Any, info: dict[str, Any], ids_before: Any, result: 
         bad = [c + i for i in range(defined) if not bool(close[i])] + [c + defined + i for i in range(undefined)]
         _, thinker_result, _, _ = _payload(info)
         text, end = misaligned_regions(bad, P, int(thinker_result.shape[0]) - 1)
-        return {"misaligned_text": text, "misaligned_end": end}
+        out: dict[str, Any] = {"misaligned_text": text, "misaligned_end": end}
+        if bad:
+            out["first_misaligned"] = bad[0]
+        return out
     except Exception as exc:  # noqa: BLE001 - the check must never break the server
         return {"contract_error": f"{type(exc).__name__}: {exc}"}

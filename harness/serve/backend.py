@@ -80,15 +80,14 @@ def default_serve_python(options: ServeOptions | None = None) -> str | None:
 # ---------------------------------------------------------------------------- paths and command
 
 
-_safe = safe_name
 
 
 def server_log_path(run_dir: Path, arm: ArmSpec, deploy: Deploy) -> Path:
-    return Path(run_dir) / f"server-{_safe(arm.name)}-{_safe(deploy.name)}.log"
+    return Path(run_dir) / f"server-{safe_name(arm.name)}-{safe_name(deploy.name)}.log"
 
 
 def cell_dir(run_dir: Path, arm: ArmSpec, deploy: Deploy, repeat: int | str) -> Path:
-    return Path(run_dir) / "serve" / f"{_safe(arm.name)}-{_safe(deploy.name)}-r{repeat}"
+    return Path(run_dir) / "serve" / f"{safe_name(arm.name)}-{safe_name(deploy.name)}-r{repeat}"
 
 
 def audio_rel_path(arm: ArmSpec, deploy: Deploy, repeat: int, prompt_id: str) -> str:
@@ -109,10 +108,6 @@ def serve_settings(arm: ArmSpec, options: ServeOptions | None = None) -> ServeSe
     return ServeSettings(python=python)
 
 
-def _require_serve(arm: ArmSpec, options: ServeOptions | None = None) -> ServeSettings:
-    return serve_settings(arm, options)
-
-
 def _resolve_python(python: str) -> str:
     """A relative interpreter path is taken from the working directory, else from this checkout."""
     path = Path(os.path.expanduser(python))
@@ -124,7 +119,7 @@ def _resolve_python(python: str) -> str:
 
 def server_prefix(arm: ArmSpec, options: ServeOptions | None = None) -> list[str]:
     """``[python, -m, vllm.entrypoints.cli.main]`` or the arm's command prefix (e.g. ``[/venv/bin/vllm]``)."""
-    serve = _require_serve(arm, options)
+    serve = serve_settings(arm, options)
     if serve.command:
         return [os.path.expanduser(serve.command[0]), *serve.command[1:]]
     assert serve.python is not None
@@ -205,7 +200,7 @@ def check_plugin_installed(python: str, timeout_s: float = 60.0) -> str | None:
 
 def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOptions) -> str:
     """For ``--dry-run``: the exact command line, environment and files of one cell (nothing started)."""
-    _require_serve(arm, options)
+    serve_settings(arm, options)
     translation = translate_deploy(deploy, options.resolved_platform)
     run_dir = Path(run_dir).resolve()  # as run_cell: the server gets absolute paths
     trace = cell_dir(run_dir, arm, deploy, "<repeat>")
@@ -237,6 +232,7 @@ def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOpt
         f"#   {server_log_path(run_dir, arm, deploy)}  (server log)",
         f"#   {trace}/trace-<pid>.jsonl  (Talker spans, trace plugin)",
         f"#   {trace}/attempts.jsonl  (HTTP attempts)",
+        # wav_rel_path would make "<prompt_id>" file-name safe: a placeholder stands in for it
         f"#   {Path(run_dir) / wav_rel_path(arm.name, deploy.name, '<repeat>', 'PROMPT')}  (audio)".replace(
             "PROMPT", "<prompt_id>"),
     ]
@@ -341,7 +337,7 @@ def run_cell(
     that dies mid-run: records already emitted stay, the rest get an error naming the log, then
     ``UserError`` (exit 2).
     """
-    serve = _require_serve(arm, options)
+    serve = serve_settings(arm, options)
     translation = translate_deploy(deploy, options.resolved_platform)  # refuse untranslatable deploys first
     run_dir = Path(run_dir).resolve()  # the server gets absolute paths whatever its working directory
     if serve.python and not serve.command:

@@ -107,7 +107,8 @@ def count_misaligned(model: Any, info: dict[str, Any], ids_before: Any, result: 
         eps = torch.finfo(got.dtype).eps if got.dtype.is_floating_point else 0.0
         tol = ULPS * eps * (want.abs() + want.abs().mean(dim=1, keepdim=True))
         close = ((got.float() - want).abs() <= tol).all(dim=1)
-        bad = [c + i for i in range(defined) if not bool(close[i])] + [c + defined + i for i in range(undefined)]
+        # one device-to-host copy per call (a GPU worker would otherwise sync once per position)
+        bad = [c + int(i) for i in (~close).nonzero().flatten().tolist()] + [c + defined + i for i in range(undefined)]
         _, thinker_result, _, _ = _payload(info)
         text, end = misaligned_regions(bad, P, int(thinker_result.shape[0]) - 1)
         out: dict[str, Any] = {"misaligned_text": text, "misaligned_end": end}

@@ -151,15 +151,14 @@ CASES: list[tuple[str, Callable[[Path], list[str]], list[str]]] = [
     ("resume-unreadable-manifest", lambda t: ["--resume", _run_dir_with(t, "{ torn")],
      ["old-run", "manifest.json", "unreadable manifest"]),
     ("dry-run-with-sim", lambda t: ["--dry-run"], ["--dry-run applies to --backend vllm-omni"]),
-    ("vllm-omni-arm-without-serve", lambda t: ["--backend", "vllm-omni", "--arm", f"plug={PLUGINS}:raising_talker"],
-     ["arm 'plug' has no 'serve' entry", "arms.yaml"]),
+    ("vllm-omni-arm-without-serve-and-no-real-env",
+     lambda t: ["--backend", "vllm-omni", "--serve-python", str(t / "no-venv" / "python"),
+                "--arm", f"plug={PLUGINS}:raising_talker"],
+     ["arm 'plug': interpreter", "no-venv/python' not found", "scripts/install-real-cpu.sh"]),
     ("option-value-out-of-range", lambda t: ["--repeat", "0"],
      ["Invalid value for '--repeat': 0 is not in the range 1<=x<=100.", "(see 'omni-stress run --help')"]),
     ("unknown-option", lambda t: ["--arms", "main"],
      ["No such option '--arms'", "(see 'omni-stress run --help')"]),
-    ("vllm-omni-dry-run-arm-without-serve",
-     lambda t: ["--backend", "vllm-omni", "--dry-run", "--arm", f"plug={PLUGINS}:raising_talker"],
-     ["arm 'plug' has no 'serve' entry"]),
 ]
 
 
@@ -276,8 +275,10 @@ def fake_arms(tmp_path):
 
     def write(**env: str) -> str:
         fake = REPO / "tests" / "fake_vllm" / "fake_vllm_serve.py"
+        # the fake is "an installed vLLM-Omni as it is": no arm bound into it, no contract check on its rows
         arms = {"arms": {"main": {"talker": "harness.talkers.main:MainTalker",
-                                  "serve": {"command": [sys.executable, str(fake)], "env": env}}}}
+                                  "serve": {"command": [sys.executable, str(fake)], "bind_arm": False,
+                                            "env": {"OMNI_STRESS_CONTRACT": "0", **env}}}}}
         path = tmp_path / "arms.yaml"
         path.write_text(yaml.safe_dump(arms))
         return str(path)

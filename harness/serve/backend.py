@@ -126,17 +126,22 @@ def server_prefix(arm: ArmSpec, options: ServeOptions | None = None) -> list[str
     return [_resolve_python(serve.python), "-m", CLI_MODULE]
 
 
+def _existing_python(arm: ArmSpec, serve: ServeSettings) -> str:
+    assert serve.python is not None
+    python = _resolve_python(serve.python)
+    if not Path(python).exists():
+        raise UserError(f"arm '{arm.name}': interpreter {python!r} not found (run scripts/install-real-cpu.sh, "
+                        "give --serve-python, or fix the arm's serve: python)")
+    return python
+
+
 def preflight_arm(arm: ArmSpec, options: ServeOptions | None = None) -> None:
     """Before any run directory exists: the arm's interpreter exists and has this package's plugin."""
     serve = serve_settings(arm, options)
     if serve.command:
         server_prefix(arm, options)
         return
-    assert serve.python is not None
-    python = _resolve_python(serve.python)
-    if not Path(python).exists():
-        raise UserError(f"arm '{arm.name}': interpreter {python!r} not found (run scripts/install-real-cpu.sh, "
-                        "give --serve-python, or fix the arm's serve: python)")
+    python = _existing_python(arm, serve)
     problem = check_plugin_installed(python)
     if problem:
         raise UserError(f"arm '{arm.name}': {problem}")
@@ -200,7 +205,7 @@ def check_plugin_installed(python: str, timeout_s: float = 60.0) -> str | None:
 
 def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOptions) -> str:
     """For ``--dry-run``: the exact command line, environment and files of one cell (nothing started)."""
-    serve_settings(arm, options)
+    serve_settings(arm, options)  # a dry run may describe a GPU host's interpreter that this machine lacks
     translation = translate_deploy(deploy, options.resolved_platform)
     run_dir = Path(run_dir).resolve()  # as run_cell: the server gets absolute paths
     trace = cell_dir(run_dir, arm, deploy, "<repeat>")

@@ -288,12 +288,7 @@ class AudioScorer:
             from harness.audio.cache import TranscriptCache
 
             self.transcriber = make_transcriber(options.asr, options.asr_model, options.beam_size)
-            if not options.use_cache:
-                self.cache = TranscriptCache(None)
-            elif options.cache_dir:
-                self.cache = TranscriptCache(options.cache_dir / "transcripts")
-            else:
-                self.cache = TranscriptCache.default()
+            self.cache = TranscriptCache.for_run(options.cache_dir, options.use_cache)
             if options.asr_workers != 0:
                 from harness.audio.pool import AsrPool, PoolSpec, default_workers
 

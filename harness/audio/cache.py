@@ -48,6 +48,14 @@ def default_tts_dir() -> Path:
     return cache_root() / "tts"
 
 
+def run_cache_dir(cache_dir: Path | None, use_cache: bool, sub: str, default: Path) -> Path | None:
+    """Where a run keeps one cache: ``None`` (memory only) with ``--no-cache``, ``<--cache-dir>/<sub>``,
+    else the default folder. One rule for the transcript and TTS caches."""
+    if not use_cache:
+        return None
+    return Path(cache_dir) / sub if cache_dir else default
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -82,6 +90,10 @@ class TranscriptCache:
     @classmethod
     def default(cls) -> TranscriptCache:
         return cls(default_transcript_dir())
+
+    @classmethod
+    def for_run(cls, cache_dir: Path | None, use_cache: bool) -> TranscriptCache:
+        return cls(run_cache_dir(cache_dir, use_cache, "transcripts", default_transcript_dir()))
 
     def _file(self, sha256: str, key: str) -> Path:
         assert self.directory is not None
@@ -157,6 +169,10 @@ class AudioCache:
     @classmethod
     def default(cls) -> AudioCache:
         return cls(default_tts_dir())
+
+    @classmethod
+    def for_run(cls, cache_dir: Path | None, use_cache: bool) -> AudioCache:
+        return cls(run_cache_dir(cache_dir, use_cache, "tts", default_tts_dir()))
 
     def _file(self, key: str) -> Path:
         assert self.directory is not None

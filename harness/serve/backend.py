@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,8 +385,6 @@ def run_cell(
         lambda port: server_argv(arm, deploy, options, port), log_path, env=env, label=label,
         health_timeout_s=options.health_timeout_s,
     )
-    import time
-
     t0 = time.perf_counter()
     times: dict[str, float] = {}
     with launcher as server, open(trace / "attempts.jsonl", "a", encoding="utf-8") as attempts_fh:
@@ -481,8 +480,6 @@ class ServeBackend:
 
     def run_cell(self, job: Any, emit: Callable[[RequestRecord], None],
                  emit_spans: Callable[[list[SpanRecord]], None], idle: Callable[[], None]) -> CellOutcome:
-        import time
-
         t0 = time.perf_counter()
 
         def on_request(record: RequestRecord) -> None:

@@ -25,13 +25,7 @@ class Code2Wav:
 
     @classmethod
     def for_options(cls, run_dir: Path, cache_dir: Path | None, use_cache: bool) -> Code2Wav:
-        if not use_cache:
-            cache = AudioCache(None)
-        elif cache_dir:
-            cache = AudioCache(Path(cache_dir) / "tts")
-        else:
-            cache = AudioCache.default()
-        return cls(run_dir, cache)
+        return cls(run_dir, AudioCache.for_run(cache_dir, use_cache))
 
     def speak(self, record: RequestRecord, units: list[str]) -> None:
         from harness.audio.tts import speak

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from harness.errors import ConfigError
+from harness.errors import ConfigError, short_repr
 from harness.sim.physics import FRAMES_PER_TEXT_TOKEN
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +61,7 @@ def check_name(value: str) -> str | None:
     """None when ``value`` is a safe file-name component, else what is wrong with it."""
     if SAFE_NAME.fullmatch(value):
         return None
-    return f"{value!r} is not a safe name ({SAFE_NAME_RULE}; it names files in the run directory)"
+    return f"{short_repr(value)} is not a safe name ({SAFE_NAME_RULE}; it names files in the run directory)"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -109,11 +109,14 @@ def load_yaml(path: Path) -> Any:
         line = raw[:exc.start].count(b"\n") + 1
         raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
                           "save the file as UTF-8") from None
+    if (bad := _NON_PRINTABLE.search(text)) is not None:
+        raise ConfigError(f"{path}: {_where(text, bad.start())}: {_char_name(bad.group())} is not allowed in YAML "
+                          "(control characters cannot appear in a config file, even quoted); remove it") from None
     loader = _StrictLoader(text)
     try:
         return loader.get_single_data()
     except _DuplicateKey as exc:
-        raise ConfigError(f"{path}: line {exc.again}: duplicate key {exc.key!r} (first given on line {exc.first})") \
+        raise ConfigError(f"{path}: line {exc.again}: duplicate key {short_repr(exc.key)} (first given on line {exc.first})") \
             from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -125,6 +128,26 @@ def load_yaml(path: Path) -> Any:
                           "(a config file needs a few levels)") from None
     finally:
         loader.dispose()
+
+
+# What PyYAML's reader refuses (yaml.reader.Reader.NON_PRINTABLE): checked first, so the error names the
+# line, column and character instead of a ReaderError traceback with an offset into the text.
+_NON_PRINTABLE = re.compile("[^\x09\x0A\x0D\x20-\x7E\x85\xA0-\uD7FF\uE000-\uFFFD\U00010000-\U0010ffff]")
+_CONTROL_NAMES = {0x00: "NUL", 0x08: "backspace", 0x0B: "vertical tab", 0x0C: "form feed",
+                  0x1B: "ESC, the start of a terminal escape sequence", 0x7F: "DEL"}
+
+
+def _where(text: str, offset: int) -> str:
+    line = text.count("\n", 0, offset) + 1
+    column = offset - (text.rfind("\n", 0, offset) + 1) + 1
+    return f"line {line} column {column}"
+
+
+def _char_name(ch: str) -> str:
+    """``control character U+001B (ESC, ...)``: never the character itself (it could drive the terminal)."""
+    name = _CONTROL_NAMES.get(ord(ch)) or unicodedata.name(ch, "").lower() or "a control character"
+    kind = "control character" if unicodedata.category(ch).startswith("C") else "character"
+    return f"{kind} U+{ord(ch):04X} ({name})"
 
 
 def file_hash(path: Path) -> str:
@@ -151,7 +174,8 @@ class _Fields:
         for key in self.data:
             if key not in allowed:
                 hint = ", ".join(sorted(allowed))
-                raise self.fail(str(key), f"unknown key (allowed: {hint})")
+                raise self.fail(short_repr(key) if not isinstance(key, str) or len(key) > 200 else key,
+                                f"unknown key (allowed: {hint})")
 
     def sub(self, key: str) -> _Fields:
         return _Fields(self.source, self.data.get(key), f"{self.name(key)}.")
@@ -166,7 +190,7 @@ class _Fields:
                 raise self.fail(key, "missing required field")
             return None
         if not isinstance(value, str) or (required and not value.strip()):
-            raise self.fail(key, f"must be a non-empty string, got {value!r}")
+            raise self.fail(key, f"must be a non-empty string, got {short_repr(value)}")
         return value
 
     def int_(self, key: str, default: int | None = None, minimum: int = 1, maximum: int | None = None,
@@ -176,9 +200,9 @@ class _Fields:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            raise self.fail(key, f"must be {kind}, got {value!r}")
+            raise self.fail(key, f"must be {kind}, got {short_repr(value)}")
         if maximum is not None and value > maximum:
-            raise self.fail(key, f"must be at most {maximum}{f' ({why})' if why else ''}, got {value!r}")
+            raise self.fail(key, f"must be at most {maximum}{f' ({why})' if why else ''}, got {short_repr(value)}")
         return value
 
     def float_(self, key: str, default: float | None, lo: float, hi: float) -> float | None:
@@ -186,13 +210,13 @@ class _Fields:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-            raise self.fail(key, f"must be a number in [{lo}, {hi}], got {value!r}")
+            raise self.fail(key, f"must be a number in [{lo}, {hi}], got {short_repr(value)}")
         return float(value)
 
     def bool_(self, key: str, default: bool) -> bool:
         value = self.data.get(key, default)
         if not isinstance(value, bool):
-            raise self.fail(key, f"must be true or false, got {value!r}")
+            raise self.fail(key, f"must be true or false, got {short_repr(value)}")
         return value
 
 
@@ -283,7 +307,7 @@ def _dataclass_from(fields: _Fields, cls: type, floats: dict[str, tuple[float, f
         elif isinstance(default, bool) or "bool" in str(f.type):
             value = fields.data[f.name]
             if value is not None and not isinstance(value, bool):
-                raise fields.fail(f.name, f"must be true or false, got {value!r}")
+                raise fields.fail(f.name, f"must be true or false, got {short_repr(value)}")
             kwargs[f.name] = value
         elif isinstance(default, float):
             kwargs[f.name] = fields.float_(f.name, None, 0.0, 1e9)
@@ -410,11 +434,11 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
         f.reject_unknown({"talker", "description", "serve", "role"})
         role = f.data.get("role", "candidate")
         if role not in ARM_ROLES:
-            raise f.fail("role", f"must be one of {', '.join(ARM_ROLES)}, got {role!r}")
+            raise f.fail("role", f"must be one of {', '.join(ARM_ROLES)}, got {short_repr(role)}")
         talker = f.str_("talker", required=True)
         assert talker is not None
         if ":" not in talker:
-            raise f.fail("talker", f"must be 'package.module:attr', got {talker!r}")
+            raise f.fail("talker", f"must be 'package.module:attr', got {short_repr(talker)}")
         serve = None
         if f.has("serve"):
             s = f.sub("serve")
@@ -429,7 +453,7 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
                 raise s.fail("python", "give 'python' (a venv interpreter) or 'command' (a prefix)")
             bind_arm = s.data.get("bind_arm", True)
             if not isinstance(bind_arm, bool):
-                raise s.fail("bind_arm", f"must be true or false, got {bind_arm!r}")
+                raise s.fail("bind_arm", f"must be true or false, got {short_repr(bind_arm)}")
             serve = ServeSettings(python=s.str_("python"), command=tuple(command),
                                   env={str(k): str(v) for k, v in env.items()}, bind_arm=bind_arm)
         arms[str(name)] = ArmSpec(name=str(name), talker=talker, description=f.str_("description") or "",
@@ -515,7 +539,7 @@ def load_prompts(name_or_path: str) -> PromptSet:
         if (bad := _unspeakable(reply)) is not None:
             raise f.fail("reply", bad)
         if pid in seen:
-            raise f.fail("id", f"duplicate prompt id {pid!r}")
+            raise f.fail("id", f"duplicate prompt id {short_repr(pid)}")
         seen.add(pid)
         n = len(tokenize(reply))
         if n > MAX_REPLY_TOKENS:

@@ -9,3 +9,19 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A config file, field or value is wrong; the message names it."""
+
+
+SHORT_REPR_CHARS = 200
+
+
+def short_repr(value: object, limit: int = SHORT_REPR_CHARS) -> str:
+    """``repr(value)`` for an error message, at most about ``limit`` characters, computed without
+    building the whole repr: a YAML alias bomb of 509 bytes expands to a value whose full repr is
+    hundreds of megabytes (issue 24, case 12)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 8, 8, 8, 8
+    r.maxstring = r.maxother = r.maxlong = limit
+    text = r.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import DEPLOY_DIR, load_yaml
-from harness.errors import ConfigError
+from harness.errors import ConfigError, short_repr
 from harness.summary import (
     ROLES,
     CellKey,
@@ -148,20 +148,20 @@ class Rules:
 
 
 def _number(source: str, where: str, value: Any, lo: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo:
-        raise ConfigError(f"{source}: {where}: must be a number >= {lo:g}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= lo or value == float("inf"):
+        raise ConfigError(f"{source}: {where}: must be a finite number >= {lo:g}, got {short_repr(value)}")
     return float(value)
 
 
 def _string(source: str, where: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{source}: {where}: must be a non-empty string, got {value!r}")
+        raise ConfigError(f"{source}: {where}: must be a non-empty string, got {short_repr(value)}")
     return value
 
 
 def _bool(source: str, where: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{source}: {where}: must be true or false, got {value!r}")
+        raise ConfigError(f"{source}: {where}: must be true or false, got {short_repr(value)}")
     return value
 
 
@@ -198,7 +198,7 @@ def _parse_rule(item: Any, where: str, source: str, default_ref: str | None) -> 
     arm = _string(source, f"{where}.arm", item.get("arm", "*"))
     role = _string(source, f"{where}.role", item.get("role", "*"))
     if role != "*" and role not in ROLES:
-        raise ConfigError(f"{source}: {where}.role: must be {', '.join(ROLES)} or \"*\", got {role!r}")
+        raise ConfigError(f"{source}: {where}.role: must be {', '.join(ROLES)} or \"*\", got {short_repr(role)}")
     deploy = _string(source, f"{where}.deploy", item["deploy"])
     default_name = f"{arm}/{deploy}" if "arm" in item else f"{role}/{deploy}"
     name = _string(source, f"{where}.name", item.get("name", default_name))
@@ -217,7 +217,7 @@ def _parse_rule(item: Any, where: str, source: str, default_ref: str | None) -> 
         bounds.append(Bound(metric, op, _number(source, f"{where}.{key}", value, lo)))
     expect = item.get("expect", "pass")
     if expect not in ("pass", "fail"):
-        raise ConfigError(f"{source}: {where}.expect: must be 'pass' or 'fail', got {expect!r}")
+        raise ConfigError(f"{source}: {where}.expect: must be 'pass' or 'fail', got {short_repr(expect)}")
     stress = _bool(source, f"{where}.stress", item.get("stress", False))
     optional = _bool(source, f"{where}.optional", item.get("optional", False))
     keys = {b.key for b in bounds}

@@ -107,8 +107,12 @@ class RunPlan:
 
 
 def new_run_id(arms: list[ArmSpec], deploys: list[Deploy]) -> str:
+    """``<date>-<time>-<arms>-<6 hex>``: the random suffix keeps two jobs started in the same second
+    with the same arms and ``--out`` (a CI matrix over deploys) from colliding on one directory."""
+    import secrets
+
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return f"{stamp}-{'-'.join(a.name for a in arms)}"[:80]
+    return f"{stamp}-{'-'.join(a.name for a in arms)}"[:72] + f"-{secrets.token_hex(3)}"
 
 
 def config_hashes(arms: list[ArmSpec], deploys: list[Deploy], prompts: PromptSet) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -23,6 +24,14 @@ from harness.rundir import (
 from harness.sim import armcall
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A number of seconds: ``nan`` passes click's range checks (every comparison with it is false)
+    and would disable the limit, ``inf`` waits forever, a negative number means nothing."""
+    if value is not None and (math.isnan(value) or math.isinf(value) or value < 0):
+        raise click.BadParameter(f"{value!r} is not a number of seconds (a finite number >= 0)", ctx, param)
+    return value
+
+
 @click.command("run")
 @click.option("--arm", "arms", multiple=True, default=("main", "pr"), show_default=True,
               help="Arm from deploy_configs/arms.yaml, or NAME=package.module:attr. Repeatable.")
@@ -39,7 +48,7 @@ from harness.sim import armcall
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
               help="Folder for run directories.")
 @click.option("--run-id", default=None,
-              help="Name of the run directory inside --out (letters, digits, '.', '_', '-'; default: timestamp and arms).")
+              help="Name of the run directory inside --out (letters, digits, '.', '_', '-'; default: timestamp, arms and a random suffix).")
 @click.option("--resume", "resume_dir", type=click.Path(path_type=Path), default=None,
               help="Continue an interrupted run directory: completed requests are kept, the rest run.")
 @click.option("--backend", type=click.Choice(["sim", "vllm-omni"]), default="sim", show_default=True)
@@ -59,9 +68,9 @@ from harness.sim import armcall
 @click.option("--dry-run", is_flag=True, help="vllm-omni backend: print the commands and files, run nothing.")
 @click.option("--model", default="Qwen/Qwen2.5-Omni-7B", show_default=True,
               help="vllm-omni backend: model path or name given to `vllm serve`.")
-@click.option("--health-timeout", type=float, default=1800.0, show_default=True,
+@click.option("--health-timeout", type=float, callback=_finite, default=1800.0, show_default=True,
               help="vllm-omni backend: seconds to wait for /health.")
-@click.option("--request-timeout", type=float, default=900.0, show_default=True,
+@click.option("--request-timeout", type=float, callback=_finite, default=900.0, show_default=True,
               help="vllm-omni backend: seconds per request.")
 @click.option("--platform", "serve_platform", type=click.Choice(["auto", "gpu", "cpu"]), default="auto",
               show_default=True, help="vllm-omni backend: the server's platform profile (auto: gpu when this host "
@@ -69,7 +78,7 @@ from harness.sim import armcall
 @click.option("--serve-python", type=click.Path(path_type=Path), default=None,
               help="vllm-omni backend: interpreter for arms whose arms.yaml entry has no serve: entry "
               "(default $OMNI_STRESS_SERVE_PYTHON, else ./.venv-omni/bin/python).")
-@click.option("--arm-timeout", type=click.FloatRange(0, 86400), default=armcall.DEFAULT_LIMIT_S, show_default=True,
+@click.option("--arm-timeout", type=click.FloatRange(0, 86400), callback=_finite, default=armcall.DEFAULT_LIMIT_S, show_default=True,
               help="sim: seconds one talker_preprocess call may take before it fails its request (0: no limit).")
 def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
             asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout,

@@ -20,9 +20,11 @@ no request (profiling or warm-up calls) are ignored. A retried request is sent w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -178,6 +180,20 @@ def server_env_overrides(arm: ArmSpec, trace_dir: Path, options: ServeOptions | 
     return env
 
 
+ENV_PREFIX = "OMNI_STRESS_"
+
+
+def server_env(arm: ArmSpec, trace_dir: Path, options: ServeOptions | None = None,
+               translation: DeployTranslation | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's whole environment: ours (``base``, default ``os.environ``) without any
+    ``OMNI_STRESS_*`` variable, plus ``server_env_overrides``. Every ``OMNI_STRESS_*`` a server sees
+    is set here for it (the trace directory, the bound arm, the arm's serve ``env``), never inherited:
+    a stray ``OMNI_STRESS_ARM`` in the shell would bind an arm into a ``bind_arm: false`` server."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith(ENV_PREFIX)}
+    env.update(server_env_overrides(arm, trace_dir, options, translation))
+    return env
+
+
 def check_plugin_installed(python: str, timeout_s: float = 60.0) -> str | None:
     """None if ``python`` sees this package's ``vllm.general_plugins`` entry point, else why not.
 
@@ -206,7 +222,17 @@ def check_plugin_installed(python: str, timeout_s: float = 60.0) -> str | None:
 
 def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOptions) -> str:
     """For ``--dry-run``: the exact command line, environment and files of one cell (nothing started)."""
-    serve_settings(arm, options)  # a dry run may describe a GPU host's interpreter that this machine lacks
+    # A dry run describes what would run, also on a machine without the interpreter (a GPU host's
+    # environment, or .venv-omni not installed here): a line says so; only a real run refuses.
+    missing = None
+    if arm.serve is None and default_serve_python(options) is None:
+        options = dataclasses.replace(options, default_python=DEFAULT_SERVE_PYTHON)
+    serve = serve_settings(arm, options)
+    if serve.command:
+        if shutil.which(os.path.expanduser(serve.command[0])) is None:
+            missing = f"command {serve.command[0]!r}"
+    elif serve.python is not None and not Path(_resolve_python(serve.python)).exists():
+        missing = f"interpreter {_resolve_python(serve.python)!r}"
     translation = translate_deploy(deploy, options.resolved_platform)
     run_dir = Path(run_dir).resolve()  # as run_cell: the server gets absolute paths
     trace = cell_dir(run_dir, arm, deploy, "<repeat>")
@@ -223,6 +249,9 @@ def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOpt
         f"{translation.platform}" + (f", arm {arm.talker} bound onto the installed model" if binds_arm(arm, options)
                                     else ", the installed vLLM-Omni as it is"),
         "# server ($PORT: a free port on 127.0.0.1 picked at launch; own process group; stopped with SIGINT -> SIGTERM -> SIGKILL)",
+        *([f"# {missing} is not installed here: a real run on this machine refuses (run scripts/install-real-cpu.sh, "
+           "give --serve-python, or fix the arm's serve: entry)"] if missing else []),
+        f"# environment: this shell's, without its {ENV_PREFIX}* variables, plus:",
         f"env {env_text} \\",
         f"  {cmd}",
         f"# --stage-overrides (stage 0 Thinker, 1 Talker, 2 Code2Wav; {translation.platform} profile), on top of the "
@@ -356,7 +385,7 @@ def run_cell(
         stale.unlink(missing_ok=True)  # a rerun of this cell must not see the previous server's spans
     (run_dir / "audio").mkdir(parents=True, exist_ok=True)
     log_path = server_log_path(run_dir, arm, deploy)
-    env = {**os.environ, **server_env_overrides(arm, trace, options, translation)}
+    env = server_env(arm, trace, options, translation)
     label = f"vllm-omni server for arm '{arm.name}' deploy '{deploy.name}' (repeat {repeat})"
 
     specs: list[chat.RequestSpec] = []

@@ -1,11 +1,22 @@
-"""The ``omni-stress`` command group."""
+"""The ``omni-stress`` command group.
+
+Each command lives in ``harness/commands/<module>.py`` (a ``command`` made by ``@click.command``)
+and is imported only when it runs, so ``--help``, ``report``, ``gate``, ``compare`` and ``list``
+start without torch, vLLM, Whisper or matplotlib (tests/test_lazy_imports.py). ``--help`` and
+the command names come from the modules' source, read with ``ast``: the ``@click.command("NAME")``
+decorator and the function's docstring, the text click itself would show, with nothing to keep
+in step by hand.
+"""
 
 from __future__ import annotations
 
+import ast
 import errno
 import importlib
 import pkgutil
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import click
 
@@ -13,9 +24,87 @@ import harness.commands
 from harness.errors import UserError
 
 
+@dataclass(frozen=True)
+class _Listed:
+    """A command as ``--help`` lists it, before its module is imported."""
+
+    module: str  # in harness.commands
+    help: str | None
+    short_help: str | None = None
+    hidden: bool = False
+
+
+def _read_command(path: Path) -> tuple[str, _Listed] | None:
+    """NAME and help of the ``command`` that ``@click.command(...)`` makes in PATH; None when the
+    source does not say them plainly (the module is then imported to ask)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    except (OSError, UnicodeDecodeError, SyntaxError):
+        return None
+    for node in tree.body:
+        if not (isinstance(node, ast.FunctionDef) and node.name == "command"):
+            continue
+        for deco in node.decorator_list:
+            if (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Attribute) and deco.func.attr == "command"
+                    and isinstance(deco.func.value, ast.Name) and deco.func.value.id == "click"):
+                try:
+                    kw = {k.arg: ast.literal_eval(k.value) for k in deco.keywords}
+                    name = ast.literal_eval(deco.args[0]) if deco.args else kw.get("name")
+                except ValueError:
+                    return None
+                if not isinstance(name, str) or set(kw) - {"name", "help", "short_help", "hidden"}:
+                    return None
+                return name, _Listed(path.stem, kw.get("help") or ast.get_docstring(node, clean=False),
+                                     kw.get("short_help"), bool(kw.get("hidden", False)))
+    return None
+
+
 class _Group(click.Group):
     """Turns UserError, click's own usage errors (a bad option value, an unknown option) and a
-    full disk into one line on stderr and exit code 2, with no traceback and no usage block."""
+    full disk into one line on stderr and exit code 2, with no traceback and no usage block.
+
+    Commands load lazily: ``get_command`` imports ``harness.commands.<module>`` the first time the
+    command is asked for; ``--help`` lists them from their source without importing any."""
+
+    _listed: dict[str, _Listed] | None = None
+
+    def listed(self) -> dict[str, _Listed]:
+        """Every command in harness/commands, by name (a module whose source is unclear is imported)."""
+        if self._listed is None:
+            listed: dict[str, _Listed] = {}
+            for info in pkgutil.iter_modules(harness.commands.__path__):
+                found = _read_command(Path(info.module_finder.path) / f"{info.name}.py")  # type: ignore[union-attr]
+                if found is None:
+                    cmd = importlib.import_module(f"harness.commands.{info.name}").command
+                    self.add_command(cmd)
+                    found = cmd.name, _Listed(info.name, cmd.help, cmd.short_help, cmd.hidden)
+                listed[found[0]] = found[1]
+            self._listed = listed
+        return self._listed
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.listed(), *self.commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in self.listed():
+            module = importlib.import_module(f"harness.commands.{self.listed()[cmd_name].module}")
+            self.add_command(module.command, cmd_name)
+        return self.commands.get(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """click's own listing, with a stand-in for each command not imported yet."""
+        commands = []
+        for name in self.list_commands(ctx):
+            cmd = self.commands.get(name)
+            if cmd is None:
+                entry = self.listed()[name]
+                cmd = click.Command(name, help=entry.help, short_help=entry.short_help, hidden=entry.hidden)
+            if not cmd.hidden:
+                commands.append((name, cmd))
+        if commands:
+            limit = formatter.width - 6 - max(len(name) for name, _ in commands)
+            with formatter.section("Commands"):
+                formatter.write_dl([(name, cmd.get_short_help_str(limit)) for name, cmd in commands])
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
@@ -41,11 +130,6 @@ class _Group(click.Group):
 @click.version_option(package_name="omni-stress")
 def main() -> None:
     """Stress-test the Qwen2.5-Omni Talker and score its speech with Whisper."""
-
-
-for _info in sorted(pkgutil.iter_modules(harness.commands.__path__), key=lambda m: m.name):
-    _module = importlib.import_module(f"harness.commands.{_info.name}")
-    main.add_command(_module.command)
 
 
 if __name__ == "__main__":

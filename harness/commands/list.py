@@ -7,7 +7,6 @@ import dataclasses
 import click
 
 from harness.config import DEPLOY_DIR, PROMPT_DIR, list_yaml, load_arms, load_deploy, load_prompts
-from harness.sim.scheduler import resolve_talker
 from harness.tokenizer import tokenize
 
 
@@ -29,6 +28,8 @@ def command(what: str) -> None:
             click.echo(f"  {arm.name:<10} {arm.talker} (role: {arm.role})\n  {'':<10} {arm.description}\n"
                        f"  {'':<10} {serve}")
     if what in ("all", "deploys"):
+        from harness.sim.scheduler import resolve_talker  # local: keeps the CLI's start-up light
+
         click.echo("Deploys (deploy_configs/):")
         for name in list_yaml(DEPLOY_DIR, exclude=("arms", "gates")):
             d = load_deploy(name)

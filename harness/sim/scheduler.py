@@ -22,7 +22,6 @@ from typing import Any
 
 from harness.config import Deploy
 from harness.errors import UserError
-from harness.sim.rows import CODEC_VOCAB
 
 
 @dataclass(frozen=True)
@@ -61,6 +60,8 @@ _MODEL_DIR: Path | None = None
 def _tiny_model_dir() -> Path:
     global _MODEL_DIR
     if _MODEL_DIR is None:
+        from harness.sim.rows import CODEC_VOCAB  # rows imports torch: `list` needs resolve_talker only
+
         d = Path(tempfile.mkdtemp(prefix="omni-stress-talker-"))
         atexit.register(_remove_model_dir, d, os.getpid())
         (d / "config.json").write_text(json.dumps({

@@ -34,6 +34,7 @@ from harness.records import (
     read_requests,
     read_spans,
     truncate_torn_tail,
+    write_file_atomic,
     write_manifest,
 )
 
@@ -463,9 +464,7 @@ def _drop_partial_span_cells(run_dir: Path, resume: ResumeState, prompt_ids: lis
     path = run_dir / SPANS_FILE
     keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
             if line.strip() and _span_cell(json.loads(line)) not in partial]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(keep), encoding="utf-8")
-    os.replace(tmp, path)
+    write_file_atomic(path, "".join(keep))
     resume.span_cells -= partial
 
 

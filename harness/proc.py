@@ -51,3 +51,17 @@ def stdout_to_stderr() -> Iterator[None]:
             if saved is not None:
                 os.dup2(saved, 1)
                 os.close(saved)
+
+
+def printable_streams() -> None:
+    """stdout and stderr print what the terminal can show: a character its encoding lacks (the en
+    dash of the tables on a Latin-1 terminal, ``PYTHONIOENCODING=latin-1``; a path of bytes that
+    are not UTF-8) becomes ``?`` instead of a ``UnicodeEncodeError`` after the run finished (issue
+    24, cases 3 and 5). The files the run wrote are unaffected."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) != "strict":
+            continue
+        try:
+            stream.reconfigure(errors="replace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError, io.UnsupportedOperation):
+            pass  # not a TextIOWrapper (a test runner's stream): leave it

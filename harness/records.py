@@ -149,7 +149,11 @@ class JsonlWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fh = open(path, "a", encoding="utf-8")
+        # O_NOFOLLOW: a run file that is a symlink (a downloaded artifact can carry one) is never
+        # appended through to a file outside the run directory (ELOOP instead; rundir.check_run_files
+        # refuses it with one line before any write).
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        self._fh = open(fd, "a", encoding="utf-8")
 
     def write(self, record: Any) -> None:
         self._fh.write(to_json(record) + "\n")
@@ -199,8 +203,11 @@ def truncate_torn_tail(path: Path) -> bool:
     if not data or data.endswith(b"\n"):
         return False
     cut = data.rfind(b"\n") + 1
-    with open(path, "r+b") as fh:
-        fh.truncate(cut)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        os.ftruncate(fd, cut)
+    finally:
+        os.close(fd)
     return True
 
 
@@ -239,6 +246,25 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
 
 
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
-    tmp = run_dir / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, run_dir / MANIFEST_FILE)
+    write_file_atomic(run_dir / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def write_file_atomic(path: Path, data: str | bytes) -> None:
+    """Writes ``path`` whole by a temporary file in the same folder and a rename: a reader never sees
+    half a file, and a ``path`` that is a symlink is replaced by the file, never written through
+    (the temporary file is opened with ``O_NOFOLLOW``, so a planted link there fails too)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # surrogateescape: a path of bytes that are not UTF-8 (``--out`` on such a folder) is written as
+    # those bytes, as the file system has them, instead of failing the report at the end of a run
+    raw = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:  # name the file the caller writes, not the temporary one
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    try:
+        with open(fd, "wb") as fh:
+            fh.write(raw)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

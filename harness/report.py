@@ -13,6 +13,7 @@ regions, text (prompt and reply up to text-EOS) and end (after text-EOS).
 from __future__ import annotations
 
 import base64
+import errno
 import html
 import json
 import math
@@ -25,7 +26,7 @@ from typing import Any
 import pandas as pd
 
 from harness.errors import UserError
-from harness.records import RequestRecord
+from harness.records import RequestRecord, write_file_atomic
 from harness.summary import (  # re-exported: callers and tests use report.load_run & co.
     DEFAULT_ROLE,
     ROLES,
@@ -604,25 +605,29 @@ def write_reports(run: Run | Path, cells: list[CellSummary] | None = None) -> di
     run_dir = run.run_dir
     out: dict[str, Path] = {}
 
+    # Every file is written whole by a rename (records.write_file_atomic): a summary.csv that is a
+    # symlink to a file outside the run directory is replaced, never written through.
     full_requests = requests_table(run, cells, max_text=10_000)
     out["csv"] = run_dir / "summary.csv"
-    cells_frame(cells).to_csv(out["csv"], index=False)
+    write_file_atomic(out["csv"], cells_frame(cells).to_csv(index=False))
     out["requests_csv"] = run_dir / "requests.csv"
-    full_requests.to_csv(out["requests_csv"], index=False)
+    write_file_atomic(out["requests_csv"], full_requests.to_csv(index=False))
     out["paired_csv"] = run_dir / "paired.csv"
-    paired_frame(cells).to_csv(out["paired_csv"], index=False)
+    write_file_atomic(out["paired_csv"], paired_frame(cells).to_csv(index=False))
     out["markdown"] = run_dir / "summary.md"
-    out["markdown"].write_text(markdown_text(run, cells), encoding="utf-8")
+    write_file_atomic(out["markdown"], markdown_text(run, cells))
     out["json"] = run_dir / "summary.json"
-    out["json"].write_text(json.dumps(json_summary(run, cells, full_requests), indent=2) + "\n", encoding="utf-8")
+    write_file_atomic(out["json"], json.dumps(json_summary(run, cells, full_requests), indent=2) + "\n")
 
     plot_dir = run_dir / "plots"
+    if plot_dir.is_symlink():
+        raise OSError(errno.ELOOP, "is a symbolic link; refused", str(plot_dir))
     plot_dir.mkdir(exist_ok=True)
     images = plots.render_all(run, cells)
     for name, png in images.items():
         path = plot_dir / f"{name}.png"
-        path.write_bytes(png)
+        write_file_atomic(path, png)
         out[f"plot_{name}"] = path
     out["html"] = run_dir / "report.html"
-    out["html"].write_text(html_report(run, cells, images), encoding="utf-8")
+    write_file_atomic(out["html"], html_report(run, cells, images))
     return out

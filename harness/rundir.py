@@ -17,7 +17,7 @@ from typing import Any
 
 from harness.config import check_name
 from harness.errors import UserError
-from harness.records import MANIFEST_FILE, REQUESTS_FILE
+from harness.records import MANIFEST_FILE, REQUESTS_FILE, SPANS_FILE
 
 LOCK_FILE = ".lock"
 _held: set[int] = set()  # lock fds this process holds
@@ -51,7 +51,7 @@ def locked(run_dir: Path) -> Iterator[None]:
     goes with the process (also on SIGKILL: the kernel releases it); the file stays, empty."""
     path = run_dir / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
         raise UserError(f"{path}: cannot open the run directory's lock ({exc.strerror})") from None
     try:
@@ -71,6 +71,33 @@ def locked(run_dir: Path) -> Iterator[None]:
     finally:
         _held.discard(fd)
         os.close(fd)  # releases the lock
+
+
+RUN_FILES = (MANIFEST_FILE, REQUESTS_FILE, SPANS_FILE, LOCK_FILE)
+RUN_FOLDERS = ("audio",)
+
+
+def check_run_files(run_dir: Path) -> None:
+    """The files a run reads and appends to are regular files of the run directory: a symlink (a
+    downloaded CI artifact can carry one to a file elsewhere, which ``--resume`` would append to) or
+    a folder in place of a file is refused with one line naming it (issue 24, cases 4 and 17)."""
+    for name in RUN_FILES + RUN_FOLDERS:
+        path = run_dir / name
+        if path.is_symlink():
+            try:
+                target = f" to {os.readlink(path)}"
+            except OSError:
+                target = ""
+            raise UserError(f"{path}: is a symbolic link{target}; refused: the files of a run directory must be "
+                            "its own (a copied artifact can carry a link to a file elsewhere, which would be read and "
+                            "written); replace the link with a copy of the file")
+        if not path.exists():
+            continue
+        if name in RUN_FOLDERS and not path.is_dir():
+            raise UserError(f"{path}: is not a folder; a run directory's {name}/ holds the run's files")
+        if name not in RUN_FOLDERS and not path.is_file():
+            kind = "a folder" if path.is_dir() else "not a regular file"
+            raise UserError(f"{path}: is {kind}; a run directory's {name} must be a regular file")
 
 
 _MANIFEST_TYPES: dict[str, tuple[type, ...]] = {

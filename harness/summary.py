@@ -187,6 +187,9 @@ def load_run(run_dir: Path) -> Run:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: run directory not found")
+    from harness.rundir import check_run_files  # local: rundir imports config
+
+    check_run_files(run_dir)
     if not (run_dir / MANIFEST_FILE).is_file():
         raise UserError(f"{run_dir}: no {MANIFEST_FILE} (not a run directory?)")
     try:

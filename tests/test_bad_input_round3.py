@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, SMALL_PROMPTS, invoke_cli
+from conftest import REPO, SMALL_PROMPTS, invoke_cli, run_cli
 from test_bad_input import assert_one_line_error
 
 SMALL = yaml.safe_load(SMALL_PROMPTS.read_text())
@@ -204,3 +208,155 @@ def test_22_stray_omni_stress_variables_never_reach_the_server(tmp_path, monkeyp
     assert len(seen) == 1
     assert sorted(seen[0]) == ["OMNI_STRESS_CONTRACT", "OMNI_STRESS_TRACE"], seen[0]
     assert seen[0]["OMNI_STRESS_TRACE"].startswith(str(tmp_path / "out" / "r" / "serve"))
+
+
+# ----------------------------------------------------------------------------- run directories: 2, 3, 4, 5, 17
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory) -> Path:
+    """A finished sim run of one cell (main x reference, one prompt), copied by the tests that spoil it."""
+    tmp = tmp_path_factory.mktemp("round3-run")
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--arm", "main", "--deploy", "reference", "--sim-workers", "0",
+                     "--prompts", _one_prompt(tmp), "--out", str(tmp / "out"), "--run-id", "one")
+    assert res.exit_code == 0, res.stderr
+    return tmp / "out" / "one"
+
+
+def _copy_run(run: Path, where: Path) -> Path:
+    shutil.copytree(run, where)
+    return where
+
+
+def _as_nobody(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``omni-stress ARGS`` as user nobody (root writes into read-only folders)."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("needs setpriv to drop root")
+    mpl = cwd / "mplconfig"
+    mpl.mkdir(exist_ok=True)
+    mpl.chmod(0o777)
+    return subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+                           "harness.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "MPLCONFIGDIR": str(mpl), "PYTHONPATH": str(REPO), **(env or {})})
+
+
+def test_2_report_on_a_read_only_run_directory_prints_the_tables(one_run):
+    # tmp_path is private to root: a world-readable folder for user nobody
+    base = Path(tempfile.mkdtemp(prefix="omni-stress-ro-"))
+    try:
+        base.chmod(0o755)
+        run = _copy_run(one_run, base / "run")
+        for path in [run, *run.rglob("*")]:
+            path.chmod(path.stat().st_mode & ~0o222 | 0o444 | (0o111 if path.is_dir() else 0))
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        if os.geteuid() == 0:
+            proc = _as_nobody("report", str(run), cwd=base)
+            code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        else:
+            res = run_cli("report", str(run))
+            code, stdout, stderr = res.exit_code, res.stdout, res.stderr
+        assert code == 0, stderr
+        assert "Traceback" not in stderr
+        assert "main" in stdout and "reference" in stdout and "WER" in stdout
+        warnings = [ln for ln in stderr.splitlines() if ln.startswith("omni-stress: warning:")]
+        assert len(warnings) == 1, stderr
+        assert f"{run}: could not rewrite the report files ({run}/summary.csv: Permission denied)" in warnings[0]
+        assert "the tables above are complete" in warnings[0]
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    finally:
+        for path in base.rglob("*"):
+            path.chmod(0o755)
+        shutil.rmtree(base)
+
+
+def test_3_out_path_that_is_not_utf8(tmp_path):
+    out = Path(os.fsdecode(bytes(tmp_path) + b"/bad\xff-out"))
+    res = run_cli("run", "--asr", "none", "--quiet", "--arm", "main", "--deploy", "reference", "--sim-workers", "0",
+                  "--prompts", _one_prompt(tmp_path), "--out", os.fsdecode(out), "--run-id", "r",
+                  env={"PYTHONIOENCODING": "utf-8"})  # strict errors: what a UTF-8 terminal has
+    assert res.exit_code == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    assert f"results: {tmp_path}/bad?-out/r" in res.stdout
+    written = os.listdir(bytes(tmp_path))
+    assert b"bad\xff-out" in written
+    run = Path(os.fsdecode(bytes(tmp_path) + b"/bad\xff-out/r"))
+    for name in ("summary.csv", "summary.md", "report.html", "requests.jsonl", "manifest.json"):
+        assert (run / name).is_file(), name
+    # the report reads the run back, and prints through a strict UTF-8 stdout too
+    res = run_cli("report", os.fsdecode(run), "--no-write", env={"PYTHONIOENCODING": "utf-8"})
+    assert res.exit_code == 0, res.stderr
+
+
+def test_4_spans_file_that_is_a_folder(one_run, tmp_path):
+    run = _copy_run(one_run, tmp_path / "run")
+    (run / "spans.jsonl").unlink()
+    (run / "spans.jsonl").mkdir()
+    for command in (["report"], ["gate"], ["compare", str(one_run)]):
+        res = invoke_cli(*command, str(run))
+        assert_one_line_error(res, f"{run}/spans.jsonl: is a folder; a run directory's spans.jsonl must be a "
+                                   "regular file")
+
+
+@pytest.mark.parametrize("command", ["run", "report"])
+def test_5_latin1_terminal_prints_the_tables_with_replacements(one_run, tmp_path, command):
+    env = {"PYTHONIOENCODING": "latin-1"}
+    if command == "run":
+        res = run_cli("run", "--asr", "none", "--quiet", "--arm", "main", "--deploy", "reference", "--sim-workers",
+                      "0", "--prompts", _one_prompt(tmp_path), "--out", str(tmp_path / "out"), "--run-id", "r", env=env)
+        run = tmp_path / "out" / "r"
+    else:
+        run = _copy_run(one_run, tmp_path / "run")
+        res = run_cli("report", str(run), env=env)
+    assert res.exit_code == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    assert "?" in res.stdout and "\u2013" not in res.stdout  # the tables' en dash, replaced
+    assert (run / "summary.md").read_text(encoding="utf-8").count("\u2013") > 0  # the files keep it
+    assert len((run / "requests.jsonl").read_text().splitlines()) == 1  # nothing measured lost
+
+
+def _outside_file(tmp: Path) -> Path:
+    victim = tmp / "outside.txt"
+    victim.write_text("not part of any run\n")
+    return victim
+
+
+@pytest.mark.parametrize("name", ["requests.jsonl", "spans.jsonl", "manifest.json"])
+def test_17_symlinked_run_file_is_refused(one_run, tmp_path, name):
+    run = _copy_run(one_run, tmp_path / "run")
+    victim = _outside_file(tmp_path)
+    victim.write_bytes((run / name).read_bytes())
+    (run / name).unlink()
+    (run / name).symlink_to(victim)
+    before = victim.read_bytes()
+    needle = f"{run}/{name}: is a symbolic link to {victim}; refused"
+    assert_one_line_error(invoke_cli("report", str(run)), needle)
+    assert_one_line_error(invoke_cli("gate", str(run)), needle)
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--arm", "main", "--deploy", "reference",
+                     "--prompts", _one_prompt(tmp_path), "--resume", str(run))
+    assert_one_line_error(res, needle)
+    assert victim.read_bytes() == before
+
+
+def test_17_symlinked_lock_file_is_refused(one_run, tmp_path):
+    run = _copy_run(one_run, tmp_path / "run")
+    victim = _outside_file(tmp_path)
+    (run / ".lock").unlink(missing_ok=True)
+    (run / ".lock").symlink_to(victim)
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--arm", "main", "--deploy", "reference",
+                     "--prompts", _one_prompt(tmp_path), "--resume", str(run))
+    assert_one_line_error(res, f"{run}/.lock: is a symbolic link to {victim}")
+    assert victim.read_text() == "not part of any run\n"
+
+
+def test_17_report_replaces_a_symlinked_summary_instead_of_writing_through_it(one_run, tmp_path):
+    run = _copy_run(one_run, tmp_path / "run")
+    victim = _outside_file(tmp_path)
+    for name in ("summary.csv", "report.html"):
+        (run / name).unlink()
+        (run / name).symlink_to(victim)
+    res = invoke_cli("report", str(run))
+    assert res.exit_code == 0, res.stderr
+    assert victim.read_text() == "not part of any run\n"
+    for name in ("summary.csv", "report.html"):
+        assert not (run / name).is_symlink() and (run / name).stat().st_size > 0

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from harness import report, summary
+from harness.proc import printable_streams
 
 
 @click.command("compare")
@@ -17,6 +18,7 @@ from harness import report, summary
               show_default=True)
 def command(run_a: Path, run_b: Path, fmt: str) -> None:
     """Compare RUN_B (e.g. a PR) against RUN_A (its base): cells side by side, delta = B - A."""
+    printable_streams()
     a, b = report.load_run(run_a), report.load_run(run_b)
     for run in (a, b):
         problems = report.run_problems(run)

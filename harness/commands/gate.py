@@ -14,6 +14,7 @@ import click
 
 from harness import gate, summary
 from harness.errors import UserError
+from harness.proc import printable_streams
 
 
 @click.command("gate")
@@ -24,6 +25,7 @@ from harness.errors import UserError
               help="Also write JUnit XML (one testcase per rule x cell) for CI.")
 def command(run_dir: Path, rules_path: str | None, junit_path: Path | None) -> None:
     """Check RUN_DIR against the gate rules and exit 0 (pass), 1 (a rule failed) or 2 (could not evaluate)."""
+    printable_streams()
     try:
         rules = gate.load_rules(gate.resolve_rules_path(rules_path))
         run = summary.load_run(run_dir)

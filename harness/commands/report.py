@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from harness import report, summary
+from harness.proc import printable_streams
 
 
 @click.command("report")
@@ -26,6 +27,7 @@ def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_
     self-contained report.html into RUN_DIR (file list on stderr, so stdout can be piped). An
     incomplete run is reported with a warning (on stderr and in the reports); the gate refuses it.
     """
+    printable_streams()
     run = report.load_run(run_dir)
     problems = report.run_problems(run)
     if problems:
@@ -41,5 +43,12 @@ def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_
         text = json.dumps(report.json_summary(run, cells), indent=2) + "\n"
     click.echo(text, nl=False)
     if not no_write:
-        for kind, path in report.write_reports(run, cells).items():
+        try:
+            written = report.write_reports(run, cells)
+        except OSError as exc:  # a read-only run directory (a downloaded artifact), a full disk
+            where = exc.filename or run_dir
+            click.echo(f"omni-stress: warning: {run_dir}: could not rewrite the report files ({where}: "
+                       f"{exc.strerror or exc}); the tables above are complete (--no-write only prints)", err=True)
+            return
+        for kind, path in written.items():
             click.echo(f"wrote {kind}: {path}", err=True)

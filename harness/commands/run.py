@@ -11,10 +11,11 @@ import click
 from harness.config import MAX_SEED, ArmSpec, Deploy, load_arms, load_deploy, load_prompts, resolve_arm
 from harness.errors import UserError
 from harness.pipeline import RunOptions, RunPlan, check_resume, execute, manifest_for, new_run_id, prepare_run_dir
-from harness.proc import stdout_to_stderr
+from harness.proc import printable_streams, stdout_to_stderr
 from harness.records import MANIFEST_FILE, write_manifest
 from harness.rundir import (
     DISK_FULL,
+    check_run_files,
     check_run_id,
     check_same_scoring,
     disk_full_error,
@@ -84,6 +85,7 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
             asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout,
             serve_platform, serve_python, arm_timeout) -> None:
     """Run the prompts through every arm x deploy, transcribe the Talker audio, tabulate WER and events."""
+    printable_streams()
     if run_id is not None:
         check_run_id(run_id)
     # Whatever an arm (or a library) prints while the run works goes to stderr: stdout is the table's.
@@ -132,6 +134,7 @@ def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume
     if resume_dir is not None:
         if not (resume_dir / MANIFEST_FILE).is_file():
             raise UserError(f"--resume {resume_dir}: not a run directory (no {MANIFEST_FILE})")
+        check_run_files(resume_dir)  # before the lock: .lock itself may be the planted link
         run_dir = resume_dir
     else:
         run_dir = prepare_run_dir(out, run_id or new_run_id(arm_specs, deploy_specs))

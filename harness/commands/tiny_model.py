@@ -1,4 +1,4 @@
-"""``omni-stress tiny-model DIR``: build the tiny random Qwen2.5-Omni checkpoint for the real backend on CPU.
+"""``omni-stress tiny-model DIR``: build the tiny (speaking or random) Qwen2.5-Omni checkpoint for the real backend on CPU.
 
 Why a subprocess: the checkpoint's processor (Qwen2-VL image and video processors) needs the
 transformers and torchvision of the real environment (``.venv-omni``), not of the sim's; the
@@ -21,10 +21,13 @@ BUILD_TIMEOUT_S = 900
 @click.argument("out", type=click.Path(path_type=Path, file_okay=False))
 @click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
               help="Seed of the random weights (the checkpoint is deterministic in it).")
+@click.option("--speaking/--random", default=True, show_default=True,
+              help="Speaking: Thinker and Talker weights built so the Talker says what its rows say "
+                   "(docs/speaking-model.md); random: every weight random.")
 @click.option("--python", "python", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Interpreter of the real environment (default: --serve-python's default, ./.venv-omni/bin/python).")
-def command(out: Path, seed: int, python: Path | None) -> None:
-    """Build a tiny randomly initialised Qwen2.5-Omni checkpoint in OUT, offline."""
+def command(out: Path, seed: int, speaking: bool, python: Path | None) -> None:
+    """Build a tiny Qwen2.5-Omni checkpoint in OUT, offline (speaking by default)."""
     from harness.serve.backend import default_serve_python
 
     interpreter = str(python) if python else default_serve_python()
@@ -34,7 +37,8 @@ def command(out: Path, seed: int, python: Path | None) -> None:
     if out.exists() and any(out.iterdir()):
         raise UserError(f"tiny-model: {out} exists and is not empty (give a new folder)")
     try:
-        proc = subprocess.run([interpreter, "-m", "harness.serve.tiny_model", str(out), "--seed", str(seed)],
+        proc = subprocess.run([interpreter, "-m", "harness.serve.tiny_model", str(out), "--seed", str(seed),
+                               *(["--speaking"] if speaking else [])],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         raise UserError(f"tiny-model: the build did not finish in {BUILD_TIMEOUT_S} s") from None

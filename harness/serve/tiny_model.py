@@ -130,8 +130,11 @@ def build_tokenizer(out: Path) -> object:
     return fast
 
 
-def build(out: Path, seed: int = 0) -> dict:
-    """Writes the checkpoint into ``out`` (created; must be empty or absent); returns a summary."""
+def build(out: Path, seed: int = 0, speaking: bool = False) -> dict:
+    """Writes the checkpoint into ``out`` (created; must be empty or absent); returns a summary.
+
+    ``speaking``: the Thinker and Talker weights of ``harness.serve.speaking_model`` replace the
+    random ones (the audio encoders, vision encoder and Code2Wav stay random)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"tiny-model: {out} exists and is not empty (give a new folder)")
@@ -150,8 +153,13 @@ def build(out: Path, seed: int = 0) -> dict:
     config = tiny_config()
     model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=torch.float32)
     model.eval()
-    model.save_pretrained(out, safe_serialization=True)
     tokenizer = build_tokenizer(out)
+    if speaking:
+        from harness.serve import speaking_model
+
+        with torch.no_grad():
+            speaking_model.apply(model.state_dict(), tokenizer)
+    model.save_pretrained(out, safe_serialization=True)
     video = None
     try:
         from transformers import Qwen2VLVideoProcessor
@@ -172,7 +180,7 @@ def build(out: Path, seed: int = 0) -> dict:
     params = sum(p.numel() for p in model.parameters())
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     summary = {"path": str(out), "seed": seed, "parameters": params, "bytes": size, "hidden_size": HIDDEN,
-               "layers": LAYERS, "head_dim": HEAD_DIM, "vocab_size": VOCAB}
+               "layers": LAYERS, "head_dim": HEAD_DIM, "vocab_size": VOCAB, "speaking": speaking}
     (out / "omni_stress_tiny_model.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return summary
 
@@ -186,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.serve.tiny_model")
     parser.add_argument("out")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--speaking", action="store_true")
     args = parser.parse_args(argv)
     try:
-        summary = build(Path(args.out), args.seed)
+        summary = build(Path(args.out), args.seed, args.speaking)
     except UserError as exc:
         print(f"omni-stress: error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ one line naming the file, the line and the field, instead of a TypeError deep in
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 
@@ -35,6 +36,23 @@ def request_record_problem(obj: Any) -> str | None:
         declared = types.get(name)
         if declared is not None and not _has_type(value, declared):
             return f"{name}: expected {declared.replace('EventCounts', 'an object of counts')}, got {value!r:.60}"
+    return _range_problem(obj)
+
+
+def _range_problem(obj: dict[str, Any]) -> str | None:
+    """Every number of a record is finite and not negative: JSON readers take ``NaN`` and
+    ``Infinity``, and a NaN ``oracle_wer`` read as "not measured", a negative WER as better than
+    perfect (issue 24, case 16). Types are checked already."""
+    for name in sorted(obj):
+        value = obj[name]
+        if name == "events":
+            for key in sorted(value):
+                if value[key] < 0:
+                    return f"events.{key}: must be a count >= 0, got {value[key]!r}"
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isnan(value) or math.isinf(value) or value < 0:
+                kind = "a count" if isinstance(value, int) else "a finite number"
+                return f"{name}: must be {kind} >= 0, got {value!r}"
     return None
 
 

@@ -507,6 +507,28 @@ def run_problems(run: Run) -> list[str]:
     return problems
 
 
+def event_problems(run: Run) -> list[str]:
+    """Records whose ``events`` differ from the count of their own spans in ``spans.jsonl`` (both
+    are written by the run from the same calls, so a difference is an edited or mixed-up file).
+    The tables count events from the spans; ``gate`` refuses such a run (issue 24, case 16)."""
+    groups = run.spans.group_events
+    wrong = []
+    for rec in run.requests:
+        counted = groups.get(rec.key)
+        if counted is None:
+            continue
+        mine, theirs = asdict(rec.events), asdict(counted[0])
+        diff = [k for k in mine if mine[k] != theirs[k]]
+        if diff:
+            wrong.append((rec, diff[0], mine[diff[0]], theirs[diff[0]]))
+    if not wrong:
+        return []
+    rec, field_name, said, counted_n = wrong[0]
+    return [f"{len(wrong)} request record{'s' if len(wrong) > 1 else ''} in {REQUESTS_FILE} whose event counts differ "
+            f"from their spans in {SPANS_FILE} (first: {_key_text(rec.key)}: events.{field_name} is {said}, "
+            f"its spans count {counted_n})"]
+
+
 def problems_line(run: Run, problems: list[str]) -> str:
     """All of ``run_problems`` as one line."""
     return f"{run.run_dir}: incomplete run ({len(problems)} problem{'s' if len(problems) > 1 else ''}): " + \

@@ -360,3 +360,52 @@ def test_17_report_replaces_a_symlinked_summary_instead_of_writing_through_it(on
     assert victim.read_text() == "not part of any run\n"
     for name in ("summary.csv", "report.html"):
         assert not (run / name).is_symlink() and (run / name).stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------- 16: integrity of records
+
+
+def _edit_first_record(run: Path, edit) -> None:
+    path = run / "requests.jsonl"
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[0])
+    edit(record)
+    lines[0] = json.dumps(record)  # NaN and Infinity come out as JSON readers take them
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _set_field(name, value):
+    def edit(record):
+        record[name] = value
+    return edit
+
+
+RANGE_CASES = [
+    ("nan-oracle-wer", _set_field("oracle_wer", float("nan")), "oracle_wer: must be a finite number >= 0, got nan"),
+    ("negative-oracle-wer", _set_field("oracle_wer", -0.5), "oracle_wer: must be a finite number >= 0, got -0.5"),
+    ("infinite-wer", _set_field("wer", float("inf")), "wer: must be a finite number >= 0, got inf"),
+    ("negative-wall", _set_field("wall_s", -1.0), "wall_s: must be a finite number >= 0, got -1.0"),
+    ("negative-preemptions", _set_field("preemptions", -2), "preemptions: must be a count >= 0, got -2"),
+    ("negative-event", lambda r: r["events"].update(nonzero_offset_chunks=-3),
+     "events.nonzero_offset_chunks: must be a count >= 0, got -3"),
+]
+
+
+@pytest.mark.parametrize("case", RANGE_CASES, ids=[c[0] for c in RANGE_CASES])
+def test_16_gate_range_checks_every_numeric_field(small_run, tmp_path, case):
+    _, edit, needle = case
+    run = _copy_run(small_run, tmp_path / "run")
+    _edit_first_record(run, edit)
+    assert_one_line_error(invoke_cli("gate", str(run)), f"{run}/requests.jsonl: line 1: {needle}")
+
+
+def test_16_gate_refuses_event_counts_that_differ_from_the_spans(small_run, tmp_path):
+    run = _copy_run(small_run, tmp_path / "run")
+    assert invoke_cli("gate", str(run)).exit_code in (0, 1)  # the untouched run is gated
+    first = json.loads((run / "requests.jsonl").read_text().splitlines()[0])
+    was = first["events"]["talker_calls"]
+    _edit_first_record(run, lambda r: r["events"].update(talker_calls=was + 7))
+    key = f"{first['arm']}/{first['deploy']} repeat {first['repeat']} prompt {first['prompt_id']}"
+    assert_one_line_error(invoke_cli("gate", str(run)), "1 request record in requests.jsonl whose event counts differ "
+                          f"from their spans in spans.jsonl (first: {key}: events.talker_calls is {was + 7}, its spans "
+                          f"count {was})", "not gated")

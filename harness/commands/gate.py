@@ -29,7 +29,7 @@ def command(run_dir: Path, rules_path: str | None, junit_path: Path | None) -> N
     try:
         rules = gate.load_rules(gate.resolve_rules_path(rules_path))
         run = summary.load_run(run_dir)
-        problems = summary.run_problems(run)
+        problems = summary.run_problems(run) + summary.event_problems(run)
         if problems:
             raise UserError(f"{summary.problems_line(run, problems)}; not gated")
         result = gate.evaluate(rules, summary.summarize_cells(run), run_id=run.run_id)

@@ -387,9 +387,20 @@ class RecordSink:
             for p in done:
                 self.pending.remove(p)
                 self.scorer.finish(p)
+                _mark_not_measurable(p.record)
                 self.out.write(p.record)
                 r = p.record
                 self.progress.update(p.cell, f"WER {r.score:.2f}" if r.score is not None else "")
+
+
+def _mark_not_measurable(record: RequestRecord) -> None:
+    """A request whose reference normalises to no words gets no WER, never a 0 (``scoring.measurable``);
+    one place for both backends, the oracle and Whisper scores."""
+    from harness.scoring import measurable
+
+    if record.error is None and not measurable(record.reference_text):
+        record.not_measurable = True
+        record.wer = record.oracle_wer = None
 
 
 def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:

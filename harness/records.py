@@ -110,6 +110,9 @@ class RequestRecord:
     events: EventCounts = field(default_factory=EventCounts)
     error: str | None = None
     wall_s: float = 0.0
+    # The reference text normalises to no words (special tokens only, symbols, emoji): WER cannot
+    # judge the speech, so ``wer`` and ``oracle_wer`` stay None; counted apart, refused by the gate.
+    not_measurable: bool = False
 
     @property
     def key(self) -> tuple[str, str, int, str]:

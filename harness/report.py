@@ -116,6 +116,10 @@ def wer_source_note(run: Run, cells: list[CellSummary]) -> str:
     if source == "mixed":
         per_cell = ", ".join(f"{c.arm}/{c.deploy}/run {c.run_number}: {c.wer_source}" for c in cells)
         note += f"; per cell: {per_cell}"
+    unmeasurable = sum(c.not_measurable for c in cells)
+    if unmeasurable:
+        note += (f"; {unmeasurable} request{'s' if unmeasurable > 1 else ''} not measurable (the reference text "
+                 "normalises to no words): no WER, counted under 'Not measurable', refused by the gate")
     return note
 
 
@@ -144,7 +148,7 @@ def seed_table(cells: list[CellSummary]) -> pd.DataFrame:
 
 EXTENDED_COLUMNS = [
     "Arm", "Deploy", "Run", "Requests", "WER source", "WER (mean)", "WER (median)", "Oracle WER (mean)",
-    f"Requests with WER > {WER_THRESHOLD}", "Non-zero-offset chunks", "Cross-boundary replays",
+    f"Requests with WER > {WER_THRESHOLD}", "Not measurable", "Non-zero-offset chunks", "Cross-boundary replays",
     "Multi-position decode spans", "Accepted tokens/step", "One-token tails", "Row-count mismatches / prefill calls",
     "Misaligned (text)", "Misaligned (end)", "Worst request", "Preemptions", "Errors", "Wall time (s)",
 ]
@@ -158,7 +162,8 @@ def extended_table(cells: list[CellSummary]) -> pd.DataFrame:
         rows.append([
             c.arm, c.deploy, str(c.run_number), str(c.requests), WER_SOURCE_TEXT[c.wer_source].split(" (")[0],
             fmt_wer(c.mean_wer), fmt_wer(c.median_wer), fmt_wer(c.oracle_mean_wer),
-            fmt_ratio(c.requests_over(), c.scored), str(ev.nonzero_offset_chunks), str(ev.cross_boundary_replays),
+            fmt_ratio(c.requests_over(), c.scored), str(c.not_measurable), str(ev.nonzero_offset_chunks),
+            str(ev.cross_boundary_replays),
             str(ev.multi_position_decode_spans), fmt_accepted(c.accepted_tokens_per_step), str(ev.one_token_tails),
             fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls),
             str(ev.misaligned_text_positions) if c.misaligned_known else NA,
@@ -177,6 +182,7 @@ def cells_frame(cells: list[CellSummary]) -> pd.DataFrame:
             "requests": c.requests, "scored": c.scored, "wer_source": c.wer_source,
             "wer_mean": c.mean_wer, "wer_median": c.median_wer, "oracle_wer_mean": c.oracle_mean_wer,
             "requests_over_threshold": c.requests_over(), "wer_threshold": WER_THRESHOLD,
+            "not_measurable": c.not_measurable,
         }
         row.update({k: v for k, v in vars(c.events).items()})
         if not c.misaligned_known:
@@ -211,7 +217,8 @@ def requests_table(run: Run, cells: list[CellSummary], max_text: int = 80) -> pd
         cell = (rec.arm, rec.deploy, rec.repeat)
         text = rec.transcript if rec.transcript is not None else rec.oracle_transcript
         rows.append([
-            rec.arm, rec.deploy, str(run_number[cell]), rec.prompt_id, fmt_wer(rec.score), fmt_wer(rec.oracle_wer),
+            rec.arm, rec.deploy, str(run_number[cell]), rec.prompt_id,
+            "not measurable" if rec.not_measurable else fmt_wer(rec.score), fmt_wer(rec.oracle_wer),
             str(rec.num_codec_tokens), rec.finish_reason or NA, str(rec.preemptions),
             str(ev.nonzero_offset_chunks), str(ev.cross_boundary_replays), str(ev.multi_position_decode_spans),
             fmt_accepted(rec.accepted_tokens_per_step), fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls),

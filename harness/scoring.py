@@ -25,6 +25,14 @@ def normalize(text: str) -> str:
     return " ".join(_normalizer()(text).split())
 
 
+def measurable(reference: str) -> bool:
+    """Whether WER can judge speech against ``reference``: it keeps at least one word after
+    normalisation. A reference of special tokens, symbols or emoji only normalises to nothing, and
+    ``wer`` would score any empty transcript 0.0 against it: perfect speech for noise (issue 24,
+    case 15). Such a request is "not measurable" (``RequestRecord.not_measurable``)."""
+    return bool(normalize(reference))
+
+
 def wer(reference: str, hypothesis: str) -> float:
     """Word error rate of ``hypothesis`` against ``reference`` after normalisation.
 

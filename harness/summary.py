@@ -310,6 +310,7 @@ class CellSummary:
     accepted: list[float] = field(default_factory=list)  # accepted_tokens_per_step of each request that has it
     role: str = DEFAULT_ROLE  # the arm's role, from the run's manifest (ROLES)
     records: list[RequestRecord] = field(default_factory=list, repr=False)  # the cell's requests, by prompt id
+    not_measurable: int = 0  # requests whose reference normalises to no words (no WER; the gate refuses them)
 
     @property
     def prompt_scores(self) -> dict[str, float]:
@@ -435,6 +436,7 @@ def summarize_cells(run: Run) -> list[CellSummary]:
             wall_s=float(wall), wer_source=wer_source, run_number=key[2] + offset,
             accepted=[float(r.accepted_tokens_per_step) for r in recs if r.accepted_tokens_per_step is not None],
             role=roles.get(key[0], DEFAULT_ROLE), records=sorted(recs, key=lambda r: r.prompt_id),
+            not_measurable=sum(r.not_measurable for r in recs),
         ))
     return out
 
@@ -527,6 +529,17 @@ def event_problems(run: Run) -> list[str]:
     return [f"{len(wrong)} request record{'s' if len(wrong) > 1 else ''} in {REQUESTS_FILE} whose event counts differ "
             f"from their spans in {SPANS_FILE} (first: {_key_text(rec.key)}: events.{field_name} is {said}, "
             f"its spans count {counted_n})"]
+
+
+def not_measurable_problem(run: Run) -> str | None:
+    """Why the gate cannot judge a run with requests that are not measurable, or None."""
+    recs = [r for r in run.requests if r.not_measurable]
+    if not recs:
+        return None
+    first = recs[0]
+    return (f"{len(recs)} request{'s' if len(recs) > 1 else ''} not measurable: the reference text normalises to "
+            f"no words, so WER cannot judge the speech (first: {_key_text(first.key)}, reference "
+            f"{first.reference_text[:60]!r}); give prompts whose replies are words, or check the Thinker's output")
 
 
 def problems_line(run: Run, problems: list[str]) -> str:

@@ -409,3 +409,30 @@ def test_16_gate_refuses_event_counts_that_differ_from_the_spans(small_run, tmp_
     assert_one_line_error(invoke_cli("gate", str(run)), "1 request record in requests.jsonl whose event counts differ "
                           f"from their spans in spans.jsonl (first: {key}: events.talker_calls is {was + 7}, its spans "
                           f"count {was})", "not gated")
+
+
+# ----------------------------------------------------------------------------- 15: references with no words
+
+
+def test_15_a_reference_with_no_words_is_not_measurable(tmp_path):
+    data = copy.deepcopy(SMALL)
+    data["prompts"] = data["prompts"][:2]
+    data["prompts"][1]["reply"] = "(laughs) \u266a \u266a \u266a"  # Whisper's normaliser keeps no word of it
+    prompts = tmp_path / "prompts.yaml"
+    prompts.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8")
+    run = tmp_path / "out" / "r"
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--arm", "main", "--deploy", "reference", "--sim-workers", "0",
+                     "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--run-id", "r")
+    assert res.exit_code == 0, res.stderr
+    assert "1 request not measurable (the reference text normalises to no words)" in res.stdout
+    assert "| Not measurable |" in (run / "summary.md").read_text()  # the extended table's own column
+    records = {json.loads(ln)["prompt_id"]: json.loads(ln) for ln in (run / "requests.jsonl").read_text().splitlines()}
+    odd = records[data["prompts"][1]["id"]]
+    assert odd["not_measurable"] is True and odd["oracle_wer"] is None and odd["wer"] is None  # never a 0
+    assert records[data["prompts"][0]["id"]]["not_measurable"] is False
+    summary = (run / "summary.csv").read_text().splitlines()
+    assert "not_measurable" in summary[0].split(",")
+    row = dict(zip(summary[0].split(","), summary[1].split(",")))
+    assert row["not_measurable"] == "1" and row["scored"] == "1"
+    assert_one_line_error(invoke_cli("gate", str(run)), f"{run}: 1 request not measurable", "normalises to no words",
+                          f"prompt {data['prompts'][1]['id']}", "not gated")

@@ -32,6 +32,9 @@ def command(run_dir: Path, rules_path: str | None, junit_path: Path | None) -> N
         problems = summary.run_problems(run) + summary.event_problems(run)
         if problems:
             raise UserError(f"{summary.problems_line(run, problems)}; not gated")
+        unmeasurable = summary.not_measurable_problem(run)
+        if unmeasurable:
+            raise UserError(f"{run.run_dir}: {unmeasurable}; not gated")
         result = gate.evaluate(rules, summary.summarize_cells(run), run_id=run.run_id)
     except UserError as exc:
         if junit_path is not None:  # CI still gets a report that says why

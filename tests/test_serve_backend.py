@@ -162,13 +162,15 @@ def test_reference_deploy_and_no_stale_trace_on_rerun(tmp_path):
 def test_arm_without_serve_entry_and_no_real_environment_is_refused(tmp_path, monkeypatch):
     import harness.serve.backend as backend_mod
 
-    monkeypatch.setattr(backend_mod, "default_serve_python", lambda options=None: None)
+    monkeypatch.setattr(backend_mod, "DEFAULT_SERVE_PYTHON", ".venv-omni-absent/bin/python")
+    monkeypatch.delenv(backend_mod.ENV_SERVE_PYTHON, raising=False)
     arm = ArmSpec(name="plug", talker="x.y:z")
     with pytest.raises(UserError, match=r"arm 'plug' has no 'serve' entry in deploy_configs/arms.yaml and there is "
-                                        r"no default real environment \(.venv-omni/bin/python: run scripts/"):
+                                        r"no default real environment \(.venv-omni-absent/bin/python: run scripts/"):
         run(tmp_path, arm)
-    with pytest.raises(UserError, match="arm 'plug' has no 'serve' entry"):
-        describe_cell(arm, deploy(tmp_path), tmp_path, OPTIONS)
+    # a dry run describes what would run, and says the interpreter is missing (issue 24, case 20)
+    text = describe_cell(arm, deploy(tmp_path), tmp_path, OPTIONS)
+    assert "# interpreter '" in text and ".venv-omni-absent/bin/python' is not installed here" in text
 
 
 def test_arm_without_serve_entry_runs_in_the_default_real_environment(tmp_path):

@@ -168,10 +168,38 @@ def count_records(run_dir: Path) -> int:
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+def _remove_empty_run_dir(run_dir: Path) -> bool:
+    """Removes a run directory that holds nothing but what ``prepare_run_dir`` and the lock made (an
+    empty ``audio/``, ``.lock``, temporary files); False, and nothing removed, if it holds more."""
+    try:
+        entries = list(run_dir.iterdir())
+        own = {LOCK_FILE, "audio"}
+        if any(p.name not in own and not p.name.endswith(".tmp") for p in entries):
+            return False
+        if (run_dir / "audio").is_dir() and any((run_dir / "audio").iterdir()):
+            return False
+        for p in entries:
+            if p.is_dir() and not p.is_symlink():
+                p.rmdir()
+            else:
+                p.unlink()
+        run_dir.rmdir()
+    except OSError:
+        return False
+    return True
+
+
 def disk_full_error(exc: OSError, run_dir: Path) -> UserError:
-    """``OSError: [Errno 28]`` while a run writes, as one line that says what is kept and what to do."""
+    """``OSError: [Errno 28]`` while a run writes, as one line that says what is kept and what to do.
+
+    Before the first manifest is in, nothing was recorded and ``--resume`` could not continue (it
+    needs the manifest): the new run directory is removed, so running the same command again works
+    (issue 24, case 19)."""
     what = exc.strerror or "no space left on device"
     where = f" writing {exc.filename}" if exc.filename else ""
+    if not (run_dir / MANIFEST_FILE).exists() and _remove_empty_run_dir(run_dir):
+        return UserError(f"{what.lower()}{where}: nothing was recorded and {run_dir} was removed; free some space, "
+                         "then run the same command again")
     n = count_records(run_dir)
     return UserError(f"{what.lower()}{where}: {n} record{'s' if n != 1 else ''} kept in {run_dir}; "
                      f"free some space, then --resume {run_dir} continues")

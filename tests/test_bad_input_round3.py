@@ -436,3 +436,33 @@ def test_15_a_reference_with_no_words_is_not_measurable(tmp_path):
     assert row["not_measurable"] == "1" and row["scored"] == "1"
     assert_one_line_error(invoke_cli("gate", str(run)), f"{run}: 1 request not measurable", "normalises to no words",
                           f"prompt {data['prompts'][1]['id']}", "not gated")
+
+
+# ----------------------------------------------------------------------------- 19: disk full at the first manifest
+
+
+def test_19_disk_full_while_the_first_manifest_is_written(tmp_path, monkeypatch):
+    import errno
+
+    import harness.records
+
+    real = harness.records.write_file_atomic
+    calls = {"n": 0}
+
+    def full_once(path, data):
+        if Path(path).name == "manifest.json" and calls["n"] == 0:
+            calls["n"] += 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, data)
+
+    monkeypatch.setattr(harness.records, "write_file_atomic", full_once)
+    args = ["run", "--asr", "none", "--quiet", "--arm", "main", "--deploy", "reference", "--sim-workers", "0",
+            "--prompts", _one_prompt(tmp_path), "--out", str(tmp_path / "out"), "--run-id", "r"]
+    run = tmp_path / "out" / "r"
+    assert_one_line_error(invoke_cli(*args), f"no space left on device writing {run}/manifest.json: nothing was "
+                          f"recorded and {run} was removed; free some space, then run the same command again")
+    assert not run.exists()
+    # what the message advises works
+    res = invoke_cli(*args)
+    assert res.exit_code == 0, res.stderr
+    assert (run / "manifest.json").is_file() and len((run / "requests.jsonl").read_text().splitlines()) == 1

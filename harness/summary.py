@@ -12,6 +12,8 @@ from the same predicate table as the contract (``harness.contract.EVENTS``).
 
 from __future__ import annotations
 
+import fnmatch
+
 import json
 import statistics
 from collections import Counter
@@ -557,9 +559,27 @@ def reference_deploy_of(run: Run | list[CellSummary], preferred: str = "referenc
     return preferred if any(c.deploy == preferred for c in cells) else None
 
 
+def deploy_family(name: str) -> str:
+    """``cpu-stress`` -> ``cpu``, ``stress`` -> ``""``: deploys named FAMILY-KIND pair within a family."""
+    return name.rsplit("-", 1)[0] if "-" in name else ""
+
+
+def resolve_reference_deploy(cell: CellSummary, deploy: str, cells: list[CellSummary]) -> str | None:
+    """``deploy`` itself, or for a pattern (``*reference``) the one matching deploy of the cell's arm in
+    the cell's family (``cpu-stress`` pairs with ``cpu-reference``, ``stress`` with ``reference``);
+    None when no deploy, or more than one, qualifies."""
+    if not any(ch in deploy for ch in "*?["):
+        return deploy
+    names = {c.deploy for c in cells if c.arm == cell.arm and fnmatch.fnmatchcase(c.deploy, deploy)}
+    same = sorted(n for n in names if deploy_family(n) == deploy_family(cell.deploy))
+    return same[0] if len(same) == 1 else None
+
+
 def reference_cell(cell: CellSummary, deploy: str, cells: list[CellSummary]) -> CellSummary | None:
-    """The same arm's cell in ``deploy``, same repeat; a single reference run serves all repeats."""
-    same_arm = [c for c in cells if c.arm == cell.arm and c.deploy == deploy]
+    """The same arm's cell in ``deploy`` (a name, or a pattern resolved by ``resolve_reference_deploy``),
+    same repeat; a single reference run serves all repeats."""
+    resolved = resolve_reference_deploy(cell, deploy, cells)
+    same_arm = [c for c in cells if c.arm == cell.arm and c.deploy == resolved]
     for c in same_arm:
         if c.repeat == cell.repeat:
             return c

@@ -371,7 +371,7 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     res = runner.invoke(main, ["gate", str(only_ref)])
     assert res.exit_code == 2
     assert "rule 'candidate-stress-matches-reference': no cell of this run matches role 'candidate' x deploy " \
-           "'stress'" in res.output
+           "'*stress'" in res.output
 
     res = runner.invoke(main, ["gate", str(tmp_path / "nowhere"), "--junit", str(junit)])
     assert res.exit_code == 2 and "run directory not found" in res.output
@@ -491,3 +491,18 @@ def test_ci_workflow_runs_the_matrix_and_the_gate() -> None:
     assert "omni-stress run --arm main --arm pr --out results/ci" in runs
     assert "--junit gate.xml" in runs
     assert any(step.get("uses", "").startswith("actions/upload-artifact") for step in doc["jobs"]["gate"]["steps"])
+
+
+def test_a_pattern_reference_deploy_pairs_within_the_deploy_family() -> None:
+    from types import SimpleNamespace as Cell
+
+    from harness.summary import resolve_reference_deploy
+
+    cells = [Cell(arm="pr", deploy=d) for d in ("reference", "stress", "cpu-reference", "cpu-stress")]
+    cells.append(Cell(arm="main", deploy="gpu2-reference"))
+    assert resolve_reference_deploy(cells[3], "*reference", cells) == "cpu-reference"
+    assert resolve_reference_deploy(cells[1], "*reference", cells) == "reference"
+    assert resolve_reference_deploy(cells[1], "reference", cells) == "reference"  # a name is taken as it is
+    assert resolve_reference_deploy(Cell(arm="pr", deploy="gpu2-stress"), "*reference", cells) is None
+    two = cells + [Cell(arm="pr", deploy="cpu-reference2")]
+    assert resolve_reference_deploy(cells[3], "cpu-ref*", two) is None  # two names qualify: ambiguous

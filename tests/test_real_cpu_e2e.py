@@ -1,9 +1,10 @@
-"""End to end on a real ``vllm serve --omni``, on CPU: tiny random Qwen2.5-Omni, arms main and pr bound
-into the real Talker worker, the CPU reference and stress deploys (``cpu-reference``: the reference
-deploy with the stress deploy's Talker length), four prompts.
+"""End to end on a real ``vllm serve --omni``, on CPU: the speaking tiny Qwen2.5-Omni (docs/speaking-model.md),
+arms main and pr bound into the real Talker worker, the CPU reference and stress deploys, four prompts.
 
-Runs the CLI as a user would (``omni-stress tiny-model``, then ``omni-stress run --backend vllm-omni``)
-and asserts on the real trace: what vLLM-Omni 0.30.0's runner scheduled and what each arm returned.
+Runs the CLI as a user would (``omni-stress tiny-model``, then ``omni-stress run --backend vllm-omni``,
+``gate``, ``transcribe``) and asserts on the real trace (what vLLM-Omni 0.30.0's runner scheduled and
+what each arm returned) and on what the real Talker *said*: its codec stream read back through the
+speaking model's table is the oracle transcript, scored against the text the Thinker returned.
 Needs the real environment (``scripts/install-real-cpu.sh`` -> ``.venv-omni``); skipped without it,
 except under ``OMNI_STRESS_REQUIRE_REAL=1`` (``.ci/run`` sets it), where its absence fails.
 """
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import speaking
+from harness.config import load_prompts
 from harness.records import read_requests, read_spans
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,8 +45,13 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            capture_output=True, text=True, timeout=900)
     assert built.returncode == 0, built.stderr[-2000:]
     summary = json.loads(built.stdout.strip().splitlines()[-1])
-    assert summary["vocab_size"] == 152064 and summary["hidden_size"] == 64
+    assert summary["vocab_size"] == 152064 and summary["hidden_size"] == 64 and summary["speaking"] is True
     sys.stderr.write(f"[real e2e] tiny model: {time.monotonic() - t0:.1f} s\n")
+    t0 = time.monotonic()
+    check = subprocess.run([str(REAL_PY), "-m", "harness.serve.speaking_check", str(model), "--dtype", "bfloat16"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=900)
+    (tmp / "speaking_check.json").write_text(check.stdout.strip().splitlines()[-1] if check.stdout.strip() else "{}")
+    sys.stderr.write(f"[real e2e] speaking check: {time.monotonic() - t0:.1f} s, rc {check.returncode}\n")
     t0 = time.monotonic()
     run = subprocess.run(
         [*CLI, "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
@@ -54,6 +62,68 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sys.stderr.write(f"[real e2e] run: {time.monotonic() - t0:.1f} s\n{run.stdout}\n")
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
     return tmp / "real"
+
+
+def test_the_weights_follow_the_rules_in_transformers(real_run: Path) -> None:
+    """The construction, checked outside vLLM in bfloat16: the reply said byte for byte, babble without
+    a BOS row, and a replayed row garbles exactly the next word (memory through attention)."""
+    result = json.loads((real_run.parent / "speaking_check.json").read_text())
+    reply = result["reply"]
+    assert result["correct"] == {"ok": True, "min_prob": 1.0, "said": reply}
+    assert result["no_bos"] == {"ok": True, "min_prob": 1.0, "said": ""}
+    assert result["long"]["ok"] is True and result["long"]["min_prob"] == 1.0
+    replay = result["replay"]
+    assert (replay["next_changed"], replay["next_byte_kept"], replay["rest_unchanged"], replay["garbled"]) == (
+        True, True, True, 1)
+    assert replay["said"] == reply.replace("the", "<unk>", 1) and result["ok"] is True
+
+
+def _records(run_dir: Path) -> dict[tuple[str, str], dict[str, object]]:
+    cells: dict[tuple[str, str], dict[str, object]] = defaultdict(dict)
+    for r in read_requests(run_dir):
+        cells[(r.arm, r.deploy)][r.prompt_id] = r
+    return cells
+
+
+def test_the_real_thinker_says_each_reply_and_the_talker_speaks_it_unstressed(real_run: Path) -> None:
+    replies = {p.id: p.reply for p in load_prompts("cpu_smoke").prompts}
+    for arm in ("main", "pr"):
+        for pid, r in _records(real_run)[(arm, "cpu-reference")].items():
+            assert r.thinker_text == replies[pid], (arm, pid)
+            assert r.codec_tokens == speaking.encode_reply(replies[pid]), (arm, pid)
+            assert (r.oracle_transcript, r.oracle_wer) == (replies[pid], 0.0), (arm, pid)
+
+
+def test_pr_speaks_under_stress_as_unstressed_and_main_does_not(real_run: Path) -> None:
+    cells = _records(real_run)
+    for pid, r in cells[("pr", "cpu-stress")].items():
+        assert r.oracle_wer == cells[("pr", "cpu-reference")][pid].oracle_wer == 0.0, pid
+        assert r.oracle_transcript == r.thinker_text, pid
+    main = cells[("main", "cpu-stress")]
+    assert sum(r.oracle_wer > 0.5 for r in main.values()) >= 3, {k: r.oracle_wer for k, r in main.items()}
+
+
+def test_the_server_audio_lasts_one_50_hz_frame_per_codec_token(real_run: Path) -> None:
+    for r in read_requests(real_run):
+        assert r.num_codec_tokens > 0 and abs(r.audio_seconds - r.num_codec_tokens / 50) < 0.021, (
+            r.arm, r.deploy, r.prompt_id, r.audio_seconds, r.num_codec_tokens)
+
+
+def test_the_shipped_gate_passes_pr_and_shows_the_bug_in_main(real_run: Path) -> None:
+    gate = subprocess.run([*CLI, "gate", str(real_run)], cwd=real_run, capture_output=True, text=True, timeout=600)
+    sys.stderr.write(f"[real e2e] gate:\n{gate.stdout}\n")
+    assert gate.returncode == 0, (gate.stdout[-3000:], gate.stderr[-2000:])
+    assert "PASS   candidate-stress-matches-reference: pr/cpu-stress run 1 [candidate]" in gate.stdout
+    assert "PASS   baseline-stress-shows-bug (expected failure): main/cpu-stress run 1 [baseline]" in gate.stdout
+
+
+def test_whisper_hears_the_server_audio(real_run: Path) -> None:
+    """The audio path end to end: the server's Code2Wav WAV goes through Whisper (random Code2Wav
+    weights: noise, so only that it is transcribed is asserted, not what is heard)."""
+    r = read_requests(real_run)[0]
+    out = subprocess.run([*CLI, "transcribe", str(real_run / r.audio_path), "--no-cache"], cwd=real_run,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and r.audio_path.split("/")[-1] in out.stdout, (out.stdout, out.stderr[-2000:])
 
 
 def _spans(run_dir: Path) -> dict[tuple[str, str], list]:

@@ -37,6 +37,8 @@ from harness.config import ArmSpec, Deploy, Prompt, PromptSet, ServeSettings
 from harness.contract import count_events
 from harness.errors import UserError
 from harness.records import RequestRecord, SpanRecord
+from harness.scoring import wer
+from harness.speaking import decode as decode_codes
 from harness.serve import client as chat
 from harness.serve.deploy_args import DeployTranslation, detect_platform, translate_deploy
 from harness.serve.launcher import HOST, ServerLauncher, progress
@@ -61,6 +63,26 @@ class ServeOptions:
     @property
     def resolved_platform(self) -> str:
         return detect_platform() if self.platform == "auto" else self.platform
+
+    @property
+    def speaking(self) -> bool:
+        return is_speaking_checkpoint(self.model)
+
+    def translate(self, deploy: Deploy) -> DeployTranslation:
+        return translate_deploy(deploy, self.resolved_platform, self.speaking)
+
+
+SPEAKING_MARKER = "omni_stress_tiny_model.json"  # written by ``omni-stress tiny-model``
+
+
+def is_speaking_checkpoint(model: str) -> bool:
+    """True for a local speaking tiny checkpoint: its Thinker needs the reply forcer, and its codec
+    stream decodes to text (``harness.speaking``)."""
+    marker = Path(model).expanduser() / SPEAKING_MARKER
+    try:
+        return bool(json.loads(marker.read_text(encoding="utf-8")).get("speaking"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 DEFAULT_SERVE_PYTHON = ".venv-omni/bin/python"  # what scripts/install-real-cpu.sh builds
@@ -159,7 +181,7 @@ def binds_arm(arm: ArmSpec, options: ServeOptions | None = None) -> bool:
 
 def server_argv(arm: ArmSpec, deploy: Deploy, options: ServeOptions, port: int | str) -> list[str]:
     """The exact command line: ``... serve MODEL --omni --host 127.0.0.1 --port N <deploy> <extra>``."""
-    translation = translate_deploy(deploy, options.resolved_platform)
+    translation = options.translate(deploy)
     return [
         *server_prefix(arm, options), "serve", options.model, "--omni", "--host", HOST, "--port", str(port),
         *translation.cli_args, *options.extra_args,
@@ -233,7 +255,7 @@ def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOpt
             missing = f"command {serve.command[0]!r}"
     elif serve.python is not None and not Path(_resolve_python(serve.python)).exists():
         missing = f"interpreter {_resolve_python(serve.python)!r}"
-    translation = translate_deploy(deploy, options.resolved_platform)
+    translation = options.translate(deploy)
     run_dir = Path(run_dir).resolve()  # as run_cell: the server gets absolute paths
     trace = cell_dir(run_dir, arm, deploy, "<repeat>")
     env = server_env_overrides(arm, trace, options, translation)
@@ -243,7 +265,8 @@ def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOpt
     placeholder = Prompt(id="<prompt_id>", user="<user text of the prompt>", reply="")
     prompt_set = PromptSet(name="<prompts>", description="", system_prompt="<system_prompt of the prompt set>",
                            prompts=(placeholder,), path=Path("<prompts>"))
-    example = chat.build_body(options.model, prompt_set, placeholder, deploy, "omni-stress-<prompt_id>-<hex32>")
+    example = chat.build_body(options.model, prompt_set, placeholder, deploy, "omni-stress-<prompt_id>-<hex32>",
+                              options.speaking)
     lines = [
         f"# arm {arm.name!r} x deploy {deploy.name!r} ({deploy.path}) -- backend vllm-omni, platform "
         f"{translation.platform}" + (f", arm {arm.talker} bound onto the installed model" if binds_arm(arm, options)
@@ -373,7 +396,7 @@ def run_cell(
     ``UserError`` (exit 2).
     """
     serve = serve_settings(arm, options)
-    translation = translate_deploy(deploy, options.resolved_platform)  # refuse untranslatable deploys first
+    translation = options.translate(deploy)  # refuse untranslatable deploys first
     run_dir = Path(run_dir).resolve()  # the server gets absolute paths whatever its working directory
     if serve.python and not serve.command:
         problem = check_plugin_installed(_resolve_python(serve.python))
@@ -394,15 +417,17 @@ def run_cell(
         tag = chat.make_tag(p.id)
         token_to_prompt[chat.tag_token(tag)] = p.id
         specs.append(chat.RequestSpec(
-            prompt_id=p.id, tag=tag, body=chat.build_body(options.model, prompts, p, deploy, tag),
+            prompt_id=p.id, tag=tag, body=chat.build_body(options.model, prompts, p, deploy, tag, options.speaking),
             audio_file=run_dir / audio_rel_path(arm, deploy, repeat, p.id),
         ))
     collector = TraceCollector(trace, token_to_prompt)
     emitted: list[RequestRecord] = []
+    codecs: dict[str, dict[int, int]] = {}  # prompt id -> position -> codec id (the trace's codec_ids)
 
     def spans_for(prompt_id: str) -> list[SpanRecord]:
         out = []
         for line in collector.take(prompt_id):
+            _collect_codec(codecs.setdefault(prompt_id, {}), line)
             span = span_from_line(line, arm.name, deploy.name, repeat, prompt_id)
             if span is None:
                 collector.unusable += 1
@@ -433,7 +458,8 @@ def run_cell(
             spans = spans_for(res.prompt_id)
             if spans:
                 on_spans(spans)
-            record = _record(arm, deploy, repeat, run_dir, res, spans)
+            record = _record(arm, deploy, repeat, run_dir, res, spans, codecs.get(res.prompt_id, {}),
+                             options.speaking)
             emitted.append(record)
             on_request(record)  # the caller shows per-request progress
 
@@ -463,20 +489,44 @@ def run_cell(
     return times
 
 
+def _collect_codec(stream: dict[int, int], line: dict[str, Any]) -> None:
+    start, ids = line.get("codec_from"), line.get("codec_ids")
+    if isinstance(start, int) and isinstance(ids, list):
+        for i, code in enumerate(ids):
+            if isinstance(code, int):
+                stream[start + i] = code  # a replay re-feeds the same token: the last write is as good
+
+
+def codec_stream(stream: dict[int, int], P: int | None) -> list[int]:
+    """The Talker's codec tokens in order (position ``P + g`` holds token ``g``), up to the first gap."""
+    if P is None:
+        return []
+    out = []
+    while P + len(out) in stream:
+        out.append(stream[P + len(out)])
+    return out
+
+
 def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.ChatResult,
-            spans: list[SpanRecord]) -> RequestRecord:
+            spans: list[SpanRecord], stream: dict[int, int] | None = None, speaking: bool = False) -> RequestRecord:
     first = spans[0] if spans else None
     restarts = sum(1 for s in spans[1:] if s.c == 0)  # preemption by recompute resets c to 0
     audio = None
     if res.audio_file is not None:
         audio = os.path.relpath(res.audio_file, run_dir)
-    return RequestRecord(
+    record = RequestRecord(
         arm=arm.name, deploy=deploy.name, repeat=repeat, prompt_id=res.prompt_id, backend=BACKEND,
         reference_text=res.thinker_text or "", thinker_text=res.thinker_text,
         talker_prompt_len=first.P if first else None, finish_reason=res.finish_reason,
         audio_path=audio, audio_seconds=res.audio_seconds, preemptions=restarts,
         events=count_events(spans), error=res.error, wall_s=round(res.wall_s, 3),
     )
+    codes = codec_stream(stream or {}, record.talker_prompt_len)
+    record.codec_tokens, record.num_codec_tokens = codes, len(codes)
+    if speaking and res.error is None:  # the speaking model's oracle: its codec stream read back through the table
+        record.oracle_transcript = decode_codes(codes).text
+        record.oracle_wer = wer(record.reference_text, record.oracle_transcript)
+    return record
 
 
 def implementation_of(run_dir: Path, arm: ArmSpec, deploy: Deploy, repeat: int,

@@ -60,10 +60,15 @@ class ResponseError(Exception):
     """The server answered, but not with a usable chat completion (per-request error, never retried)."""
 
 
-def sampling_params_list(deploy: Deploy) -> list[dict[str, Any]]:
-    """Per-stage sampling: Thinker greedy <= 80 tokens, Talker from ``deploy.sampling``, Code2Wav defaults."""
+def sampling_params_list(deploy: Deploy, reply: str | None = None) -> list[dict[str, Any]]:
+    """Per-stage sampling: Thinker greedy <= 80 tokens, Talker from ``deploy.sampling``, Code2Wav defaults.
+
+    ``reply``: the Thinker's scripted reply for a speaking tiny checkpoint, read by its stage-0 logits
+    processor (``harness.serve.reply_forcer``) from ``extra_args``."""
     s = deploy.sampling
     thinker = {**THINKER_DEFAULTS, "temperature": 0.0, "max_tokens": MAX_REPLY_TOKENS, "detokenize": True}
+    if reply is not None:
+        thinker["extra_args"] = {"omni_stress_reply": reply}
     talker = {
         **TALKER_DEFAULTS,
         "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
@@ -82,7 +87,8 @@ def tag_token(tag: str) -> str:
     return tag.rsplit("-", 1)[-1]
 
 
-def build_body(model: str, prompts: PromptSet, prompt: Prompt, deploy: Deploy, tag: str) -> dict[str, Any]:
+def build_body(model: str, prompts: PromptSet, prompt: Prompt, deploy: Deploy, tag: str,
+               speaking: bool = False) -> dict[str, Any]:
     return {
         "model": model,
         "messages": [
@@ -90,7 +96,7 @@ def build_body(model: str, prompts: PromptSet, prompt: Prompt, deploy: Deploy, t
             {"role": "user", "content": [{"type": "text", "text": prompt.user}]},
         ],
         "modalities": ["text", "audio"],
-        "sampling_params_list": sampling_params_list(deploy),
+        "sampling_params_list": sampling_params_list(deploy, prompt.reply if speaking else None),
         "stream": False,
         "request_id": tag,
     }

@@ -101,12 +101,16 @@ def stage_overrides_json(overrides: dict[str, dict[str, Any]]) -> str:
     return json.dumps(overrides, sort_keys=True, separators=(",", ":"))
 
 
-def translate_deploy(deploy: Deploy, platform: str = "gpu") -> DeployTranslation:
+REPLY_FORCER = "harness.serve.reply_forcer:ReplyForcer"
+
+
+def translate_deploy(deploy: Deploy, platform: str = "gpu", speaking: bool = False) -> DeployTranslation:
     """The single mapping from a deploy YAML to vLLM-Omni 0.30.0 CLI arguments (one rule per field).
 
     ``None`` in the deploy means "vLLM-Omni's default" and is left out, so the arm's own default deploy
     YAML decides. ``enable_prefix_caching`` is always pinned (0.30.0's default deploy sets it false on
     every stage; a cached prefix would change which spans the Talker is scheduled). ``sampling`` is request-time (``harness.serve.client``) and ``sim`` is sim-only.
+    ``speaking`` (a speaking tiny checkpoint) adds the Thinker's reply forcer as stage 0's logits processor.
     """
     if deploy.speculative is not None:
         raise UserError(
@@ -115,6 +119,8 @@ def translate_deploy(deploy: Deploy, platform: str = "gpu") -> DeployTranslation
         )
     talker = deploy.talker
     stage0: dict[str, Any] = {"max_num_seqs": deploy.thinker.max_num_seqs}
+    if speaking:
+        stage0["logits_processors"] = [REPLY_FORCER]
     stage1: dict[str, Any] = {"max_num_seqs": talker.max_num_seqs, "enable_prefix_caching": talker.enable_prefix_caching}
     stage2: dict[str, Any] = {"max_num_seqs": deploy.code2wav.max_num_seqs}
     if talker.max_num_batched_tokens is not None:

@@ -77,6 +77,7 @@ TRACE_KEYS = (
     "error",
 )
 CONTRACT_KEYS = ("misaligned_text", "misaligned_end", "first_misaligned", "contract_error")  # the contract check
+CODEC_KEYS = ("codec_from", "codec_ids")  # the span's input ids at generated positions (the Talker's codec stream)
 _MARK = "__omni_stress_traced__"
 
 
@@ -196,6 +197,23 @@ def _check_contract(model: Any, info: dict, ids_before: Any, result: Any, embeds
         return {"contract_error": f"{type(exc).__name__}: {exc}"}
 
 
+def _codec_ids(info: dict, ids: Any) -> dict[str, Any] | None:
+    """The ids the runner scheduled at positions ``>= P`` of this span: position ``P + g`` holds the
+    Talker's generated codec token ``g`` (the one sampled from position ``P - 1 + g``), so the spans
+    of a request, by position, give its codec stream (all of it but the final EOS, which is never
+    fed back). Read before the arm runs (an arm may overwrite its ids)."""
+    P, c = _as_int(info.get("_omni_prompt_len")), _as_int(info.get("_omni_num_computed_tokens"))
+    n = _first_dim(ids)
+    if P is None or c is None or n is None or c + n <= P:
+        return None
+    start = max(c, P)
+    try:
+        values = [int(v) for v in ids[start - c:].tolist()]
+    except Exception:  # noqa: BLE001 - ids we cannot read are left out, never an error
+        return None
+    return {"codec_from": start, "codec_ids": values}
+
+
 def wrap_talker_preprocess(cls: type, writer: TraceWriter, method: str = METHOD) -> bool:
     """Replace ``cls.<method>`` with a tracing wrapper; False if already wrapped or absent.
 
@@ -216,13 +234,16 @@ def wrap_talker_preprocess(cls: type, writer: TraceWriter, method: str = METHOD)
         input_embeds = kwargs.get("input_embeds", args[1] if len(args) > 1 else None)
         info = kwargs
         check = _contract_enabled()
-        ids_before = input_ids.clone() if check and hasattr(input_ids, "clone") else None
+        ids_before = input_ids.clone() if hasattr(input_ids, "clone") else None
         try:
             result = original(self, *args, **kwargs)
         except BaseException as exc:
             _safe_record(writer, info, input_ids, None, f"{type(exc).__name__}: {exc}", failed)
             raise
         contract = _check_contract(self, info, ids_before, result, input_embeds) if check else None
+        codec = _codec_ids(info, ids_before)
+        if codec:
+            contract = {**(contract or {}), **codec}
         _safe_record(writer, info, input_ids, result, None, failed, contract)
         return result
 

@@ -466,3 +466,36 @@ def test_19_disk_full_while_the_first_manifest_is_written(tmp_path, monkeypatch)
     res = invoke_cli(*args)
     assert res.exit_code == 0, res.stderr
     assert (run / "manifest.json").is_file() and len((run / "requests.jsonl").read_text().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- 11: an arm raising KeyboardInterrupt
+
+_KI_PLUGIN = """\
+from harness.talkers.pr import FixedTalker
+
+
+class RaisesKeyboardInterrupt(FixedTalker):
+    def talker_preprocess(self, input_ids, input_embeds, **info):
+        if info.get("request_id") == {bad!r}:
+            raise KeyboardInterrupt
+        return super().talker_preprocess(input_ids, input_embeds, **info)
+"""
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_11_an_arm_raising_keyboard_interrupt_fails_its_request_only(tmp_path, monkeypatch, workers):
+    bad = SMALL["prompts"][1]["id"]
+    (tmp_path / "ki_plugin_round3.py").write_text(_KI_PLUGIN.format(bad=bad))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--arm", "ki=ki_plugin_round3:RaisesKeyboardInterrupt",
+                     "--arm", "pr", "--deploy", "reference", "--deploy", "stress", "--sim-workers", workers,
+                     "--prompts", str(SMALL_PROMPTS), "--out", str(out), "--run-id", "r")
+    assert res.exit_code == 0, (res.stderr, res.stdout[-2000:])
+    assert "Aborted" not in res.stderr
+    records = [json.loads(ln) for ln in (out / "r" / "requests.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * len(SMALL["prompts"])  # every request recorded
+    failed = {(r["arm"], r["deploy"], r["prompt_id"]) for r in records if r["error"]}
+    assert failed == {("ki", "reference", bad), ("ki", "stress", bad)}
+    assert all(r["error"] == "KeyboardInterrupt: talker_preprocess raised KeyboardInterrupt (not a Ctrl-C)"
+               for r in records if r["error"])

@@ -1,7 +1,9 @@
 """One call of an arm's ``talker_preprocess``, fenced so that the arm can break its own request
 but never the run (docs/robustness.md, "Arms that misbehave").
 
-* Whatever the arm raises, including ``SystemExit`` (``sys.exit``), fails the call.
+* Whatever the arm raises, including ``SystemExit`` (``sys.exit``) and a ``KeyboardInterrupt`` it
+  raises itself, fails the call. A real Ctrl-C (SIGINT) during the call still stops the run: a
+  SIGINT handler counts the signals, so the two are told apart.
 * ``os._exit`` called by the arm during the call fails the call instead of ending the process
   (``os._exit`` is swapped for the length of the call; a plugin that bound ``_exit`` before, or
   kills itself with a signal, still ends its process: in a sim worker that is one error line and
@@ -85,6 +87,29 @@ def _install() -> None:
     _installed = True
 
 
+_sigints = 0  # SIGINTs delivered to this process since the handler went in
+_previous_sigint: Any = None
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    global _sigints
+    _sigints += 1
+    previous = _previous_sigint
+    if callable(previous):
+        previous(signum, frame)  # the default: raises KeyboardInterrupt
+    elif previous != signal.SIG_IGN:
+        raise KeyboardInterrupt
+
+
+def _install_sigint() -> None:
+    """Counts SIGINTs, then does what the handler before did: an arm that raises KeyboardInterrupt
+    itself fails its call, a real Ctrl-C still ends the run (issue 24, case 11)."""
+    global _previous_sigint
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    if previous is not _on_sigint:
+        _previous_sigint = previous
+
+
 def prepare() -> None:
     """Called as a cell starts: (re)installs the handler, in case someone replaced it since."""
     if _limit_s > 0 and threading.current_thread() is threading.main_thread():
@@ -94,7 +119,11 @@ def prepare() -> None:
 def call(fn: Any, /, **kwargs: Any) -> Any:
     """``fn(**kwargs)`` under the guards above; arm failures come out as ``ArmFailure``."""
     global _armed
-    timed = _limit_s > 0 and threading.current_thread() is threading.main_thread()
+    main = threading.current_thread() is threading.main_thread()
+    timed = _limit_s > 0 and main
+    if main and signal.getsignal(signal.SIGINT) is not _on_sigint:  # ~0.1 µs; someone may have replaced it
+        _install_sigint()
+    sigints = _sigints
     previous_delay = 0.0
     t0 = 0.0
     os._exit = _exit_guard  # type: ignore[assignment]
@@ -120,7 +149,9 @@ def call(fn: Any, /, **kwargs: Any) -> Any:
     except SystemExit as exc:
         raise ArmFailure(f"SystemExit: talker_preprocess called sys.exit({exc.code!r})") from None
     except KeyboardInterrupt:
-        raise
+        if not main or _sigints != sigints:
+            raise  # a real Ctrl-C (or a thread we cannot tell about): the run stops
+        raise ArmFailure("KeyboardInterrupt: talker_preprocess raised KeyboardInterrupt (not a Ctrl-C)") from None
     except Exception as exc:
         raise ArmFailure(f"{type(exc).__name__}: {exc}") from None
     finally:

@@ -57,6 +57,22 @@ class RunOptions:
     asr_workers: int = -1  # -1: two worker processes on two or more cores; 0: in this process
     sim_workers: int = -1  # -1: up to two forked processes when there are cells and cores for them
     serve: Any = None  # harness.serve.backend.ServeOptions for the real backend
+    sim_talker: str = "words"  # sim: SIM_TALKERS (the manifest records it; --resume refuses another)
+
+
+# The sim's Talker modes (``--sim-talker``): ``words``, the sim's own Talker (harness/sim/talker.py);
+# ``speaking``, the speaking tiny model's rules and tokenizer (harness/sim/speaking_talker.py).
+SIM_TALKERS = ("words", "speaking")
+DEFAULT_SIM_TALKER = "words"
+
+
+def manifest_sim_talker(manifest: dict[str, Any]) -> str | None:
+    """The sim Talker mode a run's manifest records: a sim run written before the modes ran ``words``;
+    None for a real-backend run."""
+    if manifest.get("backend", "sim") != "sim":
+        return None
+    mode = manifest.get("sim_talker")
+    return mode if isinstance(mode, str) else DEFAULT_SIM_TALKER
 
 
 @dataclass
@@ -165,6 +181,7 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "run_id": plan.run_dir.name,
         "argv": plan.argv,
         "backend": o.backend,
+        "sim_talker": o.sim_talker if o.backend == "sim" else None,
         "asr": {"backend": o.asr, "model": o.asr_model, "beam_size": o.beam_size},
         "seed": o.seed,
         "repeat": o.repeat,
@@ -195,10 +212,12 @@ def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
         old = read_manifest(run_dir)
     except ValueError as exc:
         raise UserError(f"{run_dir / MANIFEST_FILE}: unreadable manifest ({exc})") from None
-    for key in ("config_hashes", "cells", "seed", "backend"):
+    for key in ("config_hashes", "cells", "seed", "backend", "sim_talker"):
         was, now = old.get(key), plan_manifest.get(key)
         if key == "cells":  # a finished run's cells also carry their wall_s
             was, now = _cell_keys(was), _cell_keys(now)
+        if key == "sim_talker":
+            was, now = manifest_sim_talker(old), manifest_sim_talker(plan_manifest)
         if was != now:
             raise UserError(f"--resume {run_dir}: {key} differ from the manifest "
                             f"(was {was!r}, now {now!r}); start a new run instead")

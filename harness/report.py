@@ -393,7 +393,10 @@ def render_markdown(df: pd.DataFrame) -> str:
 
 def run_header(run: Run) -> list[str]:
     m = run.manifest
-    lines = [f"Run {run.run_id}: backend {_describe(m.get('backend', NA))}, ASR {_describe(m.get('asr') or 'none')}"]
+    backend = _describe(m.get("backend", NA))
+    if m.get("backend") == "sim" and isinstance(m.get("sim_talker"), str):  # --sim-talker (runs before it: words)
+        backend += f" (Talker: {m['sim_talker']})"
+    lines = [f"Run {run.run_id}: backend {backend}, ASR {_describe(m.get('asr') or 'none')}"]
     finished = m.get("finished")
     lines.append(f"Started {m.get('started') or NA}, " + (f"finished {finished}" if finished else "not finished"))
     roles = run.roles
@@ -437,6 +440,7 @@ def json_summary(run: Run, cells: list[CellSummary], full_requests: pd.DataFrame
     return {
         "run_id": run.run_id,
         "backend": run.manifest.get("backend"),
+        "sim_talker": run.manifest.get("sim_talker"),
         "asr": run.manifest.get("asr"),
         "started": run.manifest.get("started"),
         "finished": run.manifest.get("finished"),

@@ -39,3 +39,39 @@ def chat_prompt(system_prompt: str, user: str, audio_seconds: float = 0.0) -> st
 def is_spoken(token: str) -> bool:
     """Words are spoken; punctuation, newlines and special tokens are silence."""
     return bool(re.fullmatch(r"[A-Za-z0-9]+(?:'[A-Za-z]+)?", token))
+
+
+# ----------------------------------------------------------------------------- the speaking tiny model's
+# tokenizer (``omni-stress tiny-model``, harness/serve/tiny_model.py): byte-level with no merges, so one token
+# per UTF-8 byte, plus Qwen2.5-Omni's added special tokens, each one token that carries no byte. The sim's
+# ``speaking`` Talker mode tokenizes with it so that its Talker prompt length P is the real server's.
+# Must list the same tokens as ``harness.serve.tiny_model.SPECIAL_TOKENS`` (tests/test_sim_speaking.py).
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|box_end|>",
+    "<|quad_start|>", "<|quad_end|>", "<|vision_bos|>", "<|vision_eos|>", "<|vision_pad|>", "<|IMAGE|>",
+    "<|VIDEO|>",
+)
+_SPECIAL_RE = re.compile("|".join(re.escape(t) for t in sorted(SPECIAL_TOKENS, key=len, reverse=True)))
+
+
+def byte_tokenize(text: str) -> list[str]:
+    """The tiny model's tokens of ``text``: each special token whole, every other UTF-8 byte one token.
+
+    A byte token is the one-character string ``chr(byte)`` (so ``token_byte`` reads it back); a
+    special token is its text, which is longer, so the two kinds never collide.
+    """
+    out: list[str] = []
+    pos = 0
+    for m in _SPECIAL_RE.finditer(text):
+        out.extend(chr(b) for b in text[pos:m.start()].encode("utf-8"))
+        out.append(m.group())
+        pos = m.end()
+    out.extend(chr(b) for b in text[pos:].encode("utf-8"))
+    return out
+
+
+def token_byte(token: str | None) -> int | None:
+    """The byte a ``byte_tokenize`` token carries; None for a special token (or no token)."""
+    if token is None or len(token) != 1:
+        return None
+    return ord(token)

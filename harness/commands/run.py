@@ -10,7 +10,17 @@ import click
 
 from harness.config import MAX_SEED, ArmSpec, Deploy, load_arms, load_deploy, load_prompts, resolve_arm
 from harness.errors import UserError
-from harness.pipeline import RunOptions, RunPlan, check_resume, execute, manifest_for, new_run_id, prepare_run_dir
+from harness.pipeline import (
+    DEFAULT_SIM_TALKER,
+    SIM_TALKERS,
+    RunOptions,
+    RunPlan,
+    check_resume,
+    execute,
+    manifest_for,
+    new_run_id,
+    prepare_run_dir,
+)
 from harness.proc import printable_streams, stdout_to_stderr
 from harness.records import MANIFEST_FILE, write_manifest
 from harness.rundir import (
@@ -53,6 +63,10 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
 @click.option("--resume", "resume_dir", type=click.Path(path_type=Path), default=None,
               help="Continue an interrupted run directory: completed requests are kept, the rest run.")
 @click.option("--backend", type=click.Choice(["sim", "vllm-omni"]), default="sim", show_default=True)
+@click.option("--sim-talker", type=click.Choice(list(SIM_TALKERS)), default=DEFAULT_SIM_TALKER, show_default=True,
+              help="sim: the simulated Talker. 'words': the sim's own (speaks words, R frames per text token); "
+                   "'speaking': the speaking tiny model's rules and byte tokenizer, as the real server runs them "
+                   "(compare the two with `omni-stress fidelity`).")
 @click.option("--asr", type=click.Choice(["faster-whisper", "openai-whisper", "none"]), default="faster-whisper",
               show_default=True, help="'none' scores the oracle transcript only (no TTS, no Whisper).")
 @click.option("--asr-model", default="base", show_default=True, help="tiny.en, base, or a local model path.")
@@ -81,9 +95,9 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
               "(default $OMNI_STRESS_SERVE_PYTHON, else ./.venv-omni/bin/python).")
 @click.option("--arm-timeout", type=click.FloatRange(0, 86400), callback=_finite, default=armcall.DEFAULT_LIMIT_S, show_default=True,
               help="sim: seconds one talker_preprocess call may take before it fails its request (0: no limit).")
-def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
-            asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout,
-            serve_platform, serve_python, arm_timeout) -> None:
+def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, sim_talker, asr,
+            asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout,
+            request_timeout, serve_platform, serve_python, arm_timeout) -> None:
     """Run the prompts through every arm x deploy, transcribe the Talker audio, tabulate WER and events."""
     printable_streams()
     if run_id is not None:
@@ -92,13 +106,13 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
     with stdout_to_stderr():
         printed = _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr,
                        asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model,
-                       health_timeout, request_timeout, arm_timeout, serve_platform, serve_python)
+                       health_timeout, request_timeout, arm_timeout, serve_platform, serve_python, sim_talker)
     click.echo(printed)
 
 
 def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
          asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout,
-         arm_timeout, serve_platform="auto", serve_python=None) -> str:
+         arm_timeout, serve_platform="auto", serve_python=None, sim_talker=DEFAULT_SIM_TALKER) -> str:
     """The run; returns what goes to stdout (the tables), printed once stdout is stdout again."""
     known = load_arms(arms_file) if arms_file else load_arms()
     arm_specs = [resolve_arm(a, known) for a in arms]
@@ -112,7 +126,10 @@ def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume
     options = RunOptions(backend=backend, repeat=repeat, seed=seed, asr=asr, asr_model=asr_model,
                          beam_size=beam_size, cache_dir=cache_dir, use_cache=not no_cache, quiet=quiet,
                          asr_workers=-1 if asr_workers is None else asr_workers,
-                         sim_workers=-1 if sim_workers is None else sim_workers)
+                         sim_workers=-1 if sim_workers is None else sim_workers, sim_talker=sim_talker)
+    if backend != "sim" and sim_talker != DEFAULT_SIM_TALKER:
+        raise UserError(f"--sim-talker {sim_talker} applies to --backend sim (the real server runs its own Talker: "
+                        "the speaking tiny checkpoint speaks by the same rules)")
     if backend == "vllm-omni":
         from harness.serve.backend import ServeOptions, describe_cell
 

@@ -25,7 +25,7 @@ from harness.sim.rows import RowSpace
 from harness.sim.runner import SimRunner
 from harness.sim.scheduler import _quiet_vllm, make_scheduler
 from harness.sim.specdec import Drafter, verify
-from harness.sim.talker import SimTalker
+from harness.sim.talker import SimTalker, TalkerKV
 from harness.sim.thinker import run_thinker, token_id_table
 from harness.talkers import load_impl
 
@@ -54,11 +54,14 @@ class CellStats:
 
 
 def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed: int,
-             on_request: Callable[[SimRequestResult], None], skip: frozenset[str] = frozenset()) -> CellStats:
+             on_request: Callable[[SimRequestResult], None], skip: frozenset[str] = frozenset(),
+             talker_mode: str = "words") -> CellStats:
     """Simulates every prompt of the cell; ``on_request`` gets each request as it finishes.
 
     ``skip``: prompt ids already recorded (``--resume``); they still run, since they shape the
-    schedule of the others, but are not reported again.
+    schedule of the others, but are not reported again. ``talker_mode``: ``words`` (the sim's own
+    Talker, ``harness/sim/talker.py``) or ``speaking`` (the speaking tiny model's rules and
+    tokenizer, ``harness/sim/speaking_talker.py``).
     """
     _quiet_vllm()  # before vLLM's first import, which logs its start-up warnings to stderr
     from vllm.sampling_params import SamplingParams
@@ -74,18 +77,33 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
     impl = load_impl(arm)
     space = RowSpace(seed)
     model = bind_arm(impl, space)
-    outputs = run_thinker(prompts, space, deploy.sim.thinker_steps_per_token)
+    speaks = talker_mode == "speaking"
+    if speaks:
+        from harness.sim.speaking_talker import SpeakingKV, SpeakingTalker, speech_units, spoken_codes
+        from harness.speaking import decode as decode_codes
+        from harness.tokenizer import byte_tokenize
+
+        outputs = run_thinker(prompts, space, deploy.sim.thinker_steps_per_token, byte_tokenize,
+                              deploy.thinker.max_num_seqs)
+        vocab = CodecVocab(())
+        talker = SpeakingTalker(space)
+    elif talker_mode == "words":
+        outputs = run_thinker(prompts, space, deploy.sim.thinker_steps_per_token,
+                              thinker_seqs=deploy.thinker.max_num_seqs)
+        vocab = CodecVocab.build(t for o in outputs for t in o.prompt_tokens + o.reply_tokens)
+    else:
+        raise UserError(f"--sim-talker {talker_mode!r}: unknown sim Talker (choose words or speaking)")
     token_ids = token_id_table(outputs)
-    vocab = CodecVocab.build(t for o in outputs for t in o.prompt_tokens + o.reply_tokens)
     sampling = SamplingSettings(**{**deploy.sampling.__dict__, "seed": seed})
-    talker = SimTalker(space, vocab, sampling, deploy.sim.frames_per_text_token)
+    if not speaks:
+        talker = SimTalker(space, vocab, sampling, deploy.sim.frames_per_text_token)
     talker.freeze()
     spec = deploy.speculative
     scheduler, resolved = make_scheduler(deploy, spec.num_speculative_tokens if spec else 0)
     drafter = Drafter(talker, spec.num_speculative_tokens, spec.acceptance_rate, seed) if spec else None
     verify_steps: dict[str, list[int]] = {o.request_id: [] for o in outputs}
     model.profile_run(resolved.max_num_batched_tokens)
-    runner = SimRunner(model, space, (arm.name, deploy.name, repeat))
+    runner = SimRunner(model, space, (arm.name, deploy.name, repeat), SpeakingKV if speaks else TalkerKV)
 
     pending = deque(sorted(outputs, key=lambda o: o.arrival_step))
     by_id = {o.request_id: o for o in outputs}
@@ -98,7 +116,13 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
     def finish(req: Request) -> None:
         rid = req.request_id
         codes = list(req.output_token_ids)
-        units = collapse(codes, vocab, deploy.sim.frames_per_text_token)
+        if speaks:  # the speaking model's oracle: its codec stream read back through the table
+            codes = spoken_codes(codes)
+            transcript = decode_codes(codes).text
+            units = speech_units(transcript, deploy.sim.frames_per_text_token)
+        else:
+            units = collapse(codes, vocab, deploy.sim.frames_per_text_token)
+            transcript = oracle_transcript(units)
         out = by_id[rid]
         reason = req.get_finished_reason()
         record = RequestRecord(
@@ -106,7 +130,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
             reference_text=out.prompt.reply, thinker_text=out.prompt.reply, talker_prompt_len=out.P,
             codec_tokens=codes, num_codec_tokens=len(codes),
             finish_reason=str(reason) if reason is not None else None,
-            oracle_transcript=oracle_transcript(units), preemptions=req.num_preemptions,
+            oracle_transcript=transcript, preemptions=req.num_preemptions,
             events=count_events(spans_by_req[rid]), error=errors.get(rid),
             accepted_tokens_per_step=(round(sum(verify_steps[rid]) / len(verify_steps[rid]), 3)
                                       if verify_steps[rid] else None),
@@ -198,6 +222,7 @@ class SimBackend:
 
     def __init__(self, run_dir: Path, options: RunOptions) -> None:
         self.options = options
+        self.talker_mode = getattr(options, "sim_talker", "words")
         self.code2wav = None
         if options.asr != "none":  # --asr none scores the oracle transcript: no speech needed
             from harness.sim.code2wav import Code2Wav
@@ -218,7 +243,8 @@ class SimBackend:
         t0 = time.perf_counter()
         self.pool = SimPool(workers, jobs[0].deploy)  # imports vLLM: the in-process path pays it in its first cell
         self.warm_seconds = time.perf_counter() - t0
-        self.futures = {j.key: self.pool.submit(j.arm, j.deploy, j.prompts, j.repeat, j.seed, j.skip) for j in jobs}
+        self.futures = {j.key: self.pool.submit(j.arm, j.deploy, j.prompts, j.repeat, j.seed, j.skip, self.talker_mode)
+                        for j in jobs}
 
     def run_cell(self, job: CellJob, emit: EmitRecord, emit_spans: EmitSpans,
                  idle: Callable[[], None]) -> CellOutcome:
@@ -232,7 +258,8 @@ class SimBackend:
             stats, finished = SimPool.result(future, job.label, idle)
         else:
             finished: list[SimRequestResult] = []  # type: ignore[no-redef]
-            stats = run_cell(job.arm, job.deploy, job.prompts, job.repeat, job.seed, finished.append, job.skip)
+            stats = run_cell(job.arm, job.deploy, job.prompts, job.repeat, job.seed, finished.append, job.skip,
+                             self.talker_mode)
         outcome = CellOutcome(sim_seconds=stats.sim_seconds, scheduled_tokens=stats.scheduled_tokens,
                               sim_wall=time.perf_counter() - t_sim + self.warm_seconds)
         self.warm_seconds = 0.0

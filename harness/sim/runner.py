@@ -35,8 +35,10 @@ class CallResult:
 
 
 class SimRunner:
-    def __init__(self, model: SimTalkerModelBase, space: RowSpace, cell: tuple[str, str, int]) -> None:
-        self.model, self.space, self.cell = model, space, cell
+    def __init__(self, model: SimTalkerModelBase, space: RowSpace, cell: tuple[str, str, int],
+                 kv_class: type[TalkerKV] = TalkerKV) -> None:
+        """``kv_class``: the per-request KV the Talker reads (``speaking_talker.SpeakingKV`` for that mode)."""
+        self.model, self.space, self.cell, self.kv_class = model, space, cell, kv_class
         self.buffer: dict[str, dict[str, Any]] = {}
         self.kv: dict[str, TalkerKV] = {}
         self.thinker: dict[str, ThinkerOutput] = {}
@@ -48,7 +50,7 @@ class SimRunner:
     def add_request(self, out: ThinkerOutput, payload: dict[str, Any], capacity: int) -> None:
         self.buffer[out.request_id] = payload
         self.thinker[out.request_id] = out
-        self.kv[out.request_id] = TalkerKV(out.request_id, out.P, self._spk_id, out.output_first_id, capacity)
+        self.kv[out.request_id] = self.kv_class(out.request_id, out.P, self._spk_id, out.output_first_id, capacity)
 
     def remove_request(self, request_id: str) -> None:
         self.buffer.pop(request_id, None)

@@ -1,14 +1,17 @@
 """The scripted Thinker: prompt rows, reply rows and the Thinker->Talker payload.
 
-The Thinker runs one request at a time (``max_num_seqs=1``), so Talker request ``i`` arrives
-when the Thinker has prefilled and decoded every earlier reply and its own:
-``arrival_i = sum_{j<=i} ceil((1 + K_j) * thinker_steps_per_token)`` Talker steps, where
-``K_j`` is reply ``j``'s token count.
+The Thinker runs the deploy's ``thinker.max_num_seqs`` requests at a time (``S``; the seed's deploys:
+one), first come first served: a request takes the Thinker sequence that frees first and holds it
+for ``ceil((1 + K_i) * thinker_steps_per_token)`` Talker steps (its prefill and ``K_i`` reply
+tokens; batched sequences advance one token per step each), and its Talker request arrives when it
+finishes. With ``S = 1`` that is ``arrival_i = sum_{j<=i} ceil((1 + K_j) * thinker_steps_per_token)``.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,16 +57,21 @@ class ThinkerOutput:
         }
 
 
-def run_thinker(prompts: PromptSet, space: RowSpace, steps_per_token: float) -> list[ThinkerOutput]:
+def run_thinker(prompts: PromptSet, space: RowSpace, steps_per_token: float,
+                tokenizer: Callable[[str], list[str]] = tokenize, thinker_seqs: int = 1) -> list[ThinkerOutput]:
+    """``tokenizer``: the sim's word rule (default), or ``harness.tokenizer.byte_tokenize`` for the
+    speaking Talker mode (the speaking tiny model's one token per byte). ``thinker_seqs``: the
+    deploy's ``thinker.max_num_seqs``."""
     outputs: list[ThinkerOutput] = []
-    clock = 0
+    free_at = [0] * max(1, thinker_seqs)  # when each Thinker sequence is free (a heap)
     for prompt in prompts.prompts:
         request_id = prompt.id
-        p_tokens = tokenize(prompt.thinker_prompt(prompts.system_prompt))
-        r_tokens = tokenize(prompt.reply)
+        p_tokens = tokenizer(prompt.thinker_prompt(prompts.system_prompt))
+        r_tokens = tokenizer(prompt.reply)
         p_rows, p_first = space.make("prompt", list(p_tokens), request_id)
         o_rows, o_first = space.make("output", list(r_tokens), request_id)
-        clock += math.ceil((1 + len(r_tokens)) * steps_per_token)
+        clock = heapq.heappop(free_at) + math.ceil((1 + len(r_tokens)) * steps_per_token)
+        heapq.heappush(free_at, clock)
         outputs.append(ThinkerOutput(prompt, request_id, p_tokens, r_tokens, p_rows, o_rows, p_first, o_first, clock))
     return outputs
 

@@ -1,0 +1,317 @@
+"""``omni-stress fidelity``: the sim measured against a real run of the same work, request by request.
+
+Pure functions, no I/O: ``compare`` takes two ``Side``s (a run's records and each request's event
+counts, read by the command) and matches their requests by (arm, deploy, repeat, prompt id);
+``render_text`` and ``as_json`` say the result. With ``run --sim-talker speaking`` the sim runs the
+speaking tiny model's Talker, so a difference between the two sides is the scheduler, the runner or
+timing, not the Talker (docs/fidelity.md says which differences to expect and why).
+
+Per arm x deploy (x repeat) and per request, sim beside real with the ratio sim / real:
+oracle WER (the cell's mean), codec tokens, non-zero-offset chunks, crossing replays, multi-position
+decode spans, preemptions, row-count mismatches (prefill calls whose rows differ from the span) and
+prefill calls, misaligned positions in the text and end regions. A ratio of two zeros is 1.0 (the
+same), of a number over zero undefined (None, shown as ``-``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.errors import UserError
+from harness.records import EventCounts, RequestRecord
+
+RequestKey = tuple[str, str, int, str]  # (arm, deploy, repeat, prompt id)
+CellKey = tuple[str, str, int]
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str  # JSON name
+    label: str  # table name
+    value: Callable[[RequestRecord, EventCounts], float | int | None]
+    mean: bool = False  # the cell's value is the mean over its requests (else the sum)
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("oracle_wer", "oracle WER", lambda r, e: r.oracle_wer, mean=True),
+    Metric("codec_tokens", "codec tokens", lambda r, e: r.num_codec_tokens),
+    Metric("nonzero_offset_chunks", "non-zero-offset chunks", lambda r, e: e.nonzero_offset_chunks),
+    Metric("cross_boundary_replays", "crossing replays", lambda r, e: e.cross_boundary_replays),
+    Metric("multi_position_decode_spans", "multi-position decode spans", lambda r, e: e.multi_position_decode_spans),
+    Metric("preemptions", "preemptions", lambda r, e: r.preemptions),
+    Metric("row_count_mismatches", "row-count mismatches", lambda r, e: e.prefill_row_count_mismatches),
+    Metric("prefill_calls", "prefill calls", lambda r, e: e.prefill_calls),
+    Metric("misaligned_text", "misaligned (text)", lambda r, e: e.misaligned_text_positions),
+    Metric("misaligned_end", "misaligned (end)", lambda r, e: e.misaligned_end_positions),
+)
+
+
+@dataclass
+class Side:
+    """One run as the comparison sees it."""
+
+    label: str  # the run id
+    backend: str | None  # the manifest's backend
+    talker: str | None  # the sim's Talker mode (None: a real run)
+    records: Sequence[RequestRecord]
+    events: Mapping[RequestKey, EventCounts] = field(default_factory=dict)  # per request (spans), else the record's
+
+    def describe(self) -> str:
+        text = f"{self.label} (backend {self.backend or '?'}"
+        return text + (f", Talker {self.talker})" if self.talker else ")")
+
+
+@dataclass(frozen=True)
+class Value:
+    """One metric, sim beside real."""
+
+    sim: float | int | None
+    real: float | int | None
+
+    @property
+    def ratio(self) -> float | None:
+        return ratio(self.sim, self.real)
+
+    @property
+    def same(self) -> bool:
+        return self.sim == self.real
+
+
+def ratio(sim: float | int | None, real: float | int | None) -> float | None:
+    """sim / real; two zeros are 1.0 (the same), a number over zero or a missing value None."""
+    if sim is None or real is None:
+        return None
+    if real == 0:
+        return 1.0 if sim == 0 else None
+    return sim / real
+
+
+@dataclass
+class RequestComparison:
+    key: RequestKey
+    values: dict[str, Value]
+    same_codes: bool  # identical codec token streams
+
+
+@dataclass
+class CellComparison:
+    key: CellKey
+    requests: int  # requests present in both runs
+    values: dict[str, Value]
+
+
+@dataclass
+class Fidelity:
+    sim: Side
+    real: Side
+    cells: list[CellComparison]
+    requests: list[RequestComparison]
+    only_sim: list[RequestKey]
+    only_real: list[RequestKey]
+    notes: list[str]
+
+    @property
+    def differing(self) -> list[RequestComparison]:
+        """Requests whose codec tokens or any metric differ."""
+        return [r for r in self.requests if not r.same_codes or not all(v.same for v in r.values.values())]
+
+
+def _events(side: Side, rec: RequestRecord) -> EventCounts:
+    return side.events.get(rec.key, rec.events)
+
+
+def _by_key(side: Side, name: str) -> dict[RequestKey, RequestRecord]:
+    out: dict[RequestKey, RequestRecord] = {}
+    for rec in side.records:
+        if rec.key in out:
+            raise UserError(f"{name} run {side.label}: request {_key_text(rec.key)} is recorded twice")
+        out[rec.key] = rec
+    return out
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _cell_value(metric: Metric, values: list[float | int | None]) -> float | int | None:
+    present = [v for v in values if v is not None]
+    if metric.mean:
+        return _mean([float(v) for v in present])
+    return sum(present) if present else (None if values else 0)
+
+
+def compare(sim: Side, real: Side) -> Fidelity:
+    """Matches the two runs' requests by (arm, deploy, repeat, prompt id); a ``UserError`` when they
+    share no arm x deploy x repeat cell (nothing to compare)."""
+    a, b = _by_key(sim, "sim"), _by_key(real, "real")
+    cells_a = {k[:3] for k in a}
+    cells_b = {k[:3] for k in b}
+    common_cells = cells_a & cells_b
+    if not common_cells:
+        raise UserError(f"no common cells: the sim run {sim.label} has {_cells_text(cells_a)}, the real run "
+                        f"{real.label} has {_cells_text(cells_b)} (compare runs of the same arms, deploys and repeats)")
+    order = _cell_order([k for k in list(a) + list(b) if k[:3] in common_cells])
+    matched = sorted((k for k in a if k in b), key=lambda k: (order[k[:3]], k[3]))
+    requests = []
+    for key in matched:
+        ra, rb = a[key], b[key]
+        ea, eb = _events(sim, ra), _events(real, rb)
+        values = {m.key: Value(m.value(ra, ea), m.value(rb, eb)) for m in METRICS}
+        requests.append(RequestComparison(key, values, list(ra.codec_tokens) == list(rb.codec_tokens)))
+    cells = []
+    for cell in sorted(common_cells, key=lambda c: order[c]):
+        reqs = [r for r in requests if r.key[:3] == cell]
+        values = {m.key: Value(_cell_value(m, [r.values[m.key].sim for r in reqs]),
+                               _cell_value(m, [r.values[m.key].real for r in reqs])) for m in METRICS}
+        cells.append(CellComparison(cell, len(reqs), values))
+    only_sim = sorted(k for k in a if k not in b)
+    only_real = sorted(k for k in b if k not in a)
+    return Fidelity(sim, real, cells, requests, only_sim, only_real, _notes(sim, real, a, b, matched))
+
+
+def _notes(sim: Side, real: Side, a: dict[RequestKey, RequestRecord], b: dict[RequestKey, RequestRecord],
+           matched: list[RequestKey]) -> list[str]:
+    notes = []
+    if sim.backend != "sim":
+        notes.append(f"the first run ({sim.label}) is not a sim run (backend {sim.backend})")
+    if sim.backend == "sim" and sim.talker != "speaking" and real.backend != "sim":
+        notes.append(f"the sim run used the {sim.talker} Talker: only --sim-talker speaking runs the rules of the "
+                     "real server's speaking tiny model, so codec tokens and oracle WER cannot match")
+    errors = [k for k in matched if a[k].error is not None or b[k].error is not None]
+    if errors:
+        notes.append(f"{len(errors)} matched request(s) failed in one run or both: {_keys_text(errors)}")
+    for name, side, recs in (("sim", sim, a), ("real", real, b)):
+        missing = [k for k in matched if recs[k].oracle_wer is None and not recs[k].not_measurable
+                   and recs[k].error is None]
+        if missing:
+            notes.append(f"the {name} run {side.label} has no oracle WER for {len(missing)} request(s) (a Talker "
+                         "that is not the speaking model has no oracle transcript on the real backend)")
+    return notes
+
+
+def _cell_order(keys: list[RequestKey]) -> dict[CellKey, int]:
+    """Cells in first-seen order of arm, then deploy, then repeat (the runs' own table order)."""
+    arms: list[str] = []
+    deploys: list[str] = []
+    for arm, deploy, _, _ in keys:
+        if arm not in arms:
+            arms.append(arm)
+        if deploy not in deploys:
+            deploys.append(deploy)
+    cells = sorted({k[:3] for k in keys}, key=lambda c: (arms.index(c[0]), deploys.index(c[1]), c[2]))
+    return {c: i for i, c in enumerate(cells)}
+
+
+def _key_text(key: tuple) -> str:
+    return "/".join(str(p) for p in key)
+
+
+def _keys_text(keys: Sequence[tuple], limit: int = 8) -> str:
+    shown = ", ".join(_key_text(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _cells_text(cells: set[CellKey]) -> str:
+    if not cells:
+        return "no request"
+    return ", ".join(f"{arm} x {deploy} (run {r})" for arm, deploy, r in sorted(cells))
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def fmt_value(metric: Metric | str, value: float | int | None) -> str:
+    key = metric.key if isinstance(metric, Metric) else metric
+    if value is None:
+        return "-"
+    if key == "oracle_wer":
+        return f"{value:.3f}"
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:.1f}"
+    return str(int(value))
+
+
+def fmt_ratio(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    return f"{value:.2f}"
+
+
+def _table(header: list[str], rows: list[list[str]], right_from: int) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i >= right_from else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def _cell_label(key: CellKey, repeats: bool) -> str:
+    arm, deploy, repeat = key
+    return f"{arm} x {deploy}" + (f" (run {repeat})" if repeats else "")
+
+
+def render_text(fid: Fidelity) -> str:
+    repeats = len({c.key[2] for c in fid.cells}) > 1
+    out = [f"sim:  {fid.sim.describe()}", f"real: {fid.real.describe()}",
+           f"{len(fid.requests)} requests in both runs, {len(fid.requests) - len(fid.differing)} identical "
+           f"(same codec tokens and every metric); ratio = sim / real (two zeros: 1.00)"]
+    for note in fid.notes:
+        out.append(f"note: {note}")
+    for cell in fid.cells:
+        out += ["", f"{_cell_label(cell.key, repeats)}: {cell.requests} request(s) in both runs"]
+        rows = []
+        for m in METRICS:
+            v = cell.values[m.key]
+            rows.append([m.label + (" (mean)" if m.mean else ""), fmt_value(m, v.sim), fmt_value(m, v.real),
+                         fmt_ratio(v.ratio)])
+        out += ["  " + line for line in _table(["Metric", "Sim", "Real", "Sim/Real"], rows, 1)]
+    out += ["", "Per request:"]
+    header = ["Arm", "Deploy", "Run", "Prompt", "Same codes", "Metric", "Sim", "Real", "Sim/Real"]
+    rows = []
+    for r in fid.requests:
+        arm, deploy, repeat, prompt = r.key
+        for i, m in enumerate(METRICS):
+            v = r.values[m.key]
+            ident = [arm, deploy, str(repeat), prompt, "yes" if r.same_codes else "no"] if i == 0 else [""] * 5
+            rows.append(ident + [m.label + ("" if v.same else " *"), fmt_value(m, v.sim), fmt_value(m, v.real),
+                                 fmt_ratio(v.ratio)])
+    out += _table(header, rows, 6)
+    out.append("(* sim and real differ)")
+    for name, side, keys in (("sim", fid.sim, fid.only_sim), ("real", fid.real, fid.only_real)):
+        if keys:
+            out += ["", f"Only in the {name} run {side.label} ({len(keys)}): "
+                        + ", ".join(_key_text(k) for k in keys)]
+    if not fid.only_sim and not fid.only_real:
+        out += ["", "Every request is in both runs."]
+    return "\n".join(out) + "\n"
+
+
+def _values_json(values: dict[str, Value]) -> dict[str, Any]:
+    return {k: {"sim": v.sim, "real": v.real, "ratio": v.ratio} for k, v in values.items()}
+
+
+def as_json(fid: Fidelity) -> dict[str, Any]:
+    def side(s: Side) -> dict[str, Any]:
+        return {"run_id": s.label, "backend": s.backend, "sim_talker": s.talker}
+
+    def key(k: RequestKey) -> dict[str, Any]:
+        return {"arm": k[0], "deploy": k[1], "repeat": k[2], "prompt_id": k[3]}
+
+    return {
+        "sim": side(fid.sim),
+        "real": side(fid.real),
+        "metrics": [{"key": m.key, "label": m.label, "cell_value": "mean" if m.mean else "sum"} for m in METRICS],
+        "cells": [{"arm": c.key[0], "deploy": c.key[1], "repeat": c.key[2], "requests": c.requests,
+                   "metrics": _values_json(c.values)} for c in fid.cells],
+        "requests": [{**key(r.key), "same_codec_tokens": r.same_codes, "metrics": _values_json(r.values)}
+                     for r in fid.requests],
+        "only_sim": [key(k) for k in fid.only_sim],
+        "only_real": [key(k) for k in fid.only_real],
+        "identical_requests": len(fid.requests) - len(fid.differing),
+        "notes": list(fid.notes),
+    }

@@ -1,0 +1,114 @@
+"""The sim's ``speaking`` Talker mode: the speaking tiny model's rules (``harness.speaking``), on the sim's KV.
+
+``omni-stress run --sim-talker speaking`` runs this Talker instead of the default one
+(``harness/sim/talker.py``), so the sim and the real server with the speaking tiny checkpoint run
+the same Talker, and what differs between them is the scheduler, the runner and timing
+(``omni-stress fidelity``, docs/fidelity.md). With it the sim tokenizes the Thinker prompt and reply
+as the tiny model does (``harness.tokenizer.byte_tokenize``: one token per UTF-8 byte, each special
+token whole), so ``P`` = Thinker prompt tokens + 2 is the real server's.
+
+At each sampled position ``m = P - 1 + g`` (generated token ``g``), from the rows in the request's KV:
+
+* **start**: some KV position ``0..m`` holds a codec-BOS component (the runner's identification of
+  the row's codec part; vLLM-Omni puts ``thinker_result[0] + codec_bos`` at ``P-1``, and an
+  unreplaced row at position 0 is the raw embedding of the Talker prompt's first id, codec BOS too);
+* **byte**: the byte of the text component of row ``m``; **prev**: the byte of row ``m-1``. A text
+  component that is NONE (zeros), UNKNOWN, a special token, the speaker row, text-BOS/EOS/PAD has no
+  byte; another request's row (cross-talk) carries that request's byte;
+* the code is ``harness.speaking.next_code(started, byte, prev)``: speech id, BABBLE, or codec EOS.
+
+One codec token per text byte (no frames-per-token stretching) and no sampling randomness: the
+speaking model's logits put probability ~1 on the rule's id, so temperature, top-k and top-p pick it.
+
+A position past the KV (only the speculative-decoding drafter asks for one: the row of the next
+position does not exist yet) has no row, so no byte: codec EOS. The drafter's proposals are then
+rejected, never wrong: verification reads the written rows.
+
+Code2Wav: the oracle transcript is ``harness.speaking.decode(codes).text``; the audio for Whisper
+is that transcript spoken by the sim's TTS, an unintelligible word (``<unk>``) as one babble
+syllable; babble ids carry no words, so a babbling request's WAV is silence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harness import speaking
+from harness.sim.codec import CODEC_BOS, PAUSE, babble_unit
+from harness.sim.rows import RowSpace
+from harness.sim.talker import TalkerKV
+
+MODE = "speaking"
+
+
+class SpeakingKV(TalkerKV):
+    """The per-request KV plus the first position holding a codec-BOS component (None: none)."""
+
+    first_bos: int | None = None
+
+    def write(self, c: int, text_ids, codec_ids) -> None:  # type: ignore[override]
+        n = text_ids.shape[0]
+        self._text_np[c:c + n] = np.asarray(text_ids)
+        codec = np.asarray(codec_ids)
+        self._codec_np[c:c + n] = codec
+        self.length = c + n
+        if self.first_bos is None or self.first_bos >= c:  # positions >= c were rewritten or dropped
+            hits = np.flatnonzero(codec == CODEC_BOS)
+            self.first_bos = c + int(hits[0]) if hits.size else None
+
+    def started_at(self, m: int) -> bool:
+        return self.first_bos is not None and self.first_bos <= m
+
+
+class SpeakingTalker:
+    """Rules 1-3 of ``harness.speaking`` on the rows of a ``SpeakingKV``."""
+
+    def __init__(self, space: RowSpace) -> None:
+        self.space = space
+        self._byte_np = np.zeros(0, dtype=np.int64)
+
+    def freeze(self) -> None:
+        """The byte of every registered text row, -1 for none (call once all rows exist)."""
+        from harness.tokenizer import token_byte
+
+        out = np.full(len(self.space.meanings), -1, dtype=np.int64)
+        for i, m in enumerate(self.space.meanings):
+            if m.kind in ("prompt", "output"):
+                b = token_byte(m.word)
+                if b is not None:
+                    out[i] = b
+        self._byte_np = out
+
+    def byte_of(self, text_id: int) -> int | None:
+        """The byte of a KV text component (a registry id, NONE or UNKNOWN)."""
+        if text_id < 0 or text_id >= self._byte_np.shape[0]:
+            return None
+        b = int(self._byte_np[text_id])
+        return None if b < 0 else b
+
+    def next_token(self, kv: SpeakingKV, generated: int) -> int:
+        m = kv.P - 1 + generated
+        if m >= kv.length or m < 1:
+            return speaking.CODEC_EOS
+        text = kv._text_np
+        return speaking.next_code(kv.started_at(m), self.byte_of(int(text[m])), self.byte_of(int(text[m - 1])))
+
+
+def spoken_codes(output_token_ids: list[int]) -> list[int]:
+    """The codec tokens a request spoke: everything before codec EOS (the stop token is not speech)."""
+    codes = [int(c) for c in output_token_ids]
+    return codes[:codes.index(speaking.CODEC_EOS)] if speaking.CODEC_EOS in codes else codes
+
+
+def speech_units(transcript: str, frames_per_word: int) -> list[str]:
+    """What the sim's TTS speaks for an oracle transcript: its words (punctuation as pauses), each
+    unintelligible word as one babble syllable of ``frames_per_word`` codec frames."""
+    from harness.tokenizer import is_spoken, tokenize
+
+    units: list[str] = []
+    for i, word in enumerate(transcript.split()):
+        if word == speaking.UNINTELLIGIBLE:
+            units.append(babble_unit(1 + i % 64, frames_per_word))
+        else:
+            units.extend(tok if is_spoken(tok) else PAUSE for tok in tokenize(word))  # as tts.units_from_text
+    return units

@@ -81,7 +81,7 @@ def test_help_lists_every_command_without_importing_any(tmp_path):
     assert not any(m.startswith("harness.commands.") for m in modules)
     listed = [line.split()[0] for line in out.split("Commands:\n", 1)[1].splitlines() if line.strip()]
     assert listed == sorted(main.listed())
-    assert listed[:3] == ["compare", "conform", "gate"] and "run" in listed
+    assert {"compare", "gate", "list", "report", "run", "transcribe"} <= set(listed)
 
 
 def test_help_is_what_the_imported_commands_would_print(tmp_path):

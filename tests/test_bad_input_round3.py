@@ -499,3 +499,37 @@ def test_11_an_arm_raising_keyboard_interrupt_fails_its_request_only(tmp_path, m
     assert failed == {("ki", "reference", bad), ("ki", "stress", bad)}
     assert all(r["error"] == "KeyboardInterrupt: talker_preprocess raised KeyboardInterrupt (not a Ctrl-C)"
                for r in records if r["error"])
+
+
+# ----------------------------------------------------------------------------- 7: an arm that leaves a thread running
+
+_THREAD_PLUGIN = """\
+import threading
+import time
+
+from harness.talkers.pr import FixedTalker
+
+_started = []
+
+
+class LeavesAThread(FixedTalker):
+    def talker_preprocess(self, input_ids, input_embeds, **info):
+        if not _started:  # a non-daemon thread that outlives the run by far
+            _started.append(threading.Thread(target=time.sleep, args=(600,), name="plugin-forever"))
+            _started[0].start()
+        return super().talker_preprocess(input_ids, input_embeds, **info)
+"""
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_7_an_arm_that_leaves_a_thread_running_does_not_keep_the_run_alive(tmp_path, workers):
+    (tmp_path / "thread_plugin_round3.py").write_text(_THREAD_PLUGIN)
+    out = tmp_path / "out"
+    res = run_cli("run", "--asr", "none", "--quiet", "--arm", "t=thread_plugin_round3:LeavesAThread", "--deploy",
+                  "reference", "--sim-workers", workers, "--prompts", _one_prompt(tmp_path), "--out", str(out),
+                  "--run-id", "r", timeout=240, env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
+    assert res.exit_code == 0, res.stderr
+    assert "omni-stress: warning: an arm left 1 thread running ('plugin-forever'); exiting without waiting for it" \
+        in res.stderr
+    assert "results: " in res.stdout
+    assert len((out / "r" / "requests.jsonl").read_text().splitlines()) == 1

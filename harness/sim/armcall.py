@@ -15,6 +15,9 @@ but never the run (docs/robustness.md, "Arms that misbehave").
   there); elsewhere calls are not limited.
 * The returned rows must be a 2-D tensor as wide as the Talker's hidden size; anything else
   fails the call before the runner copies a row.
+* Threads an arm starts and leaves running do not keep the run (or a sim worker) from exiting:
+  at exit they get ``ARM_THREAD_GRACE_S`` to end, then the interpreter stops waiting for them, as
+  for daemon threads, with one warning line (issue 24, case 7).
 
 Why 10 s: measured over the default prompt set (``main``, ``pr`` and the upstream 0.30.0 arm x
 reference and stress, about 107,000 calls, on the shared 2-core machine), a call takes 20-95 µs
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -110,6 +114,45 @@ def _install_sigint() -> None:
         _previous_sigint = previous
 
 
+ARM_THREAD_GRACE_S = 2.0
+_ACTIVE: dict[int, threading.Thread] | None = getattr(threading, "_active", None)  # CPython's running threads
+_arm_threads: list[threading.Thread] = []  # non-daemon threads started during an arm's call
+_atexit_registered = False
+
+
+def _note_new_threads(before: set[int]) -> None:
+    global _atexit_registered
+    for t in threading.enumerate():
+        if t.ident not in before and not t.daemon and t is not threading.current_thread():
+            _arm_threads.append(t)
+    if _arm_threads and not _atexit_registered and hasattr(threading, "_register_atexit"):
+        threading._register_atexit(_abandon_arm_threads)  # runs before the interpreter joins threads
+        _atexit_registered = True
+
+
+def _abandon_arm_threads() -> None:
+    """At exit: the arm's threads that are still running after a grace period are not waited for
+    (taken off the list of threads the interpreter joins at shutdown, as a daemon thread is)."""
+    alive = [t for t in _arm_threads if t.is_alive()]
+    deadline = time.monotonic() + ARM_THREAD_GRACE_S
+    for t in alive:
+        t.join(max(0.0, deadline - time.monotonic()))
+    alive = [t for t in alive if t.is_alive()]
+    locks, guard = getattr(threading, "_shutdown_locks", None), getattr(threading, "_shutdown_locks_lock", None)
+    if not alive or locks is None or guard is None:
+        return
+    with guard:
+        for t in alive:
+            locks.discard(getattr(t, "_tstate_lock", None))
+    names = ", ".join(repr(t.name) for t in alive[:3]) + (", ..." if len(alive) > 3 else "")
+    try:
+        sys.stderr.write(f"omni-stress: warning: an arm left {len(alive)} thread{'s' if len(alive) > 1 else ''} "
+                         f"running ({names}); exiting without waiting for {'them' if len(alive) > 1 else 'it'}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def prepare() -> None:
     """Called as a cell starts: (re)installs the handler, in case someone replaced it since."""
     if _limit_s > 0 and threading.current_thread() is threading.main_thread():
@@ -124,6 +167,7 @@ def call(fn: Any, /, **kwargs: Any) -> Any:
     if main and signal.getsignal(signal.SIGINT) is not _on_sigint:  # ~0.1 µs; someone may have replaced it
         _install_sigint()
     sigints = _sigints
+    before = set(_ACTIVE) if _ACTIVE is not None else None  # idents of the running threads (~0.2 µs)
     previous_delay = 0.0
     t0 = 0.0
     os._exit = _exit_guard  # type: ignore[assignment]
@@ -141,6 +185,8 @@ def call(fn: Any, /, **kwargs: Any) -> Any:
             if timed:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 _armed = False
+            if before is not None and len(_ACTIVE) > len(before):  # the arm started a thread
+                _note_new_threads(before)
     except ArmTimeout:
         raise ArmFailure(f"ArmTimeout: talker_preprocess did not return within {_limit_s:g} s "
                          f"(the per-call limit, --arm-timeout)") from None

@@ -1,4 +1,5 @@
-"""One interface for both backends: a cell in, request records (with their audio) and spans out.
+"""One interface for both backends (and the executors over them): a cell in, request records (with
+their audio) and spans out.
 
 Why one interface: everything after the Talker (ASR, scoring, reports, the gate) must not know
 which backend produced a record. A backend's ``run_cell`` emits each ``RequestRecord`` as its
@@ -31,6 +32,28 @@ def safe_name(name: str) -> str:
 def wav_rel_path(arm: str, deploy: str, repeat: int | str, prompt_id: str) -> str:
     """``audio/<arm>-<deploy>-r<repeat>-<prompt>.wav``, relative to the run directory."""
     return f"audio/{safe_name(arm)}-{safe_name(deploy)}-r{repeat}-{safe_name(prompt_id)}.wav"
+
+
+@dataclass
+class RunOptions:
+    """How a run runs, beside the interface every backend and executor implements (so neither needs
+    the pipeline: ``harness.pipeline`` uses executors, executors use backends, never back)."""
+
+    backend: str = "sim"
+    repeat: int = 1
+    seed: int = 42
+    asr: str = "faster-whisper"  # or openai-whisper, none
+    asr_model: str = "base"
+    beam_size: int = 1
+    cache_dir: Path | None = None
+    use_cache: bool = True
+    quiet: bool = False
+    asr_workers: int = -1  # -1: two worker processes on two or more cores; 0: in this process
+    sim_workers: int = -1  # -1: up to two forked processes when there are cells and cores for them
+    serve: Any = None  # harness.serve.backend.ServeOptions for the real backend
+    sim_talker: str = "words"  # sim: pipeline.SIM_TALKERS (the manifest records it; --resume refuses another)
+    executor: str = "local"  # harness.executors.EXECUTORS
+    ray_address: str | None = None  # --ray-address (None: Ray's own default, RAY_ADDRESS or a local cluster)
 
 
 @dataclass
@@ -71,7 +94,8 @@ EmitSpans = Callable[[list[SpanRecord]], None]
 
 
 class Backend(Protocol):
-    """``open`` once with every cell to run, ``run_cell`` each in order, ``close`` on every path."""
+    """``open`` once with every cell to run, ``run_cell`` each in order, ``close`` on every path.
+    ``harness.executors.make_executor`` picks one (``harness.executors.local.make_backend``)."""
 
     name: str
 
@@ -81,18 +105,3 @@ class Backend(Protocol):
                  idle: Callable[[], None]) -> CellOutcome: ...
 
     def close(self, cancel: bool = False) -> None: ...
-
-
-def make_backend(name: str, run_dir: Path, options: Any) -> Backend:
-    """The backend named by ``--backend``; ``options`` is the run's ``RunOptions``."""
-    if name == "sim":
-        from harness.sim.backend import SimBackend
-
-        return SimBackend(run_dir, options)
-    if name == "vllm-omni":
-        from harness.serve.backend import ServeBackend
-
-        return ServeBackend(run_dir, options.serve)
-    from harness.errors import UserError
-
-    raise UserError(f"--backend {name!r}: unknown backend (choose sim or vllm-omni)")

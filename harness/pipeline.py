@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness import __version__
+from harness.backends import RunOptions
 from harness.config import ArmSpec, Deploy, PromptSet
 from harness.errors import UserError
 from harness.records import (
@@ -41,23 +42,6 @@ from harness.records import (
 if TYPE_CHECKING:
     from harness.audio.pipeline import AsrResult
     from harness.backends import CellOutcome
-
-
-@dataclass
-class RunOptions:
-    backend: str = "sim"
-    repeat: int = 1
-    seed: int = 42
-    asr: str = "faster-whisper"  # or openai-whisper, none
-    asr_model: str = "base"
-    beam_size: int = 1
-    cache_dir: Path | None = None
-    use_cache: bool = True
-    quiet: bool = False
-    asr_workers: int = -1  # -1: two worker processes on two or more cores; 0: in this process
-    sim_workers: int = -1  # -1: up to two forked processes when there are cells and cores for them
-    serve: Any = None  # harness.serve.backend.ServeOptions for the real backend
-    sim_talker: str = "words"  # sim: SIM_TALKERS (the manifest records it; --resume refuses another)
 
 
 # The sim's Talker modes (``--sim-talker``): ``words``, the sim's own Talker (harness/sim/talker.py);
@@ -436,7 +420,8 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
     sink = RecordSink(scorer, requests_out, progress, times)
     cell_walls: dict[str, float] = {}
     cell_extra: dict[str, dict[str, Any]] = {}  # e.g. which implementation a real server ran
-    from harness.backends import CellJob, make_backend
+    from harness.backends import CellJob
+    from harness.executors import make_executor
 
     jobs: list[CellJob] = []
     for cell in plan.cells:
@@ -446,7 +431,7 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
         else:
             jobs.append(CellJob(cell.arm, cell.deploy, plan.prompts, cell.repeat,
                                 plan.options.seed + cell.repeat - 1, skip))
-    backend = make_backend(plan.options.backend, plan.run_dir, plan.options)
+    backend = make_executor(plan.run_dir, plan.options)
     ok = False
     try:
         backend.open(jobs)  # before any thread exists: the sim's pool forks

@@ -33,8 +33,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
     from pathlib import Path
 
-    from harness.backends import CellJob, CellOutcome, EmitRecord, EmitSpans
-    from harness.pipeline import RunOptions
+    from harness.backends import CellJob, CellOutcome, EmitRecord, EmitSpans, RunOptions
     from harness.sim.pool import SimPool
 
 

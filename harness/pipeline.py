@@ -116,7 +116,8 @@ def new_run_id(arms: list[ArmSpec], deploys: list[Deploy]) -> str:
     return f"{stamp}-{'-'.join(a.name for a in arms)}"[:72] + f"-{secrets.token_hex(3)}"
 
 
-def config_hashes(arms: list[ArmSpec], deploys: list[Deploy], prompts: PromptSet) -> dict[str, str]:
+def config_hashes(arms: list[ArmSpec], deploys: list[Deploy], prompts: PromptSet,
+                  backend: str = "sim") -> dict[str, str]:
     out = {f"deploy:{d.name}": d.config_hash for d in deploys}
     out[f"prompts:{prompts.name}"] = prompts.config_hash
     for a in arms:
@@ -128,7 +129,36 @@ def config_hashes(arms: list[ArmSpec], deploys: list[Deploy], prompts: PromptSet
             info = upstream_info(load_impl(a))
             if info is not None:
                 out[f"arm:{a.name}"] = f"{a.talker}@sha256:{info.source.sha256}"
+        elif backend == "sim":  # the code the sim runs, so --resume refuses an edited arm
+            from harness.talkers import load_impl
+
+            out[f"arm:{a.name}"] = f"{a.talker}@sha256:{arm_code_hash(load_impl(a))}"
     return out
+
+
+def arm_code_hash(impl: Any) -> str:
+    """sha256 (16 hex digits) of the source files of a plugin or built-in arm: its module and, for a
+    class, the module of every class in its MRO (a base class edited between a kill and a
+    ``--resume`` changes what the arm does; issue 24, case 13). A file that cannot be read counts
+    by its name."""
+    import hashlib
+
+    objs = [k for k in impl.__mro__ if k is not object] if isinstance(impl, type) else [impl]
+    files: list[str] = []
+    for obj in objs:
+        module = sys.modules.get(getattr(obj, "__module__", None) or "")
+        path = getattr(module, "__file__", None)
+        if path and path not in files:
+            files.append(path)
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.encode("utf-8", "surrogateescape") + b"\0")
+        try:
+            digest.update(Path(path).read_bytes())
+        except OSError:
+            digest.update(b"<unreadable>")
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
 
 
 def _versions() -> dict[str, str]:
@@ -174,7 +204,7 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "prompts": plan.prompts.name,
         "prompt_ids": [p.id for p in plan.prompts.prompts],  # the gate checks every cell has each one
         "cells": [{"arm": c.arm.name, "deploy": c.deploy.name, "repeat": c.repeat} for c in plan.cells],
-        "config_hashes": config_hashes(plan.arms, plan.deploys, plan.prompts),
+        "config_hashes": config_hashes(plan.arms, plan.deploys, plan.prompts, o.backend),
         "versions": _versions(),
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count()},
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
@@ -202,6 +232,12 @@ def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
             was, now = _cell_keys(was), _cell_keys(now)
         if key == "sim_talker":
             was, now = manifest_sim_talker(old), manifest_sim_talker(plan_manifest)
+        if key == "config_hashes" and isinstance(was, dict) and isinstance(now, dict):
+            arm = next((k for k in now if k.startswith("arm:") and k in was and was[k] != now[k]), None)
+            if arm is not None:
+                raise UserError(f"--resume {run_dir}: arm {arm[4:]!r}: its code changed since the run started "
+                                f"(was {was[arm]}, now {now[arm]}); resuming would mix records of two "
+                                "implementations; start a new run instead")
         if was != now:
             raise UserError(f"--resume {run_dir}: {key} differ from the manifest "
                             f"(was {was!r}, now {now!r}); start a new run instead")

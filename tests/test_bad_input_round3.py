@@ -533,3 +533,47 @@ def test_7_an_arm_that_leaves_a_thread_running_does_not_keep_the_run_alive(tmp_p
         in res.stderr
     assert "results: " in res.stdout
     assert len((out / "r" / "requests.jsonl").read_text().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- 13: --resume after the arm's code changed
+
+_BASE = """\
+from harness.talkers.pr import FixedTalker
+
+
+class Base(FixedTalker):
+    scale = 1.0
+"""
+
+_ARM = """\
+from base_round3 import Base
+
+
+class Arm(Base):
+    def talker_preprocess(self, input_ids, input_embeds, **info):
+        return super().talker_preprocess(input_ids, input_embeds, **info)
+"""
+
+
+@pytest.mark.parametrize("edited", ["arm module", "base class module"])
+def test_13_resume_refuses_an_arm_whose_code_changed(tmp_path, monkeypatch, edited):
+    tag = edited.split()[0]  # module names of their own: this process keeps what it imported
+    base, arm = f"base_round3_{tag}", f"arm_round3_{tag}"
+    (tmp_path / f"{base}.py").write_text(_BASE)
+    (tmp_path / f"{arm}.py").write_text(_ARM.replace("base_round3", base))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["run", "--asr", "none", "--quiet", "--arm", f"x={arm}:Arm", "--deploy", "reference",
+            "--sim-workers", "0", "--prompts", _one_prompt(tmp_path)]
+    res = invoke_cli(*args, "--out", str(tmp_path / "out"), "--run-id", "r")
+    assert res.exit_code == 0, res.stderr
+    run = tmp_path / "out" / "r"
+    assert invoke_cli(*args, "--resume", str(run)).exit_code == 0  # same code: resumes (nothing left to do)
+    if edited == "arm module":
+        (tmp_path / f"{arm}.py").write_text(_ARM.replace("base_round3", base) + "\n# edited\n")
+    else:
+        (tmp_path / f"{base}.py").write_text(_BASE.replace("scale = 1.0", "scale = 2.0"))
+    before = (run / "requests.jsonl").read_bytes()
+    assert_one_line_error(invoke_cli(*args, "--resume", str(run)), f"--resume {run}: arm 'x': its code changed since "
+                          f"the run started (was {arm}:Arm@sha256:", "resuming would mix records of two "
+                          "implementations; start a new run instead")
+    assert (run / "requests.jsonl").read_bytes() == before

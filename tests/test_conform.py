@@ -376,7 +376,7 @@ def test_cli_exit_codes_and_outputs(tmp_path: Path) -> None:
     assert "calibration: qwen2.5-omni:main fails (expected fails); qwen2.5-omni:pr conforms (expected conforms): ok" \
         in ok.output
     js, page = tmp_path / "m.json", tmp_path / "m.html"
-    bad = _cli("--model", "qwen3-omni", *small, "--json", str(js), "--html", str(page))
+    bad = _cli("--model", "qwen3-omni", *small, "--fail-on", "any", "--json", str(js), "--html", str(page))
     assert bad.exit_code == 1, bad.output
     data = json.loads(js.read_text())
     assert data["exit_code"] == 1 and [m["model"] for m in data["models"]] == ["qwen3-omni"]

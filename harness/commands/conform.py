@@ -31,10 +31,13 @@ _DEFAULT_SOURCE = "vllm-omni:0.30.0"
 @click.option("--deploy-generated", type=click.IntRange(16, 1900), default=480, show_default=True,
               help="Generated positions per request in the vLLM runs (480 x 4 requests overflow stress's KV cache, "
                    "so it preempts).")
+@click.option("--fail-on", "fail_on", type=click.Choice(["shipped", "any"]), default="shipped", show_default=True,
+              help="Exit 1 for a failure a shipped deploy of the release reaches (shipped), or for every failure, "
+                   "also one that needs changed settings (any).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the matrix as JSON.")
 @click.option("--html", "html_path", type=click.Path(path_type=Path), default=None, help="Also write an HTML page.")
 def command(models: tuple[str, ...], source: str, deploys: tuple[str, ...], num_requests: int, generated: int,
-            deploy_generated: int, json_path: Path | None, html_path: Path | None) -> None:
+            deploy_generated: int, fail_on: str, json_path: Path | None, html_path: Path | None) -> None:
     """Check each model's preprocess for schedule invariance: model x situation."""
     from harness.conform.check import DEFAULT_DEPLOYS, check_model
     from harness.conform.models import CALIBRATION, MODELS, UPSTREAM_MODELS
@@ -63,7 +66,8 @@ def command(models: tuple[str, ...], source: str, deploys: tuple[str, ...], num_
 
     matrix = Matrix(source, tuple(d.name for d in deploy_objs), [run(n) for n in selected],
                     [run(n) for n in calibration],
-                    {"requests": num_requests, "generated": generated, "deploy_generated": deploy_generated})
+                    {"requests": num_requests, "generated": generated, "deploy_generated": deploy_generated},
+                    fail_on)
     click.echo(format_text(matrix), nl=False)
     for path, text in ((json_path, format_json(matrix) if json_path else None),
                        (html_path, format_html(matrix) if html_path else None)):

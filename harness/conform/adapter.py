@@ -89,6 +89,7 @@ class Adapter:
     codec_vocab: int = 2048  # teacher-forced tokens are drawn below this
     hidden: int = 64
     notes: str = ""  # what the stand-in supplies; shown in docs/conform.md and --json
+    deploys: Any = None  # harness.conform.reach.ModelDeploys: the release's deploy files for this model
 
     # ------------------------------------------------------------------ loading
     def load(self, spec: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> tuple[Any, Provenance]:

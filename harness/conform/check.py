@@ -26,6 +26,7 @@ from harness.conform.compare import (
     span_kind,
 )
 from harness.conform.driver import Feed, run_deploy, run_forced
+from harness.conform.reach import ModelReach, load_shipped, model_reach
 from harness.conform.schedules import SITUATIONS, Schedule, forced_schedules
 from harness.config import Deploy, load_deploy
 
@@ -44,6 +45,24 @@ class ModelResult:
     error: str | None = None  # could not check (load failure)
     stats: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    reach: ModelReach | None = None  # which shipped deploy reaches the failure (harness.conform.reach)
+
+    @property
+    def reach_status(self) -> str:
+        """conforms | shipped | only | unknown | error."""
+        if self.error is not None:
+            return "error"
+        if self.status == "conforms":
+            return "conforms"
+        return self.reach.status if self.reach is not None else "unknown"
+
+    @property
+    def verdict(self) -> str:
+        if self.error is not None:
+            return "could not check"
+        if self.status == "conforms":
+            return "conforms"
+        return self.reach.text if self.reach is not None else "fails"
 
     @property
     def status(self) -> str:
@@ -56,6 +75,8 @@ class ModelResult:
             "model": self.model, "title": self.title, "status": self.status, "error": self.error,
             "provenance": None if self.provenance is None else {"what": self.provenance.what,
                                                                 "files": self.provenance.files},
+            "verdict": self.verdict, "reach_status": self.reach_status,
+            "reach": None if self.reach is None else self.reach.to_json(),
             "cells": {k: v.to_json() for k, v in self.cells.items()}, "stats": self.stats,
             "seconds": round(self.seconds, 2),
         }
@@ -100,7 +121,9 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
             detail = (f"the reference schedule raised at {r.request_id}, span c={err.c} n={err.n} "
                       f"({span_kind(err.P, err.c, err.n, 0)}): {err.error}")
             for key in columns(tuple(d.name for d in deploys)):
-                result.cells[key] = Cell("raised", "raised", detail)
+                result.cells[key] = Cell("raised", "raised", detail, trigger={"P": err.P, "c": err.c, "n": err.n,
+                                                                              "replay": err.replay})
+            _reach(result, adapter, source, base_dir, wheel_dir)
             result.seconds = time.perf_counter() - t0
             return result
         ref_feeds += feeds
@@ -137,8 +160,17 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
         say(f"{adapter.name}: vLLM {d.name} deploy: {cell.summary}")
     result.cells["row_count"] = row_count_cell(all_feeds)
     _unavailable(result, all_feeds)
+    _reach(result, adapter, source, base_dir, wheel_dir)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _reach(result: ModelResult, adapter: Adapter, source: str, base_dir: Path | None,
+           wheel_dir: Path | None) -> None:
+    """Which shipped deploy of the release reaches each failing cell (``harness.conform.reach``)."""
+    failing = {k: c.trigger for k, c in result.cells.items() if c.status not in ("conforms", "not-run")}
+    shipped = load_shipped(adapter.deploys, source, base_dir, wheel_dir)
+    result.reach = model_reach(failing, shipped, adapter.deploys)
 
 
 def _unavailable(result: ModelResult, feeds: list[Feed]) -> None:

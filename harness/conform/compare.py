@@ -58,6 +58,8 @@ class Difference:
     got: str  # what the row is, as far as it can be named
     want: str
     max_abs_diff: float
+    P: int = 0
+    replay: int = 0
 
     def describe(self) -> str:
         return (f"position {self.position} ({self.request}, {self.schedule}, step {self.step}, span c={self.c} "
@@ -76,6 +78,7 @@ class Cell:
     schedules: list[str] = field(default_factory=list)
     feeds: int = 0
     positions: int = 0
+    trigger: dict[str, int] | None = None  # the span that showed it: {P, c, n, replay} (harness.conform.reach)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -157,7 +160,7 @@ def first_difference(feeds: list[Feed], baselines: dict[str, torch.Tensor], name
             bare = bare_of(f.ids[i:i + 1])[0].float() if f.ids is not None else None
             return Difference(f.schedule, f.request, p, f.c, f.n, f.step, span_kind(f.P, f.c, f.n, f.replay),
                               namer.name(got[i], f.request, bare), namer.name(want[i], f.request, bare),
-                              float((got[i] - want[i]).abs().max()))
+                              float((got[i] - want[i]).abs().max()), f.P, f.replay)
     return None
 
 
@@ -180,11 +183,12 @@ def situation_cell(runs: list[tuple[str, list[Feed]]], baselines: dict[str, torc
         clean = feeds if err is None else feeds[:feeds.index(err)]
         diff = first_difference(clean, baselines, namer, bare_of) if clean else None
         if diff is not None:
-            return Cell("differs", f"differs @{diff.position}", diff.describe(), diff, schedules, feeds_n, positions)
+            return Cell("differs", f"differs @{diff.position}", diff.describe(), diff, schedules, feeds_n, positions,
+                        _trigger(diff.P, diff.c, diff.n, diff.replay))
         if err is not None:
             return Cell("raised", "raised", f"{err.request}, {err.schedule}, step {err.step}, span c={err.c} "
                         f"n={err.n} ({span_kind(err.P, err.c, err.n, err.replay)}): {err.error}",
-                        None, schedules, feeds_n, positions)
+                        None, schedules, feeds_n, positions, _trigger(err.P, err.c, err.n, err.replay))
     return Cell("conforms", "conforms", f"{positions} positions in {feeds_n} calls received the reference rows",
                 None, schedules, feeds_n, positions)
 
@@ -199,4 +203,8 @@ def row_count_cell(all_feeds: list[Feed]) -> Cell:
                 f"first: {bad.request}, {bad.schedule}, step {bad.step}, span c={bad.c} n={bad.n} "
                 f"({span_kind(bad.P, bad.c, bad.n, bad.replay)}) returned {bad.rows} rows; the runner copies "
                 f"min(n, rows) and leaves the rest as the bare embedding of their ids",
-                feeds=calls)
+                feeds=calls, trigger=_trigger(bad.P, bad.c, bad.n, bad.replay))
+
+
+def _trigger(P: int, c: int, n: int, replay: int) -> dict[str, int]:
+    return {"P": P, "c": c, "n": n, "replay": replay}

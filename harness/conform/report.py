@@ -11,6 +11,9 @@ from harness.conform.check import ModelResult, columns
 from harness.conform.models import CALIBRATION
 
 EXIT_CONFORMS, EXIT_FAILS, EXIT_COULD_NOT_CHECK = 0, 1, 2
+# --fail-on: which reach statuses (harness.conform.check.ModelResult.reach_status) make the exit code 1.
+# "unknown" (no deploy files to read: a single-file source, a toy adapter) counts as shipped.
+FAIL_ON = {"shipped": ("shipped", "unknown"), "any": ("shipped", "unknown", "only")}
 
 
 @dataclass
@@ -20,6 +23,7 @@ class Matrix:
     results: list[ModelResult]  # the models asked for
     calibration: list[ModelResult] = field(default_factory=list)  # main / pr, when not asked for
     settings: dict[str, Any] = field(default_factory=dict)
+    fail_on: str = "shipped"  # exit 1 for: "shipped" a failure a shipped deploy reaches; "any" every failure
 
     @property
     def columns(self) -> dict[str, str]:
@@ -37,7 +41,8 @@ class Matrix:
     def exit_code(self) -> int:
         if any(r.error for r in self.results) or self.calibration_problems():
             return EXIT_COULD_NOT_CHECK
-        return EXIT_CONFORMS if all(r.status == "conforms" for r in self.results) else EXIT_FAILS
+        counted = FAIL_ON[self.fail_on]
+        return EXIT_FAILS if any(r.reach_status in counted for r in self.results) else EXIT_CONFORMS
 
     def verdict(self) -> str:
         problems = self.calibration_problems()
@@ -46,20 +51,33 @@ class Matrix:
         errors = [f"{r.model}: {r.error}" for r in self.results if r.error]
         if errors:
             return "could not check: " + "; ".join(errors)
-        failing = [r.model for r in self.results if r.status != "conforms"]
-        if failing:
-            return f"{len(failing)} of {len(self.results)} models do not conform: {', '.join(failing)}"
-        return f"all {len(self.results)} models conform"
+        failing = [r for r in self.results if r.status != "conforms"]
+        if not failing:
+            return f"all {len(self.results)} models conform"
+        shipped = [r.model for r in failing if r.reach_status in FAIL_ON["shipped"]]
+        only = [r.model for r in failing if r.reach_status not in FAIL_ON["shipped"]]
+        out = f"{len(failing)} of {len(self.results)} models do not conform"
+        if shipped:
+            out += f"; under a shipped deploy: {', '.join(shipped)}"
+        if only:
+            out += f"; only with changed settings: {', '.join(only)}"
+        if self.fail_on == "shipped" and only and not shipped:
+            out += " (exit 0 with --fail-on shipped; --fail-on any counts them)"
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {
             "source": self.source, "deploys": list(self.deploys), "columns": self.columns,
-            "settings": self.settings,
+            "settings": self.settings, "fail_on": self.fail_on,
             "models": [r.to_json() for r in self.results],
             "calibration": {r.model: {"status": r.status, "expected": CALIBRATION.get(r.model)}
                             for r in self.results + self.calibration if r.model in CALIBRATION},
             "verdict": self.verdict(), "exit_code": self.exit_code,
         }
+
+
+_REACH_SHORT = {"conforms": "", "shipped": "shipped deploy", "only": "changed deploy only",
+                "unknown": "unknown", "error": ""}
 
 
 def _cell_text(r: ModelResult, key: str) -> str:
@@ -72,9 +90,9 @@ def _cell_text(r: ModelResult, key: str) -> str:
 def format_text(m: Matrix) -> str:
     cols = m.columns
     rows = m.results + m.calibration
-    head = ["model", *cols.values(), "verdict"]
+    head = ["model", *cols.values(), "verdict", "reach"]
     body = [[r.model + (" (calibration)" if r in m.calibration else ""), *[_cell_text(r, k) for k in cols],
-             r.status] for r in rows]
+             r.status, _REACH_SHORT.get(r.reach_status, "")] for r in rows]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     lines = [f"omni-stress conform: schedule invariance of each model's preprocess ({m.source}; vLLM deploys: "
              f"{', '.join(m.deploys) or 'none'})", ""]
@@ -83,14 +101,19 @@ def format_text(m: Matrix) -> str:
     lines.append("")
     for r in rows:
         what = r.provenance.what if r.provenance else ""
-        lines.append(f"{r.model}: {r.status}" + (f" -- {what}" if what else "") + f" ({r.seconds:.1f}s)")
+        lines.append(f"{r.model}: {r.verdict}" + (f" -- {what}" if what else "") + f" ({r.seconds:.1f}s)")
         if r.error:
             lines.append(f"  could not check: {r.error}")
             continue
+        if r.reach is not None and r.reach.note:
+            lines.append(f"  {r.reach.note}")
         for key, heading in cols.items():
             cell = r.cells.get(key)
             if cell is not None and cell.status not in ("conforms", "not-run"):
                 lines.append(f"  {heading}: {cell.detail}")
+                reach = r.reach.cells.get(key) if r.reach is not None else None
+                if reach is not None:
+                    lines.append(f"    reach: {reach.text}")
     by_model = {r.model: r for r in rows}
     cal = [f"{n} {by_model[n].status} (expected {want})" for n, want in CALIBRATION.items() if n in by_model]
     if cal:
@@ -134,17 +157,21 @@ def format_html(m: Matrix) -> str:
             cells.append(f"<td class='c' style='background:{_COLORS.get(cell.status, '#fff')}' "
                          f"title='{e(cell.detail, quote=True)}'>{e(cell.summary)}</td>")
         label = r.model + (" (calibration)" if r in m.calibration else "")
-        out.append(f"<tr><th>{e(label)}</th>{''.join(cells)}<td>{e(r.status)}</td></tr>")
+        out.append(f"<tr><th>{e(label)}</th>{''.join(cells)}<td>{e(r.verdict)}</td></tr>")
     out.append("</table><h2>Details</h2><dl>")
     for r in rows:
         what = r.provenance.what if r.provenance else ""
         out.append(f"<dt><b>{e(r.model)}</b> {e(what)}</dt>")
         if r.error:
             out.append(f"<dd>could not check: {e(r.error)}</dd>")
+        else:
+            out.append(f"<dd><b>verdict</b>: {e(r.verdict)}</dd>")
         for key, heading in cols.items():
             cell = r.cells.get(key)
             if cell is not None:
-                out.append(f"<dd><b>{e(heading)}</b>: {e(cell.detail)}</dd>")
+                reach = r.reach.cells.get(key) if r.reach is not None else None
+                out.append(f"<dd><b>{e(heading)}</b>: {e(cell.detail)}"
+                           + (f"<br><i>reach</i>: {e(reach.text)}" if reach is not None else "") + "</dd>")
     out.append(f"</dl><p><b>Verdict</b>: {e(m.verdict())} (exit {m.exit_code}). Schedule invariance is necessary, "
                f"not sufficient: a model that is wrong the same way under every schedule conforms.</p></body></html>")
     return "\n".join(out) + "\n"

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from harness.conform.reach import ModelDeploys
 from harness.conform.adapter import (
     Adapter,
     ConformRequest,
@@ -100,6 +101,14 @@ class MiniCPMoStandIn:
 
 class MiniCPMoAdapter(Adapter):
     name = "minicpmo-4.5"
+    # the TTS Talker is stage 1. KV bytes per token (bf16 K and V): 20 layers x 12 KV heads x 64 x 2 x 2 = 61440,
+    # assumed from the MiniCPM-o TTS config (hidden 768); minicpmo_4_5.yaml's own comment says its 2 GiB CUDA
+    # cap holds more than max_num_seqs x max_model_len = 4 x 4096 tokens
+    deploys = ModelDeploys(
+        ("minicpmo_4_5.yaml", "minicpmo_4_5_turn.yaml", "minicpmo_4_5_2gpu.yaml", "minicpmo_4_5_3gpu.yaml",
+         "minicpmo_4_5_3gpu_stage1_replicas.yaml", "minicpmo_4_5_4gpu_stage1_replicas.yaml",
+         "minicpmo_4_5_8x4090.yaml", "minicpmo_4_5_8x4090_stage1_replicas.yaml"), stage=1, max_model_len=4096,
+        kv_bytes_per_token=61440)
     title = "MiniCPM-o 4.5 TTS talker"
     member = "vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_tts.py"
     class_name = "MiniCPMO45OmniTTSForConditionalGeneration"

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from harness.conform.adapter import Adapter, ConformRequest, Provenance, fixed_tokens
+from harness.conform.reach import ModelDeploys
 from harness.talkers.upstream import CLASS_NAME, MEMBER, MODULE_NAME
 
 SEED = 42
@@ -33,6 +34,9 @@ class Qwen25OmniAdapter(Adapter):
     notes = ("stand-in: the sim's SimTalkerModelBase (codec table, special text/codec rows, talker_config ids, "
              "the model-level thinker_reply_part pool, zeros after a 32-token profile run); payload: the sim "
              "Thinker's embed.prefill / hidden_states.output / ids for the first prompts of prompts/default.yaml")
+
+    # the Talker is stage 1; its max_model_len is the model config's 32768 (the deploy sets none)
+    deploys = ModelDeploys(("qwen2_5_omni.yaml",), stage=1, max_model_len=32768)
 
     def __init__(self, arm: str = "upstream") -> None:
         self.arm = arm

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from harness.conform.reach import ModelDeploys
 from harness.conform.adapter import Adapter, ConformRequest, Provenance, _file_info, fixed_tokens, read_model_source, tagged
 
 THINKER_DIM = 48
@@ -96,6 +97,12 @@ def special_thinker_rows() -> dict[str, torch.Tensor]:
 
 class Qwen3OmniAdapter(Adapter):
     name = "qwen3-omni"
+    # the Talker is stage 1; max_model_len: the shipped deploys set none (32768 assumed for the model config)
+    deploys = ModelDeploys(
+        ("qwen3_omni_moe.yaml", "qwen3_omni_duplex.yaml", "qwen3_omni_moe_mori_intranode.yaml"), stage=1,
+        max_model_len=32768,
+        unmodelled=(("async_chunk", True, "async_chunk: true (the Talker decodes text from the streamed "
+                                          "cached_decode rows, a path conform does not model)"),))
     title = "Qwen3-Omni talker"
     member = "vllm_omni/model_executor/models/qwen3_omni/qwen3_omni.py"
     class_name = "Qwen3OmniMoeForConditionalGeneration"

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from harness.conform.adapter import Adapter, ConformRequest, fixed_tokens, tagged
+from harness.conform.reach import ModelDeploys
 
 HIDDEN = 64
 CODEC_TABLE = 3072
@@ -66,6 +67,13 @@ class Qwen3TTSStandIn:
 
 class Qwen3TTSAdapter(Adapter):
     name = "qwen3-tts"
+    # the Talker is stage 0 (no stage feeds it: async_chunk only changes what it publishes, not its rows)
+    deploys = ModelDeploys(
+        ("qwen3_tts.yaml", "qwen3_tts_mrv2.yaml", "qwen3_tts_high_concurrency.yaml",
+         "qwen3_tts_high_concurrency_mrv2.yaml", "qwen3_tts_high_concurrency_mrv2_b4.yaml",
+         "qwen3_tts_high_concurrency_mrv2_single_gpu.yaml"), stage=0, max_model_len=4096,
+        unmodelled=(("runner", "v2", "model_runner v2 (MRV2 drops the request buffer on preemption and rebuilds it "
+                                     "on resume; conform models V1, which keeps it)"),))
     title = "Qwen3-TTS talker"
     member = "vllm_omni/model_executor/models/qwen3_tts/qwen3_tts_talker.py"
     class_name = "Qwen3TTSTalkerForConditionalGeneration"

@@ -1,0 +1,227 @@
+"""``omni-stress conform``'s reachability: which shipped deploy of the release reaches each failure.
+
+Reads the vendored vLLM-Omni 0.30.0 deploy files (``harness/conform/vendor``, hashes pinned
+below), forced schedules only, one request, 24 generated positions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from click.testing import CliRunner
+
+from harness.conform.adapter import VENDOR_DIR, Adapter, ConformRequest, fixed_tokens
+from harness.conform.check import ModelResult, check_model
+from harness.conform.models import MODELS
+from harness.conform.reach import ModelDeploys, load_shipped, needs_of, resolve_deploy, targets
+
+DEPLOYS = {
+    "qwen2_5_omni.yaml": "d251d8e66f80bdededeb5e6e6f8199a8c4f7c8ae79430ef67befbb0178946a6f",
+    "qwen3_omni_moe.yaml": "df882aa6ccc28a998dace784977b6d1dbf6c3225eb50b29f5aee2b9981ddd898",
+    "qwen3_omni_duplex.yaml": "75def35dbb839162f69c82172a4b658ccee2027767920d43454cc3a3f7750301",
+    "qwen3_omni_moe_mori_intranode.yaml": "6c7aa8eb6b21557442220d67b7983f98dd4f9e7b8a19a19f58fd7a3e3d537c96",
+    "qwen3_tts.yaml": "28426bce3af2cb7c3f750f592a7ca0f339e947c617b80c730585b882ae4d6e0f",
+    "qwen3_tts_mrv2.yaml": "a8a53c790e576030d5ce0e0a79e574f418a9c27e206183030e1c77bb94e79d7e",
+    "qwen3_tts_high_concurrency.yaml": "144fa42e39ce260594a8529af9e0cd1214ddbc51ad9cdf0c83019c2372c6c590",
+    "qwen3_tts_high_concurrency_mrv2.yaml": "08861396a815376e505f4d495e3591a62ae10c9eccd8d74d9443292c77883a00",
+    "qwen3_tts_high_concurrency_mrv2_b4.yaml": "aa90187d94b4f41d8fc351c2a2226a72cad5014624e53d829948bdbc83ca2627",
+    "qwen3_tts_high_concurrency_mrv2_single_gpu.yaml":
+        "f8a1312b5613c4a35dd65ee5af8ecc27978b861d20cb3d7a14249d4d046a7cd6",
+    "minicpmo_4_5.yaml": "9099f1834161c9f10b6f309d8134e38838b5e054a9f8be7a62134b9cb67c75d6",
+    "minicpmo_4_5_2gpu.yaml": "24c851ebe34df137c29203e5cc3d76487e2c7168a52414f606d1e324b58f22d8",
+    "minicpmo_4_5_3gpu.yaml": "5ead9f4a0aba1a6e2efb347991b73ff0a04ee150999d095112f2840dc387392e",
+    "minicpmo_4_5_3gpu_stage1_replicas.yaml": "b001dd3c994c28491d3db19dff2160ea2e3ac793010a7fe637485f145858adab",
+    "minicpmo_4_5_4gpu_stage1_replicas.yaml": "3cd3b027e53470103cf4219a3746928ff5e41cb7f81fc89afab78a6df66ad78f",
+    "minicpmo_4_5_8x4090.yaml": "c834b9012fb62aca38b989d7a4cb26153c8281d7d2b2b0ff4d8b4e3d7f7d0c48",
+    "minicpmo_4_5_8x4090_stage1_replicas.yaml": "1a9cbfa46e6e4bf8183c7134e1a6e98a9b835574335e88e27242d2953d4c6cbd",
+    "minicpmo_4_5_turn.yaml": "f2d1353a031cdd709e9b401f2dc2266b8dd4c63c4fca613addaa1e6fd03c3bdd",
+}
+GEN = 24
+SHIPPED_TTS = ("fails under shipped deploy qwen3_tts.yaml (rocm, npu, xpu, musa), qwen3_tts_mrv2.yaml (rocm, npu, xpu, "
+               "musa), qwen3_tts_high_concurrency.yaml (cuda, npu), qwen3_tts_high_concurrency_mrv2.yaml (npu, xpu, "
+               "rocm, musa), qwen3_tts_high_concurrency_mrv2_b4.yaml (npu, xpu, rocm, musa), "
+               "qwen3_tts_high_concurrency_mrv2_single_gpu.yaml (npu, xpu, rocm, musa)")
+
+
+def _check(name: str, source: str = "0.30.0", **kw: Any) -> ModelResult:
+    return check_model(MODELS[name](), source, (), requests=1, forced_generated=GEN, **kw)
+
+
+def test_vendored_deploy_files_are_the_pinned_0_30_0_files() -> None:
+    for name, sha in DEPLOYS.items():
+        data = (VENDOR_DIR / "vllm_omni" / "deploy" / name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == sha, name
+
+
+def test_deploys_resolve_base_config_and_platform_runners() -> None:
+    md = MODELS["qwen3-tts"]().deploys
+    deploy, shas = resolve_deploy("0.30.0", "qwen3_tts_mrv2.yaml")
+    assert shas == [DEPLOYS["qwen3_tts_mrv2.yaml"], DEPLOYS["qwen3_tts.yaml"]]  # base_config: qwen3_tts.yaml
+    ts = targets(deploy, "qwen3_tts_mrv2.yaml", md)
+    # MRV2 on cuda; every other platform names v1 (npu/xpu refuse v2 anyway)
+    assert [(t.platform, t.runner) for t in ts] == [("cuda", "v2"), ("rocm", "v1"), ("npu", "v1"), ("xpu", "v1"),
+                                                    ("musa", "v1")]
+    assert ts[0].settings() == ("stage 0: max_num_batched_tokens 512, max_num_seqs 64, max_model_len 4096, "
+                                "gpu_memory_utilization 0.3, model_runner v2, async_chunk true")
+    assert ts[0].reach("chunking") == (True, "64 prompts of 9+ tokens exceed the 512-token budget")
+    # the Qwen3-Omni thinker-only deploy has no Talker stage, so it is no target; mori leaves settings to vLLM
+    q3 = load_shipped(MODELS["qwen3-omni"]().deploys, "0.30.0")
+    mori = [t for t in q3.targets if t.deploy == "qwen3_omni_moe_mori_intranode.yaml"]
+    assert [t.defaulted for t in mori] == [("max_num_batched_tokens", "max_num_seqs", "max_model_len")]
+    assert {t.platform: t.budget for t in q3.targets if t.deploy == "qwen3_omni_moe.yaml"} == {
+        "cuda": 32768, "musa": 32768, "npu": 8192, "rocm": 32768, "xpu": 32768}
+
+
+def test_each_mechanism_against_the_shipped_settings() -> None:
+    q25 = load_shipped(MODELS["qwen2.5-omni"]().deploys, "0.30.0").targets
+    assert [t.platform for t in q25] == ["cuda", "npu", "xpu"]
+    assert q25[0].reach("chunking") == (False, "1 x a prompt of at most max_model_len 32768 tokens never exceeds the "
+                                               "32768-token budget")
+    assert q25[0].reach("preemption") == (False, "max_num_seqs 1: no second request to make room for")
+    assert q25[0].reach("specdec") == (False, "no speculative_config")
+    mc = {(t.deploy, t.platform): t for t in load_shipped(MODELS["minicpmo-4.5"]().deploys, "0.30.0").targets}
+    # CUDA caps the Talker's KV cache above 4 x 4096 tokens ("physical-preemption replay is unsupported"); NPU does not
+    assert mc["minicpmo_4_5.yaml", "cuda"].reach("preemption") == (
+        False, "kv_cache_memory_bytes 2147483648 holds 34952 tokens >= max_num_seqs x max_model_len = 16384")
+    assert mc["minicpmo_4_5.yaml", "npu"].reach("preemption") == (
+        True, "gpu_memory_utilization 0.15: the device decides; 4 x 4096 = 16384 tokens can outgrow it")
+    # the stage-1-replica deploys lift the cap (kv_cache_memory_bytes: null on cuda)
+    assert mc["minicpmo_4_5_3gpu_stage1_replicas.yaml", "cuda"].reach("preemption")[0] is True
+    assert mc["minicpmo_4_5_8x4090.yaml", "cuda"].reach("preemption") == (
+        False, "max_num_seqs 1: no second request to make room for")
+
+
+def test_what_a_span_needs() -> None:
+    def n(c: int, k: int, replay: int = 0) -> tuple[str, ...]:
+        return needs_of({"P": 20, "c": c, "n": k, "replay": replay})
+
+    assert n(0, 20) == () and n(20, 1) == ()  # the whole prompt, a one-token decode: every request
+    assert n(10, 10) == ("chunking",) and n(19, 1) == ("chunking",) and n(0, 10) == ("chunking",)
+    assert n(24, 3) == ("specdec",)  # a decode span of n > 1 outside a replay: a verify span
+    assert n(0, 27, replay=1) == ("preemption",)
+    assert n(18, 9, replay=1) == ("chunking", "preemption")
+
+
+def test_verdicts_name_the_shipped_deploy_or_the_settings() -> None:
+    q25 = _check("qwen2.5-omni")
+    assert q25.reach_status == "only"
+    assert q25.verdict == (
+        "fails only with chunked prefill or preemption or speculative decoding (chunked prefill: prompts scheduled "
+        "together longer than max_num_batched_tokens; preemption: max_num_seqs > 1 and a KV cache smaller than "
+        "max_num_seqs x max_model_len tokens; speculative decoding: speculative_config on the stage)")
+    assert q25.reach.note == (
+        "qwen2_5_omni.yaml (cuda, npu, xpu): 1 x a prompt of at most max_model_len 32768 tokens never exceeds the "
+        "32768-token budget\n  qwen2_5_omni.yaml (cuda, npu, xpu): no speculative_config\n  qwen2_5_omni.yaml (cuda, "
+        "npu, xpu): max_num_seqs 1: no second request to make room for")
+    assert q25.reach.cells["chunk"].text == "only with chunked prefill"
+    assert q25.reach.cells["multi_decode"].text == "only from speculative decoding"
+    assert q25.reach.cells["cross_replay"].text == "only with chunked prefill + preemption"
+    tts = _check("qwen3-tts")
+    # the replays fail under V1 (rocm, npu, ... and high_concurrency's cuda); MRV2 on cuda is not modelled here
+    assert tts.reach_status == "shipped" and tts.verdict == SHIPPED_TTS
+    assert tts.reach.cells["repeated_replay"].text == "reached by shipped deploy" + SHIPPED_TTS[len("fails under "
+                                                                                                  "shipped deploy"):]
+    assert tts.reach.cells["multi_decode"].text == "only from speculative decoding"
+    mc = _check("minicpmo-4.5")
+    assert mc.verdict == (
+        "fails under shipped deploy minicpmo_4_5.yaml (npu), minicpmo_4_5_turn.yaml (npu), minicpmo_4_5_2gpu.yaml "
+        "(cuda, npu), minicpmo_4_5_3gpu.yaml (cuda, npu), minicpmo_4_5_3gpu_stage1_replicas.yaml (cuda, npu), "
+        "minicpmo_4_5_4gpu_stage1_replicas.yaml (cuda, npu)")
+    q3 = _check("qwen3-omni")
+    assert q3.reach_status == "only"
+    assert q3.verdict.startswith("fails only with preemption or speculative decoding (preemption: ")
+    assert q3.verdict.endswith("; the shipped deploys that reach these schedules run settings conform does not model")
+    assert "reach it with async_chunk: true" in q3.reach.note
+
+
+# ----------------------------------------------------------------------------- a toy with its own deploy file
+
+
+class _Stand:
+    def __init__(self) -> None:
+        self.table = torch.randn(4096, 8, generator=torch.Generator().manual_seed(1))
+        self.talker = self
+
+    def embed_input_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table[ids]
+
+
+class _WrongOnVerifySpans:
+    """Position-addressed rows, except a decode span of n > 1 (outside a replay) gets zeros."""
+
+    def talker_preprocess(self, input_ids: torch.Tensor, input_embeds: torch.Tensor, **info: Any):
+        c, n, P = info["_omni_num_computed_tokens"], input_ids.shape[0], info["_omni_prompt_len"]
+        g = torch.Generator().manual_seed(len(info["request_id"]))
+        rows = torch.randn(200, 8, generator=g)[c:c + n]
+        return input_ids, (torch.zeros(n, 8) if c >= P and n > 1 and n < 5 else rows), {}
+
+
+class _Toy(Adapter):
+    upstream = False
+    hidden = 8
+    name = title = "toy"
+    deploys = ModelDeploys(("toy.yaml",), stage=0, max_model_len=4096)
+
+    def load(self, spec: str, base_dir: Any = None, wheel_dir: Any = None) -> tuple[Any, Any]:
+        return _WrongOnVerifySpans, None
+
+    def stand_in_class(self) -> type:
+        return _Stand
+
+    def requests(self, count: int, generated: int) -> list[ConformRequest]:
+        return [ConformRequest("r0", [7] * 20, {}, fixed_tokens("r0", generated + 1, 4096))]
+
+
+def _toy_tree(tmp_path: Path, stage: str) -> Path:
+    (tmp_path / "vllm_omni" / "deploy").mkdir(parents=True)
+    (tmp_path / "vllm_omni" / "deploy" / "toy.yaml").write_text(f"async_chunk: false\nstages:\n  - stage_id: 0\n{stage}")
+    return tmp_path
+
+
+def test_only_the_verify_span_fails_says_only_from_speculative_decoding(tmp_path: Path) -> None:
+    tree = _toy_tree(tmp_path, "    max_num_seqs: 8\n    max_num_batched_tokens: 4096\n")
+    r = check_model(_Toy(), str(tree), (), requests=1, forced_generated=GEN)
+    assert {k for k, c in r.cells.items() if c.status != "conforms"} == {"multi_decode"}
+    assert (r.reach_status, r.verdict) == ("only", "fails only from speculative decoding")
+    from harness.conform.report import Matrix
+
+    assert Matrix("x", (), [r]).exit_code == 0 and Matrix("x", (), [r], fail_on="any").exit_code == 1
+
+
+def test_a_deploy_with_speculative_decoding_reaches_it(tmp_path: Path) -> None:
+    tree = _toy_tree(tmp_path, "    speculative_config:\n      method: ngram\n      num_speculative_tokens: 2\n")
+    r = check_model(_Toy(), str(tree), (), requests=1, forced_generated=GEN)
+    assert (r.reach_status, r.verdict) == ("shipped", "fails under shipped deploy toy.yaml (cuda)")
+
+
+def test_no_deploy_files_means_reach_unknown_and_counts_as_shipped() -> None:
+    from harness.conform.report import Matrix
+
+    fixture = Path(__file__).parent / "fixtures" / "upstream" / "vllm_omni_0_30_0_qwen2_5_omni.py"
+    r = _check("qwen2.5-omni", str(fixture))
+    assert r.reach_status == "unknown"
+    assert r.verdict == f"fails (reachability unknown: vllm-omni:{fixture} is a single file: it holds no deploy files)"
+    assert Matrix("x", (), [r]).exit_code == 1
+
+
+def _cli(*args: str) -> Any:
+    from harness.cli import main as cli_main
+
+    return CliRunner().invoke(cli_main, ["conform", *args], catch_exceptions=False)
+
+
+def test_cli_fail_on() -> None:
+    small = ["--deploy", "none", "--requests", "1", "--generated", "24"]
+    only = _cli("--model", "qwen2.5-omni", *small)
+    assert only.exit_code == 0, only.output
+    assert ("verdict: 1 of 1 models do not conform; only with changed settings: qwen2.5-omni (exit 0 with --fail-on "
+            "shipped; --fail-on any counts them) (exit 0)") in only.output
+    assert _cli("--model", "qwen2.5-omni", *small, "--fail-on", "any").exit_code == 1
+    shipped = _cli("--model", "qwen3-tts", *small)
+    assert shipped.exit_code == 1
+    assert f"qwen3-tts: {SHIPPED_TTS} -- " in shipped.output
+    assert "verdict: 1 of 1 models do not conform; under a shipped deploy: qwen3-tts (exit 1)" in shipped.output
+    assert _cli("--model", "qwen3-tts", *small, "--fail-on", "nope").exit_code == 2

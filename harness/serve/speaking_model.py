@@ -112,6 +112,10 @@ def apply(state: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     """Overwrite the Thinker embedding/layers and the whole Talker in ``state`` (HF parameter names)."""
     import torch
 
+    gap = prev_head_gap()
+    if gap < 0.2:  # head 0 must single out the previous position over every distance it will see
+        raise RuntimeError(f"speaking model: head 0's score gap {gap:.3f} < 0.2")
+
     def zero(name: str) -> torch.Tensor:
         t = state[name]
         t.zero_()

@@ -10,6 +10,7 @@ import click
 
 from harness.config import MAX_SEED, ArmSpec, Deploy, load_arms, load_deploy, load_prompts, resolve_arm
 from harness.errors import UserError
+from harness.executors.options import executor_options
 from harness.pipeline import (
     DEFAULT_SIM_TALKER,
     SIM_TALKERS,
@@ -95,9 +96,10 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
               "(default $OMNI_STRESS_SERVE_PYTHON, else ./.venv-omni/bin/python).")
 @click.option("--arm-timeout", type=click.FloatRange(0, 86400), callback=_finite, default=armcall.DEFAULT_LIMIT_S, show_default=True,
               help="sim: seconds one talker_preprocess call may take before it fails its request (0: no limit).")
+@executor_options
 def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, sim_talker, asr,
             asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout,
-            request_timeout, serve_platform, serve_python, arm_timeout) -> None:
+            request_timeout, serve_platform, serve_python, arm_timeout, executor, ray_address) -> None:
     """Run the prompts through every arm x deploy, transcribe the Talker audio, tabulate WER and events."""
     printable_streams()
     if run_id is not None:
@@ -106,13 +108,15 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
     with stdout_to_stderr():
         printed = _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr,
                        asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model,
-                       health_timeout, request_timeout, arm_timeout, serve_platform, serve_python, sim_talker)
+                       health_timeout, request_timeout, arm_timeout, serve_platform, serve_python, sim_talker,
+                       executor, ray_address)
     click.echo(printed)
 
 
 def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
          asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout,
-         arm_timeout, serve_platform="auto", serve_python=None, sim_talker=DEFAULT_SIM_TALKER) -> str:
+         arm_timeout, serve_platform="auto", serve_python=None, sim_talker=DEFAULT_SIM_TALKER, executor="local",
+         ray_address=None) -> str:
     """The run; returns what goes to stdout (the tables), printed once stdout is stdout again."""
     known = load_arms(arms_file) if arms_file else load_arms()
     arm_specs = [resolve_arm(a, known) for a in arms]
@@ -127,6 +131,7 @@ def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume
                          beam_size=beam_size, cache_dir=cache_dir, use_cache=not no_cache, quiet=quiet,
                          asr_workers=-1 if asr_workers is None else asr_workers,
                          sim_workers=-1 if sim_workers is None else sim_workers, sim_talker=sim_talker)
+    options.executor, options.ray_address = executor, ray_address
     if backend != "sim" and sim_talker != DEFAULT_SIM_TALKER:
         raise UserError(f"--sim-talker {sim_talker} applies to --backend sim (the real server runs its own Talker: "
                         "the speaking tiny checkpoint speaks by the same rules)")

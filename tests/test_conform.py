@@ -284,16 +284,19 @@ def test_minicpmo_0_30_0_raises_on_a_crossing_replay_and_embeds_only_the_last_de
     r = _check("minicpmo-4.5")
     assert [f["methods"] for f in r.provenance.files] == [
         ["_boundary_embeddings", "_build_condition_embeddings", "_build_streaming_recompute_embeddings", "preprocess"],
-        ["_build_tts_scheduler_prompt_token_ids"], ["get_tts_handoff", "set_tts_handoff"]]
-    P = 59  # the scheduler prompt is the speech segment's token ids: the reply's 59 words
+        ["llm2tts (l.1044-1049)"], ["get_tts_handoff", "set_tts_handoff"]]
+    # llm2tts's branch for a handoff with ids and hidden states: max(len(ids), len(hidden)) + 2 dummy ids
+    # (the reply's 59 words + 2), the same length as the condition the hook builds
+    P = 61
     assert r.cells["chunk"].status == "conforms" and r.cells["tail"].status == "conforms"
     # decode embeds only the span's last id: one row for three positions, and it is position P+6's
     assert _first(r, "multi_decode") == (P + 4, P + 4, 3, f"the reference row of position {P + 6}")
-    assert "span c=63 n=3 (multi-position decode span) returned 1 rows" in r.cells["row_count"].detail
+    assert "span c=65 n=3 (multi-position decode span) returned 1 rows" in r.cells["row_count"].detail
     # a prefill slice past the condition raises (the runner does not catch it: the engine step fails)
     assert r.cells["cross_replay"].status == "raised"
-    assert "span c=57 n=9 (span crossing the prompt boundary, replay 1): ValueError: MiniCPM-o Talker prefill span " \
-           "exceeds condition" in r.cells["cross_replay"].detail
+    assert r.cells["cross_replay"].detail.endswith(
+        "span c=59 n=9 (span crossing the prompt boundary, replay 1): ValueError: MiniCPM-o Talker prefill span exceeds "
+        "condition: request_id=p01-weather offset=59 span=9 condition=61 tts_ids=59 tts_hidden=59 prompt_len=61")
     assert r.cells["repeated_replay"].status == "raised"
 
 

@@ -225,3 +225,17 @@ def test_cli_fail_on() -> None:
     assert f"qwen3-tts: {SHIPPED_TTS} -- " in shipped.output
     assert "verdict: 1 of 1 models do not conform; under a shipped deploy: qwen3-tts (exit 1)" in shipped.output
     assert _cli("--model", "qwen3-tts", *small, "--fail-on", "nope").exit_code == 2
+
+
+def test_minicpmo_prompt_is_llm2tts_own_branch() -> None:
+    from harness.conform.adapter import read_model_source
+    from harness.conform.models.minicpmo import SIP_MEMBER, llm2tts_prompt
+
+    f, lines = llm2tts_prompt(read_model_source("0.30.0", SIP_MEMBER))
+    assert lines == "1044-1049"
+    assert f([5] * 59, [[0.0]] * 59, False) == ([0] * 61, 61)  # offline: max(len(ids), len(hidden)) + 2
+    assert f([5] * 3, [[0.0]] * 7, True) == ([0] * 8, 8)  # native duplex: + 1
+    req = MODELS["minicpmo-4.5"]()
+    req.load("0.30.0")
+    r = req.requests(1, 16)[0]
+    assert (r.P, r.payload["meta"]["next_stage_prompt_len"]) == (61, 61)

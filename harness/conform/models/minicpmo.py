@@ -147,13 +147,9 @@ class MiniCPMoAdapter(Adapter):
         return {("vllm_omni.engine.duplex.intermediate", "get_tts_handoff"): self._fns["get_tts_handoff"]}
 
     def extra_sources(self, spec: str, base_dir: Path | None, wheel_dir: Path | None, prov: Provenance) -> None:
-        from harness.talkers.upstream import build_functions
-
         src = read_model_source(spec, SIP_MEMBER, base_dir, wheel_dir)
-        names = ("_build_tts_scheduler_prompt_token_ids",)
-        self._fns.update(build_functions(src, names, module_name="vllm_omni.model_executor.stage_input_processors."
-                                         "minicpmo_4_5_omni"))
-        prov.files.append(_file_info(src, names, self._fns["__stubbed__"]))
+        self._fns["prompt_of"], lines = llm2tts_prompt(src)
+        prov.files.append(_file_info(src, (f"llm2tts (l.{lines})",), ()))
 
     def requests(self, count: int, generated: int) -> list[ConformRequest]:
         from harness.config import load_prompts
@@ -165,8 +161,56 @@ class MiniCPMoAdapter(Adapter):
             ids = [vocab.setdefault(w, 1000 + len(vocab)) for w in tokenize(prompt.reply)]
             token_ids = torch.tensor(ids, dtype=torch.long)
             payload: dict[str, Any] = {}
-            self._fns["set_tts_handoff"](payload, token_ids, tagged(len(ids), LLM_DIM, prompt.id, "tts-hidden"))
-            prompt_ids = self._fns["_build_tts_scheduler_prompt_token_ids"](token_ids, [], [])
-            out.append(ConformRequest(prompt.id, [int(i) % NUM_AUDIO_TOKENS for i in prompt_ids], payload,
+            hidden = tagged(len(ids), LLM_DIM, prompt.id, "tts-hidden")
+            self._fns["set_tts_handoff"](payload, token_ids, hidden)
+            # llm2tts's own branch for a handoff with both ids and hidden states (offline, not native duplex)
+            prompt_ids, condition_length = self._fns["prompt_of"](ids, hidden.tolist(), False)
+            payload.setdefault("meta", {})["next_stage_prompt_len"] = condition_length
+            out.append(ConformRequest(prompt.id, [int(i) for i in prompt_ids], payload,
                                       fixed_tokens(prompt.id, generated + 1, self.codec_vocab)))
         return out
+
+
+_PROMPT_TARGETS = ("condition_suffix_length", "condition_length", "scheduler_prompt_token_ids")
+
+
+def llm2tts_prompt(src: Any) -> tuple[Any, str]:
+    """The scheduler prompt ``llm2tts`` builds when the handoff has both ids and hidden states, from the
+    release's own lines (0.30.0 l.1044-1049): ``condition_suffix_length = 1 if is_native_duplex_handoff
+    else 2``, ``condition_length = max(len(handoff_ids), len(handoff_hidden)) + condition_suffix_length``,
+    ``scheduler_prompt_token_ids = [0] * condition_length``. Those assignments are compiled unchanged (with
+    their line numbers) into ``f(handoff_ids, handoff_hidden, is_native_duplex_handoff) -> (prompt ids,
+    condition_length)``. Returns it and the line range."""
+    import ast
+
+    from harness.errors import ConfigError
+
+    tree = ast.parse(src.text)
+    fn = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "llm2tts"), None)
+    if fn is None:
+        raise ConfigError(f"{src.location}: no function llm2tts")
+    found: dict[str, ast.Assign] = {}
+    for node in ast.walk(fn):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id in _PROMPT_TARGETS and node.targets[0].id not in found):
+            if node.targets[0].id == "scheduler_prompt_token_ids" and not isinstance(node.value, ast.BinOp):
+                continue  # the other branch (_build_tts_scheduler_prompt_token_ids)
+            found[node.targets[0].id] = node
+    missing = [t for t in _PROMPT_TARGETS if t not in found]
+    if missing:
+        raise ConfigError(f"{src.location}: llm2tts no longer assigns {', '.join(missing)} (the scheduler prompt of "
+                          f"a handoff with ids and hidden states); update harness/conform/models/minicpmo.py")
+    body = [found[t] for t in _PROMPT_TARGETS]
+    ret = ast.Return(ast.Tuple([ast.Name("scheduler_prompt_token_ids", ast.Load()),
+                                ast.Name("condition_length", ast.Load())], ast.Load()))
+    args = ast.arguments(posonlyargs=[], args=[ast.arg(a) for a in ("handoff_ids", "handoff_hidden",
+                                                                      "is_native_duplex_handoff")],
+                         kwonlyargs=[], kw_defaults=[], defaults=[])
+    func = ast.FunctionDef("llm2tts_prompt", args, [*body, ret], [], None)
+    ast.copy_location(func, body[0])
+    ast.copy_location(ret, body[-1])
+    module = ast.fix_missing_locations(ast.Module([func], []))
+    namespace: dict[str, Any] = {}
+    exec(compile(module, src.location, "exec"), namespace)  # noqa: S102 -- upstream's own lines, unchanged
+    return namespace["llm2tts_prompt"], f"{body[0].lineno}-{body[-1].lineno}"
+

@@ -1,0 +1,96 @@
+"""Issue 23: making the sim faster must not change a single result.
+
+Runs two small matrices as a user does (``omni-stress run --asr none``, fixed seed) and compares
+their ``requests.jsonl`` and ``spans.jsonl`` with golden files written before the sim's hot path
+was optimised, line by line and field by field, except the fields that are times (``wall_s``,
+``asr_seconds``):
+
+* the words Talker: main, pr x reference, stress on the small prompt set (4 prompts, seed 42);
+* the speaking Talker (``--sim-talker speaking``): main, pr x cpu-reference, cpu-stress on
+  ``cpu_smoke``.
+
+The golden files are gzipped canonical JSON lines (``tests/data/records_golden/``). To rewrite
+them after a change that is *meant* to change results::
+
+    .venv/bin/python tests/test_records_unchanged.py --regenerate
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = REPO / "tests" / "data" / "records_golden"
+TIME_FIELDS = frozenset({"wall_s", "asr_seconds"})
+
+MATRICES: dict[str, list[str]] = {
+    "words": ["--prompts", str(REPO / "tests" / "fixtures" / "prompts_small.yaml"), "--arm", "main", "--arm", "pr",
+              "--deploy", "reference", "--deploy", "stress", "--seed", "42"],
+    "speaking": ["--sim-talker", "speaking", "--prompts", "cpu_smoke", "--arm", "main", "--arm", "pr",
+                 "--deploy", "cpu-reference", "--deploy", "cpu-stress", "--seed", "42"],
+}
+
+
+def run_matrix(name: str, out: Path) -> Path:
+    cmd = [sys.executable, "-m", "harness.cli", "run", "--asr", "none", "--quiet", "--no-cache",
+           "--out", str(out), "--run-id", name, *MATRICES[name]]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / name
+
+
+def canonical_lines(path: Path) -> list[str]:
+    """Each record as sorted-key JSON without its time fields, in file order."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = {k: v for k, v in json.loads(line).items() if k not in TIME_FIELDS}
+            lines.append(json.dumps(rec, sort_keys=True, separators=(",", ":")))
+    return lines
+
+
+def golden_path(name: str, kind: str) -> Path:
+    return GOLDEN / f"{name}.{kind}.jsonl.gz"
+
+
+def write_golden(name: str, run_dir: Path) -> None:
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    for kind in ("requests", "spans"):
+        data = ("\n".join(canonical_lines(run_dir / f"{kind}.jsonl")) + "\n").encode()
+        with open(golden_path(name, kind), "wb") as fh, gzip.GzipFile(fileobj=fh, mode="wb", mtime=0,
+                                                                       filename="", compresslevel=9) as gz:
+            gz.write(data)
+
+
+def read_golden(name: str, kind: str) -> list[str]:
+    return gzip.decompress(golden_path(name, kind).read_bytes()).decode().splitlines()
+
+
+@pytest.mark.parametrize("name", sorted(MATRICES))
+def test_records_match_golden(name: str, tmp_path: Path) -> None:
+    run_dir = run_matrix(name, tmp_path)
+    for kind in ("requests", "spans"):
+        got, want = canonical_lines(run_dir / f"{kind}.jsonl"), read_golden(name, kind)
+        assert len(got) == len(want), f"{name} {kind}.jsonl: {len(got)} records, golden has {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            if g != w:
+                gd, wd = json.loads(g), json.loads(w)
+                diff = {k: (gd.get(k), wd.get(k)) for k in sorted(set(gd) | set(wd)) if gd.get(k) != wd.get(k)}
+                pytest.fail(f"{name} {kind}.jsonl line {i + 1} differs from the golden file "
+                            f"(field: (now, golden)): {str(diff)[:2000]}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--regenerate"]:
+        sys.exit(__doc__)
+    with tempfile.TemporaryDirectory() as tmp:
+        for matrix in MATRICES:
+            write_golden(matrix, run_matrix(matrix, Path(tmp)))
+            print(f"wrote {golden_path(matrix, 'requests')} and {golden_path(matrix, 'spans')}")

@@ -577,3 +577,63 @@ def test_13_resume_refuses_an_arm_whose_code_changed(tmp_path, monkeypatch, edit
                           f"the run started (was {arm}:Arm@sha256:", "resuming would mix records of two "
                           "implementations; start a new run instead")
     assert (run / "requests.jsonl").read_bytes() == before
+
+
+# ----------------------------------------------------------------------------- 8: an arm that defeats SIGALRM, then hangs
+
+_SIGNAL_PLUGIN = """\
+import signal
+import time
+
+from harness.talkers.pr import FixedTalker
+
+
+class _Hangs(FixedTalker):
+    def talker_preprocess(self, input_ids, input_embeds, **info):
+        if info.get("request_id") == {bad!r}:
+            self.defeat()
+            while True:
+                time.sleep(0.05)
+        return super().talker_preprocess(input_ids, input_embeds, **info)
+
+
+class IgnoresAlarm(_Hangs):
+    def defeat(self):
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+
+
+class ReplacesAlarm(_Hangs):
+    def defeat(self):
+        signal.signal(signal.SIGALRM, lambda *_: None)
+
+
+class CancelsTimer(_Hangs):
+    def defeat(self):
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def talker_preprocess(self, input_ids, input_embeds, **info):
+        if info.get("request_id") == {bad!r}:
+            self.defeat()
+            time.sleep(600)  # one long sleep: nothing but a signal wakes it
+        return super().talker_preprocess(input_ids, input_embeds, **info)
+"""
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_8_an_arm_that_defeats_sigalrm_still_times_out(tmp_path, monkeypatch, workers):
+    bad = SMALL["prompts"][1]["id"]
+    module = f"signal_plugin_round3_w{workers}"
+    (tmp_path / f"{module}.py").write_text(_SIGNAL_PLUGIN.format(bad=bad))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    arms = ["IgnoresAlarm", "ReplacesAlarm", "CancelsTimer"]
+    args = ["run", "--asr", "none", "--quiet", "--deploy", "reference", "--sim-workers", workers, "--arm-timeout", "1",
+            "--prompts", str(SMALL_PROMPTS), "--out", str(tmp_path / "out"), "--run-id", "r"]
+    for attr in arms:
+        args += ["--arm", f"{attr.lower()}={module}:{attr}"]
+    res = invoke_cli(*args)
+    assert res.exit_code == 0, res.stderr
+    records = [json.loads(ln) for ln in (tmp_path / "out" / "r" / "requests.jsonl").read_text().splitlines()]
+    assert len(records) == len(arms) * len(SMALL["prompts"])
+    failed = {(r["arm"], r["prompt_id"]): r["error"] for r in records if r["error"]}
+    assert set(failed) == {(attr.lower(), bad) for attr in arms}
+    assert all(e.startswith("ArmTimeout: talker_preprocess did not return within 1 s") for e in failed.values())

@@ -9,7 +9,10 @@ but never the run (docs/robustness.md, "Arms that misbehave").
   kills itself with a signal, still ends its process: in a sim worker that is one error line and
   ``--resume``, see ``harness.sim.pool``).
 * A call that does not return within the per-call limit (``--arm-timeout``, default
-  ``DEFAULT_LIMIT_S``) is interrupted by ``SIGALRM`` and fails. Python code is interrupted
+  ``DEFAULT_LIMIT_S``) is interrupted by ``SIGALRM`` and fails. An arm that ignores or replaces
+  ``SIGALRM`` does not defeat it: a watchdog thread raises the timeout into the call
+  (``PyThreadState_SetAsyncExc``) ``WATCHDOG_GRACE_S`` later, and wakes a sleep with a signal
+  when the arm's own handler would run (issue 24, case 8). Python code is interrupted
   wherever it is (a loop, ``time.sleep``, a lock wait); a call stuck inside native code is
   interrupted when it returns to Python. The limit needs the main thread (signals are delivered
   there); elsewhere calls are not limited.
@@ -153,6 +156,57 @@ def _abandon_arm_threads() -> None:
         pass
 
 
+WATCHDOG_GRACE_S = 1.0  # past the limit, before the watchdog steps in (SIGALRM normally fires first)
+WATCHDOG_POLL_S = 0.25
+_watch_lock = threading.Lock()
+_watch_deadline = 0.0  # monotonic time past which the running call is failed; 0: no call is timed
+_watch_fired = False
+_watchdog_pid = 0  # the process whose watchdog thread runs (a forked worker starts its own)
+
+
+def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
+                                               ctypes.py_object(exc) if exc is not None else None)
+
+
+def _watchdog(main_id: int) -> None:
+    global _watch_deadline, _watch_fired
+    while True:
+        time.sleep(WATCHDOG_POLL_S)
+        with _watch_lock:
+            if not _watch_deadline or time.monotonic() < _watch_deadline:
+                continue
+            _watch_deadline, _watch_fired = 0.0, True
+            _set_async_exc(main_id, ArmTimeout)  # raised at the call's next Python instruction
+            if callable(signal.getsignal(signal.SIGALRM)):  # a Python handler (the arm's): wake a sleep
+                try:
+                    signal.pthread_kill(main_id, signal.SIGALRM)
+                except (OSError, ValueError):
+                    pass
+
+
+def _arm_watchdog(seconds: float) -> None:
+    global _watchdog_pid, _watch_deadline
+    if _watchdog_pid != os.getpid():
+        _watchdog_pid = os.getpid()
+        main_id = threading.main_thread().ident
+        assert main_id is not None
+        threading.Thread(target=_watchdog, args=(main_id,), name="omni-stress-arm-watchdog", daemon=True).start()
+    _watch_deadline = time.monotonic() + seconds + WATCHDOG_GRACE_S
+
+
+def _disarm_watchdog() -> None:
+    global _watch_deadline, _watch_fired
+    with _watch_lock:
+        _watch_deadline = 0.0
+        if _watch_fired:  # the timeout may still be pending: it must not land outside the call
+            _watch_fired = False
+            _set_async_exc(threading.main_thread().ident or 0, None)
+            raise ArmTimeout()
+
+
 def prepare() -> None:
     """Called as a cell starts: (re)installs the handler, in case someone replaced it since."""
     if _limit_s > 0 and threading.current_thread() is threading.main_thread():
@@ -173,8 +227,9 @@ def call(fn: Any, /, **kwargs: Any) -> Any:
     os._exit = _exit_guard  # type: ignore[assignment]
     try:
         if timed:
-            if not _installed:
+            if signal.getsignal(signal.SIGALRM) is not _on_alarm:  # an arm may have replaced it
                 _install()
+            _arm_watchdog(_limit_s)
             _armed = True
             previous_delay, _ = signal.setitimer(signal.ITIMER_REAL, _limit_s)
             if previous_delay > 0:
@@ -185,6 +240,7 @@ def call(fn: Any, /, **kwargs: Any) -> Any:
             if timed:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 _armed = False
+                _disarm_watchdog()
             if before is not None and len(_ACTIVE) > len(before):  # the arm started a thread
                 _note_new_threads(before)
     except ArmTimeout:

@@ -201,3 +201,26 @@ def test_manifest_says_which_implementation_ran(real_run: Path) -> None:
         assert workers and all(w["arm"] == want[cell["arm"]] and "error" not in w for w in workers), workers
         assert all(w["vllm-omni_version"] == "0.30.0" and w["model_sha256"] for w in workers)
         assert "talker_preprocess" in workers[0]["bound_methods"]
+
+
+def test_a_bound_subclass_arm_keeps_its_class_in_the_real_server(real_run: Path) -> None:
+    """Issue 24 case 21: an ordinary subclass of ``pr`` that calls ``super()`` (and reads a class
+    attribute through a property) bound into the real Talker worker: the engine stays up, every
+    request is answered, and it delivers the contract's rows and says each reply under stress."""
+    model = real_run.parent / "tiny"
+    out = real_run.parent / "subclass"
+    run = subprocess.run(
+        [*CLI, "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
+         "--model", str(model), "--arm", "superpr=tests.fixtures.subclass_arm:SuperPr", "--deploy", "cpu-stress",
+         "--prompts", "cpu_smoke", "--asr", "none", "--out", str(out), "--run-id", "sub", "--quiet",
+         "--health-timeout", "900", "--request-timeout", "900"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800)  # cwd: the arm's module is importable from here
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
+    records = read_requests(out / "sub")
+    assert sorted(r.prompt_id for r in records) == ["c01-tea", "c02-plants", "c03-run", "c04-stars"]
+    assert all(r.error is None and r.oracle_wer == 0.0 for r in records), [(r.prompt_id, r.error) for r in records]
+    spans = read_spans(out / "sub")
+    assert spans and all(s.error is None and s.misaligned_text == 0 and s.misaligned_end == 0 for s in spans)
+    manifest = json.loads((out / "sub" / "manifest.json").read_text())
+    workers = manifest["cells"][0]["implementation"]["workers"]
+    assert workers and all(w["arm"] == "tests.fixtures.subclass_arm:SuperPr" and "error" not in w for w in workers)

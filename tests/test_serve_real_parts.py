@@ -5,6 +5,7 @@ deploy translation, what an arm binding sets on the model class, and the worker'
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -173,3 +174,32 @@ def test_contract_check_tolerates_bfloat16_rounding_not_wrong_rows() -> None:
         r_ids, r_embeds, upd = model.talker_preprocess(input_ids=ids, input_embeds=embeds, **info)
         rounded = (r_ids, r_embeds.to(torch.bfloat16), upd)
         assert count_misaligned(model, info, ids.clone(), rounded, embeds) == want, (impl.__name__, c, n)
+
+
+def test_a_bound_subclass_arm_keeps_super_class_attributes_and_properties(monkeypatch) -> None:
+    """Issue 24 case 21: the model vLLM builds is an instance of the arm's class, so ``super()`` works."""
+    import types
+
+    from tests.fixtures.subclass_arm import SuperPr
+
+    module = types.ModuleType("fake_upstream_model")
+    module.__file__ = __file__  # describe() hashes the model class's source file
+
+    class Model:
+        def talker_preprocess(self, input_ids, input_embeds, **info):  # noqa: ANN001, ANN202
+            return "upstream"
+
+    Model.__module__ = module.__name__
+    module.Model = Model
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    calls: list[str] = []
+    monkeypatch.setattr(FixedTalker, "talker_preprocess",
+                        lambda self, ids, embeds, **info: calls.append(type(self).__name__) or "fixed")
+    info = arm_binding.bind(Model, "tests.fixtures.subclass_arm:SuperPr")
+    assert info["bound_methods"] == ["LABEL", "calls", "label", "talker_preprocess"]
+    built = module.Model  # what vLLM's registry resolves by name
+    assert built is not Model and built.__name__ == "Model" and issubclass(built, (Model, SuperPr))
+    model = built()
+    assert model.talker_preprocess(None, None) == "fixed" and calls == ["Model"]
+    assert model.label == "super-pr" and built.calls == 1
+    assert arm_binding.bind(built, "tests.fixtures.subclass_arm:SuperPr")["arm"].endswith(":SuperPr")

@@ -9,11 +9,18 @@ calls the arm, and the arm calls the installed model's real helpers
 (``_thinker_to_talker_prefill``, ``_thinker_to_talker_decode_one_step``, the special-token
 embeddings, ``talker.embed_input_ids``).
 
-What is bound: for a class arm, every function the arm's classes define themselves, walking its
-MRO up to (not including) ``harness.talkers.qwen2_5_omni.Qwen25OmniTalkerHelpers`` (the sim's
-port of upstream helpers: the real ones stay); for a function arm, the function as
-``talker_preprocess``. The model's own method stays reachable as
-``_omni_stress_upstream_talker_preprocess``. ``describe`` says what ran, for the manifest.
+What is bound: for a class arm, every member (functions, properties, class and static methods,
+class attributes) the arm's classes define themselves, walking its MRO up to (not including)
+``harness.talkers.qwen2_5_omni.Qwen25OmniTalkerHelpers`` (the sim's port of upstream helpers: the
+real ones stay); for a function arm, the function as ``talker_preprocess``. The model's own method
+stays reachable as ``_omni_stress_upstream_talker_preprocess``. ``describe`` says what ran, for the
+manifest.
+
+A class arm keeps its own class semantics, as in the sim: the arm class is inserted into the model
+class's bases, so every model instance *is* an instance of the arm class and a method that calls
+``super()`` (an ordinary subclass of ``pr`` overriding one helper) resolves along the arm's own MRO.
+Where that chain reaches the helper port, the port's functions are, in this worker, the installed
+model's real helpers: ``super()`` ends at the real code, never at the sim's copy of it.
 """
 
 from __future__ import annotations
@@ -42,37 +49,68 @@ def _load(spec: str) -> Any:
     return obj
 
 
+def _own_classes(arm: type) -> list[type]:
+    from harness.talkers.qwen2_5_omni import Qwen25OmniTalkerHelpers
+
+    return [k for k in arm.__mro__ if k is not object and k is not Qwen25OmniTalkerHelpers
+            and not issubclass(Qwen25OmniTalkerHelpers, k)]
+
+
 def methods_of(arm: Any) -> dict[str, Any]:
-    """The functions to set on the model class: the arm's own, not the shared upstream-helper port."""
+    """The members to set on the model class: the arm's own (nearest class first), not the shared
+    upstream-helper port. Functions, properties, class/static methods and plain class attributes."""
     if not isinstance(arm, type):
         if not callable(arm):
             raise TypeError(f"arm {arm!r} is neither a class nor a function")
         return {METHOD: arm}
-    from harness.talkers.qwen2_5_omni import Qwen25OmniTalkerHelpers
-
     found: dict[str, Any] = {}
-    for klass in arm.__mro__:
-        if klass is object or klass is Qwen25OmniTalkerHelpers or issubclass(Qwen25OmniTalkerHelpers, klass):
-            continue
+    for klass in _own_classes(arm):
         for name, value in vars(klass).items():
             if name.startswith("__") or name in found:
                 continue
-            if inspect.isfunction(value):
-                found[name] = value
-    if METHOD not in found:
+            found[name] = value
+    if not inspect.isfunction(found.get(METHOD)):
         raise TypeError(f"arm class {arm.__qualname__} defines no {METHOD}")
     return found
 
 
-def bind(model_cls: type, spec: str) -> dict[str, Any]:
-    """Binds the arm named by ``spec`` onto ``model_cls``; returns ``describe``'s record."""
+def _adopt(model_cls: type, arm: type, originals: dict[str, Any], redirect_helpers: bool) -> type:
+    """A subclass of ``model_cls`` and ``arm`` (``super()``, ``isinstance`` and inherited class members
+    work as in the sim), installed in the model's module under the model's name, so vLLM builds it;
+    with ``redirect_helpers`` (a server worker, where the sim never runs) the helper port's functions
+    become the model's real helpers."""
+    from harness.talkers.qwen2_5_omni import Qwen25OmniTalkerHelpers
+
+    for name, value in list(vars(Qwen25OmniTalkerHelpers).items()) if redirect_helpers else ():
+        real = originals.get(name)
+        if real is not None and not name.startswith("__") and (
+                inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod))):
+            setattr(Qwen25OmniTalkerHelpers, name, real)
+    if issubclass(model_cls, arm):
+        return model_cls
+    bound = type(model_cls.__name__, (model_cls, arm), {
+        "__module__": model_cls.__module__, "__qualname__": model_cls.__qualname__,
+        "__doc__": model_cls.__doc__, "_omni_stress_arm_class": arm})
+    module = sys.modules.get(model_cls.__module__)
+    if module is not None and getattr(module, model_cls.__name__, None) is model_cls:
+        setattr(module, model_cls.__name__, bound)  # vLLM's registry resolves the class by this name
+    return bound
+
+
+def bind(model_cls: type, spec: str, redirect_helpers: bool = False) -> dict[str, Any]:
+    """Binds the arm named by ``spec`` onto ``model_cls``; returns ``describe``'s record.
+    ``redirect_helpers``: in a server worker (the trace plugin), ``super()`` chains end at the real
+    helpers (``_adopt``); never in a process that also runs the sim."""
     arm = _load(spec)
     methods = methods_of(arm)
+    originals = dict(vars(model_cls))  # the installed model's own members, before any is replaced
     original = model_cls.__dict__.get(METHOD)
     if original is not None and UPSTREAM_ALIAS not in model_cls.__dict__:
         setattr(model_cls, UPSTREAM_ALIAS, original)
     for name, fn in methods.items():
         setattr(model_cls, name, fn)
+    if isinstance(arm, type):
+        _adopt(model_cls, arm, originals, redirect_helpers)
     return describe(model_cls, spec, sorted(methods))
 
 

@@ -328,7 +328,7 @@ def _bind_arm(cls: type, arm: str, directory: str | None) -> None:
     try:
         from harness.serve.arm_binding import bind
 
-        info = bind(cls, arm)
+        info = bind(cls, arm, redirect_helpers=True)
     except Exception as exc:  # noqa: BLE001 - refuse to serve the wrong implementation silently
         _warn(f"cannot bind arm {arm!r}: {type(exc).__name__}: {exc}")
         info = {"pid": os.getpid(), "arm": arm, "error": f"{type(exc).__name__}: {exc}"}

@@ -239,3 +239,43 @@ def test_minicpmo_prompt_is_llm2tts_own_branch() -> None:
     req.load("0.30.0")
     r = req.requests(1, 16)[0]
     assert (r.P, r.payload["meta"]["next_stage_prompt_len"]) == (61, 61)
+
+
+# ----------------------------------------------------------------------------- plugin arms
+
+PLUGIN = '''
+class Passthrough:
+    """The release's own hook, reached through super(): the same cells as the release."""
+
+    def preprocess(self, input_ids, input_embeds, **info):
+        return super().preprocess(input_ids=input_ids, input_embeds=input_embeds, **info)
+
+
+class NoHook:
+    pass
+'''
+
+
+def test_plugin_arms_for_any_model(tmp_path: Path, monkeypatch: Any) -> None:
+    (tmp_path / "conform_plugin_mod.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    small = ["--deploy", "none", "--requests", "1", "--generated", "24"]
+    fixed = _cli("--model", "qwen2.5-omni:harness.talkers.pr:FixedTalker", *small)  # the form run/gate take
+    assert fixed.exit_code == 0, fixed.output
+    assert "qwen2.5-omni:harness.talkers.pr:FixedTalker: conforms -- plugin arm harness.talkers.pr:FixedTalker" \
+        in fixed.output
+    up = _check("qwen3-tts")
+    plug = check_model(__import__("harness.conform.models", fromlist=["resolve_model"]).resolve_model(
+        "qwen3-tts:conform_plugin_mod:Passthrough")(), "0.30.0", (), requests=1, forced_generated=GEN)
+    assert plug.model == "qwen3-tts:conform_plugin_mod:Passthrough"
+    assert plug.provenance.what == "plugin arm conform_plugin_mod:Passthrough over " + up.provenance.what
+    assert {k: c.detail for k, c in plug.cells.items()} == {k: c.detail for k, c in up.cells.items()}
+    assert plug.verdict == SHIPPED_TTS  # the model's shipped deploys
+    no_hook = _cli("--model", "qwen3-tts:conform_plugin_mod:NoHook", *small)
+    assert no_hook.exit_code == 2
+    assert ("could not check: --model qwen3-tts:conform_plugin_mod:NoHook: class 'NoHook' defines no preprocess "
+            "method (the hook this model's runner calls)") in no_hook.output
+    missing = _cli("--model", "qwen3-omni:no_such_module_xyz:X", *small)
+    assert missing.exit_code == 2 and "cannot import module 'no_such_module_xyz'" in missing.output
+    unknown = _cli("--model", "nope:conform_plugin_mod:Passthrough", *small)
+    assert unknown.exit_code == 2 and "unknown model" in unknown.output

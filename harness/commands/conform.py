@@ -17,7 +17,8 @@ _DEFAULT_SOURCE = "vllm-omni:0.30.0"
 @click.command("conform")
 @click.option("--model", "models", multiple=True, metavar="NAME",
               help="A model to check (repeatable): qwen2.5-omni, qwen3-omni, qwen3-tts, minicpmo-4.5 (real upstream code), or "
-                   "the calibration arms qwen2.5-omni:main / qwen2.5-omni:pr. Default: the four upstream models.")
+                   "the calibration arms qwen2.5-omni:main / qwen2.5-omni:pr, or MODEL:package.module:attr (a plugin arm: its "
+                   "methods replace the release's hook). Default: the four upstream models.")
 @click.option("--source", default=_DEFAULT_SOURCE, show_default=True, metavar="vllm-omni:SOURCE",
               help="Where the upstream code comes from: a checkout, a site-packages folder, a wheel, a version "
                    "(installed, cached, or the vendored 0.30.0) or 'installed' (docs/upstream-arm.md).")
@@ -40,13 +41,16 @@ def command(models: tuple[str, ...], source: str, deploys: tuple[str, ...], num_
             deploy_generated: int, fail_on: str, json_path: Path | None, html_path: Path | None) -> None:
     """Check each model's preprocess for schedule invariance: model x situation."""
     from harness.conform.check import DEFAULT_DEPLOYS, check_model
-    from harness.conform.models import CALIBRATION, MODELS, UPSTREAM_MODELS
+    from harness.conform.models import CALIBRATION, UPSTREAM_MODELS, resolve_model
     from harness.conform.report import Matrix, format_html, format_json, format_text
     from harness.config import load_deploy
 
-    unknown = [m for m in models if m not in MODELS]
+    from harness.conform.models import MODELS
+
+    unknown = [m for m in models if resolve_model(m) is None]
     if unknown:
-        raise UserError(f"--model {unknown[0]}: unknown model; known: {', '.join(MODELS)}")
+        raise UserError(f"--model {unknown[0]}: unknown model; known: {', '.join(MODELS)}, or MODEL:package.module:attr "
+                        f"(a plugin arm for {', '.join(UPSTREAM_MODELS)})")
     if not source.startswith("vllm-omni:"):
         raise UserError(f"--source {source}: give vllm-omni:SOURCE (a checkout, a wheel, a version or 'installed')")
     spec = source[len("vllm-omni:"):]
@@ -61,7 +65,7 @@ def command(models: tuple[str, ...], source: str, deploys: tuple[str, ...], num_
 
     def run(name: str):
         say(f"[conform] {name} ...")
-        return check_model(MODELS[name](), spec, deploy_objs, requests=num_requests, forced_generated=generated,
+        return check_model(resolve_model(name)(), spec, deploy_objs, requests=num_requests, forced_generated=generated,
                            deploy_generated=deploy_generated, progress=lambda m: say(f"[conform]   {m}"))
 
     matrix = Matrix(source, tuple(d.name for d in deploy_objs), [run(n) for n in selected],

@@ -90,6 +90,7 @@ class Adapter:
     hidden: int = 64
     notes: str = ""  # what the stand-in supplies; shown in docs/conform.md and --json
     deploys: Any = None  # harness.conform.reach.ModelDeploys: the release's deploy files for this model
+    plugin: str | None = None  # "package.module:attr": a plugin arm over the release's code (--model NAME:module:attr)
 
     # ------------------------------------------------------------------ loading
     def load(self, spec: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> tuple[Any, Provenance]:
@@ -105,6 +106,18 @@ class Adapter:
                           [_file_info(source, info.methods, info.stubbed, info.from_stand_in)])
         self.extra_sources(spec, base_dir, wheel_dir, prov)
         return mixin, prov
+
+    def load_checked(self, spec: str, base_dir: Path | None = None,
+                     wheel_dir: Path | None = None) -> tuple[Any, Provenance | None]:
+        """``load``, then a plugin arm's class over it: the plugin's methods replace the release's methods of
+        the same name (the hook, say); everything else (helpers, the stand-in) stays."""
+        impl, prov = self.load(spec, base_dir, wheel_dir)
+        if not self.plugin:
+            return impl, prov
+        cls = load_plugin(self.plugin, self.name, self.entries[0])
+        mixed = type(f"Plugin{cls.__name__}", (cls, impl), {})
+        what = f"plugin arm {self.plugin} over " + (prov.what if prov else "the release's code")
+        return mixed, Provenance(self.name, what, prov.files if prov else [])
 
     def extra_sources(self, spec: str, base_dir: Path | None, wheel_dir: Path | None, prov: Provenance) -> None:
         """Load more upstream code (a stage input processor); record it in ``prov``."""
@@ -178,3 +191,34 @@ def _same(a: str, b: str) -> bool:
     from harness.talkers.upstream import _same_version
 
     return _same_version(a, b)
+
+
+def load_plugin(target: str, model: str, hook: str) -> type:
+    """A plugin arm ``package.module:attr``: a class that defines ``hook`` (or a function, taken as ``hook``),
+    imported as ``omni-stress run --arm NAME=package.module:attr`` imports one (the working directory is
+    importable)."""
+    import importlib
+
+    from harness.talkers import _importable_from_cwd
+
+    module_name, _, attr = target.partition(":")
+    where = f"--model {model}"
+    if not module_name or not attr:
+        raise ConfigError(f"{where}: expected MODEL:package.module:attr")
+    _importable_from_cwd()
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 -- any import failure is the plugin's problem
+        raise ConfigError(f"{where}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        if not callable(getattr(obj, hook, None)):
+            raise ConfigError(f"{where}: class {attr!r} defines no {hook} method (the hook this model's runner calls)")
+        return obj
+    if callable(obj):
+        return type(f"{attr}Arm", (), {hook: obj})
+    raise ConfigError(f"{where}: {attr!r} is neither a class nor a function")
+

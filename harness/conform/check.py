@@ -99,7 +99,7 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
     if deploys is None:
         deploys = tuple(load_deploy(d) for d in DEFAULT_DEPLOYS)
     try:
-        impl, prov = adapter.load(source, base_dir, wheel_dir)
+        impl, prov = adapter.load_checked(source, base_dir, wheel_dir)
     except UserError as exc:
         return ModelResult(adapter.name, adapter.title, None, error=str(exc), seconds=time.perf_counter() - t0)
     result = ModelResult(adapter.name, adapter.title, prov)

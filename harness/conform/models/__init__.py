@@ -47,4 +47,29 @@ MODELS: dict[str, Callable[[], Adapter]] = {
     "qwen2.5-omni:pr": _qwen25("pr"),
 }
 UPSTREAM_MODELS = ("qwen2.5-omni", "qwen3-omni", "qwen3-tts", "minicpmo-4.5")
+
+
+def resolve_model(name: str) -> Callable[[], Adapter] | None:
+    """A known model, or ``MODEL:package.module:attr``: a plugin arm for an upstream model (None: unknown).
+    For Qwen2.5-Omni the plugin is an arm as ``run``/``gate`` take it; for the others, a class whose methods
+    replace the release's methods of the same name (at least the hook)."""
+    if name in MODELS:
+        return MODELS[name]
+    base, _, target = name.partition(":")
+    if base not in UPSTREAM_MODELS or ":" not in target:
+        return None
+    if base == "qwen2.5-omni":
+        def make_q25() -> Adapter:
+            from harness.conform.models.qwen2_5_omni import Qwen25OmniAdapter
+
+            return Qwen25OmniAdapter("plugin", target)
+
+        return make_q25
+
+    def make() -> Adapter:
+        adapter = MODELS[base]()
+        adapter.plugin, adapter.name, adapter.title = target, name, f"{adapter.title}, plugin arm {target}"
+        return adapter
+
+    return make
 CALIBRATION = {"qwen2.5-omni:main": "fails", "qwen2.5-omni:pr": "conforms"}

@@ -38,12 +38,13 @@ class Qwen25OmniAdapter(Adapter):
     # the Talker is stage 1; its max_model_len is the model config's 32768 (the deploy sets none)
     deploys = ModelDeploys(("qwen2_5_omni.yaml",), stage=1, max_model_len=32768)
 
-    def __init__(self, arm: str = "upstream") -> None:
+    def __init__(self, arm: str = "upstream", plugin: str | None = None) -> None:
         self.arm = arm
         self.upstream = arm == "upstream"
-        self.name = "qwen2.5-omni" if self.upstream else f"qwen2.5-omni:{arm}"
+        self.plugin_target = plugin
+        self.name = "qwen2.5-omni" if self.upstream else f"qwen2.5-omni:{plugin or arm}"
         self.title = {"upstream": "Qwen2.5-Omni talker (upstream)", "main": "Qwen2.5-Omni, built-in arm main",
-                      "pr": "Qwen2.5-Omni, built-in arm pr"}[arm]
+                      "pr": "Qwen2.5-Omni, built-in arm pr", "plugin": f"Qwen2.5-Omni, plugin arm {plugin}"}[arm]
 
     def stand_in_class(self) -> type:
         from harness.sim.model import SimTalkerModelBase
@@ -53,11 +54,15 @@ class Qwen25OmniAdapter(Adapter):
     def load(self, spec: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> tuple[Any, Provenance]:
         if self.upstream:
             return super().load(spec, base_dir, wheel_dir)
-        from harness.config import load_arms
+        from harness.config import ArmSpec, load_arms
         from harness.talkers import load_impl
 
-        arm = load_arms()[self.arm]
-        return load_impl(arm), Provenance(self.name, f"built-in arm {arm.talker}")
+        # a plugin arm loads as `omni-stress run --arm NAME=package.module:attr` loads it (a class with
+        # talker_preprocess or a function), and runs on the sim's stand-in like main and pr
+        arm = (ArmSpec(self.name, self.plugin_target, "plugin arm", source="--model") if self.arm == "plugin"
+               else load_arms()[self.arm])
+        kind = "plugin arm" if self.arm == "plugin" else "built-in arm"
+        return load_impl(arm), Provenance(self.name, f"{kind} {arm.talker}")
 
     def make_model(self, impl: Any) -> Any:
         from harness.sim.model import bind_arm

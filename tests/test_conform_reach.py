@@ -223,7 +223,8 @@ def test_cli_fail_on() -> None:
     shipped = _cli("--model", "qwen3-tts", *small)
     assert shipped.exit_code == 1
     assert f"qwen3-tts: {SHIPPED_TTS} -- " in shipped.output
-    assert "verdict: 1 of 1 models do not conform; under a shipped deploy: qwen3-tts (exit 1)" in shipped.output
+    assert "verdict: 2 of 2 models do not conform; under a shipped deploy: qwen3-tts, qwen3-tts@mrv2 (exit 1)" \
+        in shipped.output
     assert _cli("--model", "qwen3-tts", *small, "--fail-on", "nope").exit_code == 2
 
 
@@ -279,3 +280,54 @@ def test_plugin_arms_for_any_model(tmp_path: Path, monkeypatch: Any) -> None:
     assert missing.exit_code == 2 and "cannot import module 'no_such_module_xyz'" in missing.output
     unknown = _cli("--model", "nope:conform_plugin_mod:Passthrough", *small)
     assert unknown.exit_code == 2 and "unknown model" in unknown.output
+
+
+# ----------------------------------------------------------------------------- MRV2's buffer rules
+
+
+def test_mrv2_rebuilds_the_buffer_on_resume_and_moves_qwen3_tts_failure_to_P() -> None:
+    v2 = check_model(MODELS["qwen3-tts"](), "0.30.0", (), requests=1, forced_generated=GEN, runner="v2")
+    P = 21
+    assert v2.model == "qwen3-tts@mrv2"
+    # a fresh buffer: the replayed prompt is right again, but the generated positions inside the replay span
+    # get tts_pad where the reference gives trailing_text row 0 (V1 fails at position 0 instead)
+    f = v2.cells["cross_replay"].first
+    assert (f.position, f.c, f.n, f.got, f.want) == (P, P - 2, 9, "the tts_pad row",
+                                                     "its id's embedding + trailing_text row 0")
+    f = v2.cells["repeated_replay"].first
+    assert (f.position, f.c, f.n, f.got) == (P, 0, P + 7, "the tts_pad row")
+    assert v2.cells["chunk"].status == v2.cells["tail"].status == "conforms"
+    # each row counts only the (deploy, platform)s that run its runner: MRV2 is CUDA's
+    assert v2.verdict == ("fails under shipped deploy qwen3_tts.yaml (cuda), qwen3_tts_mrv2.yaml (cuda), "
+                          "qwen3_tts_high_concurrency_mrv2.yaml (cuda), qwen3_tts_high_concurrency_mrv2_b4.yaml "
+                          "(cuda), qwen3_tts_high_concurrency_mrv2_single_gpu.yaml (cuda)")
+    v1 = _check("qwen3-tts")
+    assert v1.model == "qwen3-tts" and v1.cells["cross_replay"].first.position == 0
+
+
+def test_the_cli_checks_qwen3_tts_under_both_runners() -> None:
+    out = _cli("--model", "qwen3-tts", "--deploy", "none", "--requests", "1", "--generated", "24")
+    assert out.exit_code == 1
+    assert "verdict: 2 of 2 models do not conform; under a shipped deploy: qwen3-tts, qwen3-tts@mrv2 (exit 1)" \
+        in out.output
+
+
+def test_mrv2_driver_resets_a_decode_counter_on_preemption() -> None:
+    from harness.conform.driver import run_forced
+    from harness.conform.schedules import forced_schedules
+
+    class Counter:
+        def talker_preprocess(self, input_ids: torch.Tensor, input_embeds: torch.Tensor, **info: Any):
+            k = info.get("k", 0)
+            return input_ids, torch.full((input_ids.shape[0], 8), float(k)), {"k": k + 1}
+
+    toy = _Toy()
+    req = toy.requests(1, GEN)[0]
+    sched = next(s for s in forced_schedules(req.P, req.P + GEN) if s.name == "cross-replay")
+    first_after = {}
+    for kind in ("v1", "v2"):
+        feeds = run_forced(toy, Counter, req, sched, kind)
+        replayed = next(f for f in feeds if f.replay == 1)
+        first_after[kind] = float(replayed.received[0, 0])
+    # V1 keeps the buffer: the counter runs on (1 prefill + 6 decodes = 7); MRV2 rebuilt it from the payload: 0
+    assert first_after == {"v1": 7.0, "v2": 0.0}

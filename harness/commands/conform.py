@@ -63,13 +63,17 @@ def command(models: tuple[str, ...], source: str, deploys: tuple[str, ...], num_
     def say(msg: str) -> None:
         click.echo(msg, err=True)
 
-    def run(name: str):
-        say(f"[conform] {name} ...")
-        return check_model(resolve_model(name)(), spec, deploy_objs, requests=num_requests, forced_generated=generated,
-                           deploy_generated=deploy_generated, progress=lambda m: say(f"[conform]   {m}"))
+    def run(name: str) -> list:
+        out = []
+        for runner in resolve_model(name)().runners:  # one row per model runner its deploys use
+            say(f"[conform] {name} ({runner}) ...")
+            out.append(check_model(resolve_model(name)(), spec, deploy_objs, requests=num_requests,
+                                   forced_generated=generated, deploy_generated=deploy_generated,
+                                   progress=lambda m: say(f"[conform]   {m}"), runner=runner))
+        return out
 
-    matrix = Matrix(source, tuple(d.name for d in deploy_objs), [run(n) for n in selected],
-                    [run(n) for n in calibration],
+    matrix = Matrix(source, tuple(d.name for d in deploy_objs), [r for n in selected for r in run(n)],
+                    [r for n in calibration for r in run(n)],
                     {"requests": num_requests, "generated": generated, "deploy_generated": deploy_generated},
                     fail_on)
     click.echo(format_text(matrix), nl=False)

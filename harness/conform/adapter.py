@@ -90,6 +90,7 @@ class Adapter:
     hidden: int = 64
     notes: str = ""  # what the stand-in supplies; shown in docs/conform.md and --json
     deploys: Any = None  # harness.conform.reach.ModelDeploys: the release's deploy files for this model
+    runners: tuple[str, ...] = ("v1",)  # model runners its deploys use: each gets its own matrix row
     plugin: str | None = None  # "package.module:attr": a plugin arm over the release's code (--model NAME:module:attr)
 
     # ------------------------------------------------------------------ loading

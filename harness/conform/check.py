@@ -34,6 +34,7 @@ DEFAULT_DEPLOYS = ("reference", "stress")
 FORCED_GENERATED = 40  # generated positions the forced schedules feed
 DEPLOY_GENERATED = 480  # generated positions per request in the vLLM runs: 4 x (P + 480) overflows stress's KV
 REQUESTS = 4  # stress's Talker max_num_seqs
+RUNNER_TAG = {"v1": "v1", "v2": "mrv2"}
 
 
 @dataclass
@@ -90,31 +91,34 @@ def columns(deploys: tuple[str, ...]) -> dict[str, str]:
 def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | None = None, *,
                 requests: int = REQUESTS, forced_generated: int = FORCED_GENERATED,
                 deploy_generated: int = DEPLOY_GENERATED, base_dir: Path | None = None,
-                wheel_dir: Path | None = None, progress: Callable[[str], None] | None = None) -> ModelResult:
-    """The model's matrix row. A source that cannot be loaded is ``error`` (the caller exits 2)."""
+                wheel_dir: Path | None = None, progress: Callable[[str], None] | None = None,
+                runner: str = "v1") -> ModelResult:
+    """The model's matrix row under one model runner's buffer rules (``v1``, or ``v2``: MRV2). A source
+    that cannot be loaded is ``error`` (the caller exits 2)."""
     from harness.errors import UserError
 
     t0 = time.perf_counter()
+    name = adapter.name + ("" if runner == "v1" else f"@{RUNNER_TAG[runner]}")
     say = progress or (lambda _m: None)
     if deploys is None:
         deploys = tuple(load_deploy(d) for d in DEFAULT_DEPLOYS)
     try:
         impl, prov = adapter.load_checked(source, base_dir, wheel_dir)
     except UserError as exc:
-        return ModelResult(adapter.name, adapter.title, None, error=str(exc), seconds=time.perf_counter() - t0)
-    result = ModelResult(adapter.name, adapter.title, prov)
+        return ModelResult(name, adapter.title, None, error=str(exc), seconds=time.perf_counter() - t0)
+    result = ModelResult(name, adapter.title + ("" if runner == "v1" else " (MRV2 buffer rules)"), prov)
     generated = max(forced_generated, deploy_generated if deploys else 0)
     try:
         reqs = adapter.requests(requests, generated)
     except Exception as exc:  # noqa: BLE001 -- e.g. a newer stage input processor the stand-in does not fit
-        return ModelResult(adapter.name, adapter.title, prov, error=f"building the payload failed: "
+        return ModelResult(name, adapter.title, prov, error=f"building the payload failed: "
                            f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0)
     # reference rows, far enough for every run
     baselines = {}
     ref_feeds: list[Feed] = []
     for r in reqs:
         sched = Schedule("unchunked", "reference", ((0, r.P), *[(p, 1) for p in range(r.P, r.P + generated)]), "")
-        feeds = run_forced(adapter, impl, r, sched)
+        feeds = run_forced(adapter, impl, r, sched, runner)
         err = first_error(feeds)
         if err is not None:  # no reference: every cell says why
             _unavailable(result, [err])
@@ -123,7 +127,7 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
             for key in columns(tuple(d.name for d in deploys)):
                 result.cells[key] = Cell("raised", "raised", detail, trigger={"P": err.P, "c": err.c, "n": err.n,
                                                                               "replay": err.replay})
-            _reach(result, adapter, source, base_dir, wheel_dir)
+            _reach(result, adapter, source, base_dir, wheel_dir, runner)
             result.seconds = time.perf_counter() - t0
             return result
         ref_feeds += feeds
@@ -143,14 +147,15 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
         for sched in forced_schedules(r.P, r.P + forced_generated):
             if sched.situation == "reference":
                 continue
-            feeds = run_forced(adapter, impl, r, sched)
+            feeds = run_forced(adapter, impl, r, sched, runner)
             all_feeds += feeds
             by_situation[sched.situation].append((sched.name, feeds))
     for key, runs in by_situation.items():
         result.cells[key] = situation_cell(runs, baselines, namer, bare_of)
     say(f"{adapter.name}: forced schedules done")
     for d in deploys:
-        feeds, counts = run_deploy(adapter, impl, [_truncate(r, deploy_generated) for r in reqs], d)
+        feeds, counts = run_deploy(adapter, impl, [_truncate(r, deploy_generated) for r in reqs], d,
+                                   runner_kind=runner)
         all_feeds += feeds
         cell = situation_cell([(f"vllm:{d.name}", feeds)], baselines, namer, bare_of)
         events = _events(feeds)
@@ -160,16 +165,19 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
         say(f"{adapter.name}: vLLM {d.name} deploy: {cell.summary}")
     result.cells["row_count"] = row_count_cell(all_feeds)
     _unavailable(result, all_feeds)
-    _reach(result, adapter, source, base_dir, wheel_dir)
+    _reach(result, adapter, source, base_dir, wheel_dir, runner)
     result.seconds = time.perf_counter() - t0
     return result
 
 
 def _reach(result: ModelResult, adapter: Adapter, source: str, base_dir: Path | None,
-           wheel_dir: Path | None) -> None:
-    """Which shipped deploy of the release reaches each failing cell (``harness.conform.reach``)."""
+           wheel_dir: Path | None, runner: str = "v1") -> None:
+    """Which shipped deploy of the release reaches each failing cell (``harness.conform.reach``). A model
+    checked under each of its runners counts, per row, only the (deploy, platform)s that use that runner."""
     failing = {k: c.trigger for k, c in result.cells.items() if c.status not in ("conforms", "not-run")}
     shipped = load_shipped(adapter.deploys, source, base_dir, wheel_dir)
+    if len(adapter.runners) > 1:
+        shipped.targets = [t for t in shipped.targets if t.runner == runner]
     result.reach = model_reach(failing, shipped, adapter.deploys)
 
 

@@ -44,12 +44,20 @@ class Feed:
 class ConformRunner(SimRunner):
     """The sim runner's buffer semantics around any adapter's hook (one runner per model instance)."""
 
-    def __init__(self, adapter: Adapter, model: Any) -> None:  # noqa: D107 -- no RowSpace, no simulated Talker
-        self.adapter, self.model = adapter, model
+    def __init__(self, adapter: Adapter, model: Any, runner: str = "v1") -> None:  # noqa: D107 -- no RowSpace
+        self.adapter, self.model, self.runner = adapter, model, runner
         self.buffer: dict[str, dict[str, Any]] = {}
 
     def add(self, req: ConformRequest) -> None:
         self.buffer[req.request_id] = _copy_payload(req.payload)
+
+    def preempted(self, req: ConformRequest) -> None:
+        """V1 (gpu_model_runner.py) keeps the request's buffer across a preemption. MRV2
+        (worker_v2/omni_model_runner.py ``finish_requests``) removes the request's model state for
+        preempted ids as for finished ones, and the resumed request comes back as a new one: its
+        buffer is rebuilt from the request's own payload."""
+        if self.runner == "v2":
+            self.add(req)
 
     def feed(self, req: ConformRequest, c: int, n: int, step: int, schedule: str, replay: int,
              max_tokens: int | None = None) -> Feed:
@@ -82,15 +90,17 @@ def _copy_payload(payload: dict[str, Any]) -> dict[str, Any]:
     return {k: (_copy_payload(v) if isinstance(v, dict) else v) for k, v in payload.items()}
 
 
-def run_forced(adapter: Adapter, impl: Any, req: ConformRequest, schedule: Schedule) -> list[Feed]:
-    """One request through one forced schedule on a fresh model instance."""
-    runner = ConformRunner(adapter, adapter.make_model(impl))
+def run_forced(adapter: Adapter, impl: Any, req: ConformRequest, schedule: Schedule, runner_kind: str = "v1"
+               ) -> list[Feed]:
+    """One request through one forced schedule on a fresh model instance, under V1's or MRV2's buffer rules."""
+    runner = ConformRunner(adapter, adapter.make_model(impl), runner_kind)
     runner.add(req)
     feeds: list[Feed] = []
     replay = 0
     for step, (c, n) in enumerate(schedule.ops):
         if (c, n) == PREEMPT:
             replay += 1
+            runner.preempted(req)
             continue
         feed = runner.feed(req, c, n, step, schedule.name, replay)
         feeds.append(feed)
@@ -100,7 +110,7 @@ def run_forced(adapter: Adapter, impl: Any, req: ConformRequest, schedule: Sched
 
 
 def run_deploy(adapter: Adapter, impl: Any, requests: list[ConformRequest], deploy: Deploy,
-               max_steps: int = 100_000) -> tuple[list[Feed], dict[str, int]]:
+               max_steps: int = 100_000, runner_kind: str = "v1") -> tuple[list[Feed], dict[str, int]]:
     """All requests at once through vLLM's scheduler under ``deploy`` (one model instance, as one
     server), until each has its fixed output tokens. Returns the feeds and the scheduler's counts.
 
@@ -116,8 +126,9 @@ def run_deploy(adapter: Adapter, impl: Any, requests: list[ConformRequest], depl
 
     k = deploy.speculative.num_speculative_tokens if deploy.speculative else 0
     scheduler, resolved = make_scheduler(deploy, k)
-    runner = ConformRunner(adapter, adapter.make_model(impl))
+    runner = ConformRunner(adapter, adapter.make_model(impl), runner_kind)
     by_id = {r.request_id: r for r in requests}
+    seen_preemptions: dict[str, int] = {}
     live: dict[str, Any] = {}
     for r in requests:
         if r.P + len(r.generated) > resolved.max_model_len:
@@ -143,6 +154,9 @@ def run_deploy(adapter: Adapter, impl: Any, requests: list[ConformRequest], depl
         for rid, n in sched.num_scheduled_tokens.items():
             q, r = live[rid], by_id[rid]
             c = before[rid]
+            if q.num_preemptions != seen_preemptions.get(rid, 0):  # resumed after a preemption
+                seen_preemptions[rid] = q.num_preemptions
+                runner.preempted(r)
             drafts = len(drafts_by_req.get(rid, ()))
             feed = runner.feed(r, c, n, step, f"vllm:{deploy.name}", q.num_preemptions, len(r.generated))
             feeds.append(feed)

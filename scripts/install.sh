@@ -14,8 +14,8 @@ PIP=(.venv/bin/python -m pip)
 if ! "${PIP[@]}" install -q "torch==2.13.0+cpu" 2>/dev/null; then
   "${PIP[@]}" install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
-"${PIP[@]}" install -q -e '.[sim,dev]'
+"${PIP[@]}" install -q -e '.[sim,dev,ray]'
 # pip resolves torchvision/torchaudio/torchcodec builds that do not load against the CPU torch and
 # break `import vllm` ("operator torchvision::nms does not exist"); vLLM runs without them.
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-.venv/bin/python -c "import vllm.v1.core.sched.scheduler, faster_whisper, espeakng_loader; print('omni-stress: install ok')"
+.venv/bin/python -c "import vllm.v1.core.sched.scheduler, faster_whisper, espeakng_loader, ray; print('omni-stress: install ok')"

@@ -3,11 +3,13 @@ command that runs cells). One decorator, so every such command spells the option
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import click
 
+from harness.errors import UserError
 from harness.executors import EXECUTORS
 
 
@@ -22,7 +24,24 @@ def _address(ctx: click.Context, param: click.Parameter, value: str | None) -> s
 
 def executor_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Adds ``executor`` (``local`` or ``ray``, default ``local``) and ``ray_address`` (``None``:
-    ``RAY_ADDRESS`` or a local cluster) parameters to a Click command."""
+    ``RAY_ADDRESS`` or a local cluster) parameters to a Click command. Before the command runs
+    (so before any run directory exists), ``--executor ray`` checks that Ray is installed and that
+    the cluster answers: one line and exit 2 otherwise."""
+
+    command = func
+
+    @functools.wraps(command)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        executor, address = kwargs.get("executor", "local"), kwargs.get("ray_address")
+        if executor == "ray" and not kwargs.get("dry_run"):
+            from harness.executors.ray import preflight
+
+            preflight(address)
+        elif executor != "ray" and address is not None:
+            raise UserError(f"--ray-address {address}: applies to --executor ray")
+        return command(*args, **kwargs)
+
+    func = checked
     func = click.option(
         "--ray-address", "ray_address", default=None, metavar="ADDR", callback=_address,
         help="--executor ray: the cluster to use (HOST:PORT of the head's GCS, ray://HOST:PORT, or 'auto': "

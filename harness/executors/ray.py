@@ -1,0 +1,318 @@
+"""The Ray executor: each cell one Ray task on a cluster; the driver alone writes the run directory.
+
+``open`` connects (``ray.init``) and submits every cell at once, each with the resources its
+backend needs (a sim cell one CPU; a real-backend cell the two GPUs today's GPU recipe places
+its stages on), so Ray packs cells onto nodes. The task runs the cell with the local backend in
+a scratch directory on its node, and returns the cell's records, spans, the files the cell wrote
+(its audio; a real cell's server log and trace) and the node it ran on. ``run_cell`` waits for
+the cell's result in plan order, writes those files under the run directory at the same relative
+paths, then hands spans and records to the pipeline in the order the backend emitted them: the
+run directory is the same as a local run's, plus the node in the manifest's ``cells[]``.
+
+Faults. A node that dies mid-cell: Ray retries the task elsewhere (``max_retries``, Ray's own
+system-failure retries); nothing of the cell reached the run directory before its result did,
+so nothing is lost or written twice. A cell that fails for its own reasons (an exception in the
+backend) is not retried: its error reaches the run as a local run's would. A driver killed
+mid-run: the tasks it owned end with it; ``--resume`` runs the cells with records missing.
+
+Ray is optional (``pip install omni-stress[ray]``); this module is imported only for
+``--executor ray``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness.errors import UserError
+
+if TYPE_CHECKING:
+    from harness.backends import CellJob, CellOutcome, EmitRecord, EmitSpans, RunOptions
+
+#: GPUs one real-backend cell holds: the Thinker and the Talker + Code2Wav stages on one each,
+#: as the GPU recipe (deploy_configs, docs/real-backend.md) places them.
+GPUS_PER_REAL_CELL = 2
+#: Ray's own retries of a task whose worker or node died (not of a task that raised).
+MAX_RETRIES = 3
+CONNECT_TIMEOUT_S = float(os.environ.get("OMNI_STRESS_RAY_CONNECT_TIMEOUT", "60"))
+SIM_CELL_TIMEOUT_S = 3600.0  # as the local sim pool's guard against a hung worker
+IDLE_S = 0.25
+INSTALL_HINT = "pip install omni-stress[ray]"
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise UserError(f"--executor ray: Ray is not installed ({INSTALL_HINT})") from None
+    return ray
+
+
+def _probe(address: str, shown: str | None = None) -> None:
+    """A HOST:PORT (or ray://HOST:PORT) that does not accept a TCP connection is refused in seconds,
+    before ``ray.init`` (which may retry for minutes)."""
+    shown = shown or address
+    hostport = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise UserError(f"--ray-address {shown}: not HOST:PORT, ray://HOST:PORT or 'auto'")
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=min(10.0, CONNECT_TIMEOUT_S)):
+            pass
+    except OSError as exc:
+        raise UserError(f"--ray-address {shown}: no Ray cluster answers at {host}:{port} "
+                        f"({exc.strerror or exc})") from None
+
+
+def preflight(address: str | None) -> None:
+    """Before a run directory exists: Ray importable, and this process connected to the cluster
+    named (``address``, else $RAY_ADDRESS, else a one-machine Ray started for the run); one line and
+    exit 2 otherwise. The executor then uses this connection."""
+    connect(address)
+
+
+_owned = False  # this process connected to Ray (preflight or open), so the executor disconnects
+
+
+def connect(address: str | None) -> None:
+    """Connects this process to Ray (``address``: HOST:PORT, ray://..., 'auto', or None: $RAY_ADDRESS,
+    else a one-machine Ray started for the run, never a cluster found by chance). Bounded by
+    ``CONNECT_TIMEOUT_S``; an address that refuses TCP connections is refused in seconds."""
+    global _owned
+    ray = import_ray()
+    if ray.is_initialized():
+        return
+    target = address or os.environ.get("RAY_ADDRESS") or None
+    shown = f"--ray-address {address}" if address else (f"$RAY_ADDRESS={target}" if target else "a local Ray")
+    if target and target != "auto":
+        _probe(target)
+    kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": True}
+    if target is None:  # a one-machine cluster of our own: no dashboard, no usage report
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        kwargs.update(address="local", include_dashboard=False)
+    else:
+        kwargs["address"] = target
+    result: dict[str, BaseException | None] = {"error": None}
+
+    def init() -> None:
+        import logging
+
+        quiet = _DropLine("SIGTERM handler is not set")
+        logging.getLogger("ray").addFilter(quiet)
+        for handler in logging.getLogger("ray").handlers:
+            handler.addFilter(quiet)
+        try:
+            ray.init(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            result["error"] = exc
+
+    thread = threading.Thread(target=init, name="ray-connect", daemon=True)
+    thread.start()
+    thread.join(CONNECT_TIMEOUT_S)
+    if thread.is_alive():
+        raise UserError(f"--executor ray: {shown} did not answer in {CONNECT_TIMEOUT_S:.0f} s")
+    exc = result["error"]
+    if exc is not None:
+        line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"--executor ray: cannot connect to {shown}: {line}")
+    _owned = True
+
+
+class _DropLine:
+    """A logging filter dropping one known, harmless line (``ray.init`` outside the main thread)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def filter(self, record: Any) -> bool:
+        return self.text not in record.getMessage()
+
+
+def cell_resources(options: RunOptions) -> dict[str, float]:
+    """What one cell asks Ray for: a CPU for a sim cell, the deploy's GPUs for a real one."""
+    if options.backend == "sim":
+        return {"num_cpus": 1}
+    platform = getattr(options.serve, "platform", "auto")
+    if platform == "cpu":
+        return {"num_cpus": 1}
+    return {"num_cpus": 1, "num_gpus": GPUS_PER_REAL_CELL}
+
+
+def cell_timeout(job: CellJob, options: RunOptions) -> float:
+    """How long the driver waits for one cell once it is the next in order (queueing included)."""
+    env = os.environ.get("OMNI_STRESS_RAY_CELL_TIMEOUT")
+    if env:
+        return float(env)
+    if options.backend == "sim":
+        return SIM_CELL_TIMEOUT_S
+    serve = options.serve
+    health = getattr(serve, "health_timeout_s", 1800.0) or 1800.0
+    request = getattr(serve, "request_timeout_s", 900.0) or 900.0
+    return health + request * max(1, len(job.prompts.prompts)) + 600.0
+
+
+def run_cell_here(job: CellJob, options: RunOptions, arm_limit: float) -> dict[str, Any]:
+    """The Ray task's body (on a worker): the cell with the local backend in a scratch directory;
+    returns everything the driver writes, and where it ran."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from harness.executors.local import make_backend
+
+    if options.backend == "sim":
+        from harness.sim import armcall
+
+        armcall.set_limit(arm_limit)
+    local = dataclasses.replace(options, executor="local", ray_address=None, sim_workers=0, quiet=True)
+    events: list[tuple[str, Any]] = []
+    scratch = Path(tempfile.mkdtemp(prefix="omni-stress-ray-"))
+    try:
+        (scratch / "audio").mkdir()
+        backend = make_backend(local.backend, scratch, local)
+        ok = False
+        try:
+            backend.open([job])
+            outcome = backend.run_cell(job, lambda rec: events.append(("record", rec)),
+                                       lambda spans: events.append(("spans", list(spans))), idle=lambda: None)
+            ok = True
+        finally:
+            backend.close(cancel=not ok)
+        files: dict[str, bytes] = {}
+        for path in sorted(scratch.rglob("*")):
+            if path.is_file() and not path.is_symlink():
+                files[path.relative_to(scratch).as_posix()] = path.read_bytes()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"events": events, "files": files, "outcome": outcome, "node": node_here()}
+
+
+def node_here() -> dict[str, str]:
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {"id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "host": socket.gethostname()}
+
+
+class RayExecutor:
+    """``harness.backends.Backend`` over a Ray cluster (see the module docstring)."""
+
+    name = "ray"
+
+    def __init__(self, run_dir: Path, options: RunOptions) -> None:
+        self.run_dir = Path(run_dir)
+        self.options = options
+        self.refs: dict[str, Any] = {}
+        self.ray: Any = None
+
+    def open(self, jobs: list[CellJob]) -> None:
+        self.ray = ray = import_ray()
+        if not jobs:
+            return
+        connect(self.options.ray_address)
+        resources = cell_resources(self.options)
+        self._warn_infeasible(resources)
+        arm_limit = 0.0
+        if self.options.backend == "sim":
+            from harness.sim import armcall
+
+            arm_limit = armcall.limit()
+        task = ray.remote(run_cell_here).options(max_retries=MAX_RETRIES, retry_exceptions=False,
+                                                 name="omni-stress-cell", **resources)
+        self.refs = {job.key: task.remote(job, self.options, arm_limit) for job in jobs}
+
+    def _warn_infeasible(self, resources: dict[str, float]) -> None:
+        """A cell no node can hold waits for a node to join (an autoscaler may add one): say so once."""
+        try:
+            total = self.ray.cluster_resources()
+        except Exception:  # noqa: BLE001 - informational only
+            return
+        gpus = resources.get("num_gpus", 0)
+        if gpus and total.get("GPU", 0) < gpus:
+            print(f"omni-stress: warning: the Ray cluster has {total.get('GPU', 0):g} GPUs; a {self.options.backend} "
+                  f"cell needs {gpus:g}: cells wait until a node with them joins", file=sys.stderr)
+
+    def run_cell(self, job: CellJob, emit: EmitRecord, emit_spans: EmitSpans,
+                 idle: Callable[[], None]) -> CellOutcome:
+        ray = self.ray
+        ref = self.refs.pop(job.key)
+        t0 = time.perf_counter()
+        limit = cell_timeout(job, self.options)
+        deadline = time.monotonic() + limit
+        while True:
+            ready, _ = ray.wait([ref], timeout=IDLE_S)
+            if ready:
+                break
+            idle()
+            if time.monotonic() > deadline:
+                ray.cancel(ref, force=True)
+                raise UserError(f"cell {job.label}: no result from its Ray task in {limit:.0f} s; the records "
+                                f"written so far are kept: rerun with --resume")
+        result = self._result(ref, job)
+        waited = time.perf_counter() - t0
+        for rel, data in result["files"].items():
+            target = self._target(rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.part")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+        for kind, payload in result["events"]:
+            if kind == "spans":
+                emit_spans(payload)
+            else:
+                emit(payload)
+        outcome = result["outcome"]
+        outcome.sim_wall = waited  # this process's time on the cell: waiting for its task
+        outcome.extra = {**outcome.extra, "node": result["node"]}
+        return outcome
+
+    def _result(self, ref: Any, job: CellJob) -> dict[str, Any]:
+        ray = self.ray
+        from ray import exceptions as rex
+
+        try:
+            return ray.get(ref, timeout=60)
+        except rex.RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else None
+            if isinstance(cause, UserError):
+                raise UserError(str(cause)) from None
+            if cause is not None:
+                raise cause from None
+            raise
+        except (rex.WorkerCrashedError, rex.NodeDiedError, rex.OwnerDiedError, rex.ObjectLostError,
+                rex.TaskCancelledError, rex.GetTimeoutError) as exc:
+            line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"cell {job.label}: its Ray task failed after {MAX_RETRIES} retries ({line}); the "
+                            f"records written so far are kept: rerun with --resume") from None
+
+    def _target(self, rel: str) -> Path:
+        """A file the task returned, under the run directory (never outside it)."""
+        root = self.run_dir.resolve()
+        target = (root / rel).resolve()
+        if rel.startswith("/") or root not in target.parents:
+            raise UserError(f"--executor ray: a cell returned a file outside the run directory: {rel!r}")
+        return target
+
+    def close(self, cancel: bool = False) -> None:
+        global _owned
+        ray = self.ray
+        if ray is None:
+            return
+        try:
+            for ref in self.refs.values():
+                try:
+                    ray.cancel(ref, force=True)
+                except Exception:  # noqa: BLE001 - a task already done or gone
+                    pass
+            self.refs = {}
+        finally:
+            if _owned:
+                _owned = False
+                ray.shutdown()

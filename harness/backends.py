@@ -54,6 +54,7 @@ class RunOptions:
     sim_talker: str = "words"  # sim: pipeline.SIM_TALKERS (the manifest records it; --resume refuses another)
     executor: str = "local"  # harness.executors.EXECUTORS
     ray_address: str | None = None  # --ray-address (None: Ray's own default, RAY_ADDRESS or a local cluster)
+    latency: bool = False  # sim: records carry their sent/arrival/first-token/finish steps (omni-stress sweep)
 
 
 @dataclass

@@ -270,6 +270,35 @@ class SimSettings:
     max_steps: int = 200_000  # hard bound on the scheduler loop
 
 
+LOAD_MODES = ("all", "concurrency", "poisson")
+MAX_LOAD_RATE = 1000.0  # requests per sim step (or per second on the real backend)
+MAX_LOAD_JITTER = 100_000  # steps
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """How the Talker's requests arrive (DESIGN.md "Stress as a map"). ``all``: every request is
+    sent at once (the seed; on the sim each reaches the Talker when its Thinker finishes);
+    ``concurrency``: at most ``concurrency`` requests in flight, the next sent when one finishes;
+    ``poisson``: sent at seeded exponential gaps of mean ``1 / rate`` (per sim step; per second on
+    the real backend). ``jitter``: sim only, each send is delayed by a seeded 0..jitter steps (the
+    run's seed draws it, so repeats and seeds explore different schedules)."""
+
+    mode: str = "all"
+    concurrency: int | None = None
+    rate: float | None = None
+    jitter: int = 0
+
+    @property
+    def label(self) -> str:
+        """``all``, ``c4``, ``p0.05``, with ``+j8`` for a jitter."""
+        base = {"all": "all", "concurrency": f"c{self.concurrency}", "poisson": f"p{self.rate:g}"}[self.mode]
+        return base + (f"+j{self.jitter}" if self.jitter else "")
+
+
+DEFAULT_LOAD = LoadSettings()
+
+
 @dataclass(frozen=True)
 class Deploy:
     name: str
@@ -282,13 +311,46 @@ class Deploy:
     sampling: SamplingSettings
     sim: SimSettings
     speculative: SpecDecodeSettings | None = None
+    load: LoadSettings = DEFAULT_LOAD
+    # A sweep's grid point (harness/sweep.py): the (dotted key, value) pairs applied to ``path``'s
+    # YAML. The config hash covers them, so --resume refuses a point whose values changed.
+    overrides: tuple[tuple[str, Any], ...] = ()
 
     @property
     def config_hash(self) -> str:
-        return file_hash(self.path)
+        if not self.overrides:
+            return file_hash(self.path)
+        import json
+
+        digest = hashlib.sha256(self.path.read_bytes())
+        digest.update(json.dumps([list(o) for o in self.overrides], sort_keys=True).encode())
+        return digest.hexdigest()[:16]
 
 
-_DEPLOY_KEYS = {"name", "description", "talker", "thinker", "code2wav", "async_chunk", "sampling", "sim", "speculative"}
+_DEPLOY_KEYS = {"name", "description", "talker", "thinker", "code2wav", "async_chunk", "sampling", "sim", "speculative",
+                "load"}
+
+
+def _load_settings(top: _Fields) -> LoadSettings:
+    if not top.has("load"):
+        return DEFAULT_LOAD
+    f = top.sub("load")
+    f.reject_unknown({"mode", "concurrency", "rate", "jitter"})
+    mode = f.data.get("mode", "all")
+    if mode not in LOAD_MODES:
+        raise f.fail("mode", f"must be one of {', '.join(LOAD_MODES)}, got {short_repr(mode)}")
+    concurrency = f.int_("concurrency", None, maximum=MAX_NUM_SEQS, why="vLLM's largest default max_num_seqs")
+    rate = f.float_("rate", None, 0.0, MAX_LOAD_RATE)
+    jitter = f.int_("jitter", 0, minimum=0, maximum=MAX_LOAD_JITTER) or 0
+    if mode == "concurrency" and concurrency is None:
+        raise f.fail("concurrency", "missing (load mode concurrency needs the number of requests in flight)")
+    if mode == "poisson" and not rate:
+        raise f.fail("rate", "missing or 0 (load mode poisson needs a rate > 0: requests per step)")
+    if mode != "concurrency" and concurrency is not None:
+        raise f.fail("concurrency", f"applies to mode concurrency only (mode is {mode})")
+    if mode != "poisson" and rate is not None:
+        raise f.fail("rate", f"applies to mode poisson only (mode is {mode})")
+    return LoadSettings(mode=mode, concurrency=concurrency, rate=rate, jitter=jitter)
 
 
 def _dataclass_from(fields: _Fields, cls: type, floats: dict[str, tuple[float, float]] | None = None) -> Any:
@@ -356,7 +418,12 @@ def _check_kv_cache(path: Path, t: TalkerSettings, sim: SimSettings) -> None:
 
 def load_deploy(name_or_path: str) -> Deploy:
     path = _resolve(name_or_path, DEPLOY_DIR, "deploy")
-    data = load_yaml(path)
+    return parse_deploy(path, load_yaml(path))
+
+
+def parse_deploy(path: Path, data: Any, overrides: tuple[tuple[str, Any], ...] = ()) -> Deploy:
+    """A validated Deploy from a loaded deploy document (``overrides``: a sweep point's, already
+    applied to ``data``; they go into the config hash)."""
     top = _Fields(path, data)
     top.reject_unknown(_DEPLOY_KEYS)
     name = top.str_("name", default=path.stem, required=True)
@@ -385,6 +452,8 @@ def load_deploy(name_or_path: str) -> Deploy:
         sampling=sampling,
         sim=sim,
         speculative=spec,
+        load=_load_settings(top),
+        overrides=overrides,
     )
 
 

@@ -113,6 +113,15 @@ class RequestRecord:
     # The reference text normalises to no words (special tokens only, symbols, emoji): WER cannot
     # judge the speech, so ``wer`` and ``oracle_wer`` stay None; counted apart, refused by the gate.
     not_measurable: bool = False
+    # Latency (omni-stress sweep; written only when measured, see ``LATENCY_FIELDS``): the sim's steps
+    # (the client sent the request, it reached the Talker, its first codec token, it finished) and the
+    # real backend's seconds (time to first audio where the API streams it, real-time factor).
+    sent_step: int | None = None
+    arrival_step: int | None = None
+    first_token_step: int | None = None
+    finish_step: int | None = None
+    ttfa_s: float | None = None
+    rtf: float | None = None
 
     @property
     def key(self) -> tuple[str, str, int, str]:
@@ -124,10 +133,19 @@ class RequestRecord:
         return self.wer if self.wer is not None else self.oracle_wer
 
 
+# Optional fields left out of requests.jsonl while None, so records without them are byte-identical
+# to those written before the fields existed.
+LATENCY_FIELDS = ("sent_step", "arrival_step", "first_token_step", "finish_step", "ttfa_s", "rtf")
+
+
 def to_json(record: Any) -> str:
     # A span has only scalar fields: its __dict__ is what asdict would build, without the
     # recursive copy that cost more than the simulation of the span itself.
     data = dict(vars(record)) if type(record) is SpanRecord else dataclasses.asdict(record)
+    if type(record) is RequestRecord:
+        for name in LATENCY_FIELDS:
+            if data.get(name) is None:
+                data.pop(name, None)
     return json.dumps(data, sort_keys=True)
 
 

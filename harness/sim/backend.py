@@ -10,7 +10,6 @@ sample one token for every request whose span reached its last token, and hand v
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ from harness.contract import count_events
 from harness.errors import UserError
 from harness.records import RequestRecord, SpanRecord
 from harness.sim.codec import CODEC_EOS, CodecVocab, collapse, oracle_transcript
+from harness.sim.load import Arrivals
 from harness.sim.model import bind_arm
 from harness.sim.rows import RowSpace
 from harness.sim.runner import SimRunner
@@ -54,13 +54,15 @@ class CellStats:
 
 def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed: int,
              on_request: Callable[[SimRequestResult], None], skip: frozenset[str] = frozenset(),
-             talker_mode: str = "words") -> CellStats:
+             talker_mode: str = "words", latency: bool = False) -> CellStats:
     """Simulates every prompt of the cell; ``on_request`` gets each request as it finishes.
 
     ``skip``: prompt ids already recorded (``--resume``); they still run, since they shape the
     schedule of the others, but are not reported again. ``talker_mode``: ``words`` (the sim's own
     Talker, ``harness/sim/talker.py``) or ``speaking`` (the speaking tiny model's rules and
-    tokenizer, ``harness/sim/speaking_talker.py``).
+    tokenizer, ``harness/sim/speaking_talker.py``). Requests arrive under the deploy's ``load``
+    (``harness/sim/load.py``); ``latency``: each record gets its sent, arrival, first codec token
+    and finish steps (``omni-stress sweep``; off, the records are the seed's, field for field).
     """
     _quiet_vllm()  # before vLLM's first import, which logs its start-up warnings to stderr
     from vllm.sampling_params import SamplingParams
@@ -104,7 +106,8 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
     model.profile_run(resolved.max_num_batched_tokens)
     runner = SimRunner(model, space, (arm.name, deploy.name, repeat), SpeakingKV if speaks else TalkerKV)
 
-    pending = deque(sorted(outputs, key=lambda o: o.arrival_step))
+    arrivals = Arrivals(outputs, deploy.load, deploy.sim.thinker_steps_per_token, deploy.thinker.max_num_seqs, seed)
+    first_token: dict[str, int] = {}
     by_id = {o.request_id: o for o in outputs}
     live: dict[str, Request] = {}
     errors: dict[str, str] = {}
@@ -138,14 +141,18 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
         from harness.scoring import wer
 
         record.oracle_wer = wer(record.reference_text, record.oracle_transcript or "")
+        if latency:
+            record.sent_step = arrivals.sent.get(rid)
+            record.arrival_step = arrivals.arrived.get(rid)
+            record.first_token_step = first_token.get(rid)
+            record.finish_step = step
         stats.preemptions += req.num_preemptions
         if rid not in skip:
             on_request(SimRequestResult(record, units))
 
     step = 0
     for step in range(deploy.sim.max_steps):
-        while pending and pending[0].arrival_step <= step:
-            out = pending.popleft()
+        for out in arrivals.due(step):
             sp = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                 top_p=sampling.top_p, top_k=sampling.top_k, seed=seed,
                                 stop_token_ids=[CODEC_EOS])
@@ -159,7 +166,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
             started[out.request_id] = time.perf_counter()
             runner.add_request(out, out.payload(token_ids), resolved.max_model_len + 1)
         if not live:
-            if not pending:
+            if not arrivals.pending():
                 break
             continue
         before = {rid: r.num_computed_tokens for rid, r in live.items()}
@@ -188,6 +195,8 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
                 sampled.append(tokens)
             else:
                 sampled.append([talker.next_token(runner.kv[rid], req.num_output_tokens)])
+            if latency and sampled[-1] and rid not in first_token:
+                first_token[rid] = step
         if failed:
             scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -200,6 +209,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
         for rid in [r for r, q in live.items() if q.is_finished()]:
             finish(live.pop(rid))
             runner.remove_request(rid)
+            arrivals.finished(rid, step)
     else:
         raise UserError(f"cell {arm.name} x {deploy.name}: no progress after {deploy.sim.max_steps} steps "
                         f"({deploy.path}: sim.max_steps)")
@@ -242,7 +252,9 @@ class SimBackend:
         t0 = time.perf_counter()
         self.pool = SimPool(workers, jobs[0].deploy)  # imports vLLM: the in-process path pays it in its first cell
         self.warm_seconds = time.perf_counter() - t0
-        self.futures = {j.key: self.pool.submit(j.arm, j.deploy, j.prompts, j.repeat, j.seed, j.skip, self.talker_mode)
+        latency = getattr(self.options, "latency", False)
+        self.futures = {j.key: self.pool.submit(j.arm, j.deploy, j.prompts, j.repeat, j.seed, j.skip, self.talker_mode,
+                                                latency)
                         for j in jobs}
 
     def run_cell(self, job: CellJob, emit: EmitRecord, emit_spans: EmitSpans,
@@ -258,7 +270,7 @@ class SimBackend:
         else:
             finished: list[SimRequestResult] = []  # type: ignore[no-redef]
             stats = run_cell(job.arm, job.deploy, job.prompts, job.repeat, job.seed, finished.append, job.skip,
-                             self.talker_mode)
+                             self.talker_mode, getattr(self.options, "latency", False))
         outcome = CellOutcome(sim_seconds=stats.sim_seconds, scheduled_tokens=stats.scheduled_tokens,
                               sim_wall=time.perf_counter() - t_sim + self.warm_seconds)
         self.warm_seconds = 0.0

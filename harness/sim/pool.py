@@ -51,9 +51,9 @@ CellResult = tuple[CellStats, list[SimRequestResult]]  # the stats, and the requ
 
 
 def _cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed: int,
-          skip: frozenset[str], talker_mode: str = "words") -> CellResult:
+          skip: frozenset[str], talker_mode: str = "words", latency: bool = False) -> CellResult:
     finished: list[SimRequestResult] = []
-    stats = run_cell(arm, deploy, prompts, repeat, seed, finished.append, skip, talker_mode)
+    stats = run_cell(arm, deploy, prompts, repeat, seed, finished.append, skip, talker_mode, latency)
     return stats, finished
 
 
@@ -66,8 +66,8 @@ class SimPool:
                                              initializer=exit_with_parent, initargs=(os.getpid(),))
 
     def submit(self, arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed: int,
-               skip: frozenset[str], talker_mode: str = "words") -> Future:
-        return self._executor.submit(_cell, arm, deploy, prompts, repeat, seed, skip, talker_mode)
+               skip: frozenset[str], talker_mode: str = "words", latency: bool = False) -> Future:
+        return self._executor.submit(_cell, arm, deploy, prompts, repeat, seed, skip, talker_mode, latency)
 
     @staticmethod
     def result(fut: Future, label: str, idle: Callable[[], None] = lambda: None) -> CellResult:

@@ -1,0 +1,427 @@
+"""The map of a sweep's run directory: ``sweep.md``, ``sweep.html``, ``sweep.json`` and heatmap PNGs.
+
+One row per arm x grid point (repeats pooled): WER, requests over 0.5, misaligned text positions,
+the scheduler events, latency percentiles (steps on the sim, seconds on the real backend), duration
+against the reference cell (truncated / overrun requests), whether the point stressed, and the map
+gate's verdict (``harness.sweep_gate``). Heatmaps: one PNG per arm x metric, x and y the first two
+swept knobs, one panel per load (and per value of any further knob). matplotlib is imported only
+to draw them.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.errors import UserError
+from harness.gate import Rules
+from harness.records import MANIFEST_FILE
+from harness.summary import CellSummary, Run, load_run, run_problems, summarize_cells
+from harness.sweep_gate import MapVerdict, evaluate_map, stressed
+from harness.sweep_metrics import Duration, Latency, Schedules, duration, latency, schedules
+
+HEATMAP_DIR = "sweep_plots"
+METRICS = {  # heatmap metric -> (title, colour map, fixed range or None)
+    "wer": ("mean WER", "Reds", (0.0, 1.0)),
+    "over": ("requests with WER > 0.5 (fraction)", "Reds", (0.0, 1.0)),
+    "misaligned": ("misaligned positions (text region)", "Purples", None),
+    "events": ("stress events (non-zero-offset chunks + crossing replays + multi-position decode spans)", "Blues", None),
+    "latency": ("end-to-end latency p90", "Oranges", None),
+}
+
+
+@dataclass
+class Row:
+    arm: str
+    role: str
+    deploy: str
+    coords: dict[str, str]  # axis short name -> value label ({} for the reference)
+    cells: list[CellSummary]
+    latency: Latency
+    duration: Duration
+    status: str  # map gate per point: pass, fail, error, unstressed, bug (baseline shows it), no-bug, reference
+    knee: bool = False
+
+    @property
+    def requests(self) -> int:
+        return sum(c.requests for c in self.cells)
+
+    @property
+    def mean_wer(self) -> float | None:
+        values = [c.mean_wer for c in self.cells if c.mean_wer is not None]
+        return statistics.fmean(values) if values else None
+
+    @property
+    def over(self) -> int:
+        return sum(c.requests_over() for c in self.cells)
+
+    @property
+    def scored(self) -> int:
+        return sum(c.scored for c in self.cells)
+
+    def events(self, name: str) -> int:
+        return sum(getattr(c.events, name) for c in self.cells)
+
+    @property
+    def stress_events(self) -> int:
+        return sum(self.events(n) for n in ("nonzero_offset_chunks", "cross_boundary_replays",
+                                            "multi_position_decode_spans"))
+
+    @property
+    def stressed(self) -> int:
+        return sum(stressed(c) for c in self.cells)
+
+    @property
+    def preemptions(self) -> int:
+        return sum(c.preemptions for c in self.cells)
+
+    @property
+    def errors(self) -> int:
+        return sum(c.errors for c in self.cells)
+
+    def value(self, metric: str) -> float | None:
+        if metric == "wer":
+            return self.mean_wer
+        if metric == "over":
+            return self.over / self.scored if self.scored else None
+        if metric == "misaligned":
+            return float(self.events("misaligned_text_positions"))
+        if metric == "events":
+            return float(self.stress_events)
+        if metric == "latency":
+            return self.latency.e2e.get(90)
+        raise KeyError(metric)
+
+
+@dataclass
+class SweepMap:
+    run: Run
+    sweep: dict[str, Any]
+    rows: list[Row]
+    verdict: MapVerdict
+    schedules: Schedules
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.run_dir
+
+    @property
+    def axes(self) -> list[dict[str, Any]]:
+        return list(self.sweep.get("axes", []))
+
+
+def sweep_of(run: Run) -> dict[str, Any]:
+    sweep = run.manifest.get("sweep")
+    if not isinstance(sweep, dict) or not isinstance(sweep.get("points"), list):
+        raise UserError(f"{run.run_dir / MANIFEST_FILE}: not a sweep's run directory (no sweep in the manifest)")
+    return sweep
+
+
+def build_map(run_dir: Path | Run, rules: Rules) -> SweepMap:
+    run = run_dir if isinstance(run_dir, Run) else load_run(Path(run_dir))
+    sweep = sweep_of(run)
+    cells = summarize_cells(run)
+    verdict = evaluate_map(rules, cells, sweep)
+    by_arm = {a.arm: a for a in verdict.arms}
+    ref_name = sweep.get("reference")
+    rows: list[Row] = []
+    points = [(str(p["deploy"]), dict(p.get("coords") or {})) for p in sweep["points"]]
+    for arm in dict.fromkeys(c.arm for c in cells):
+        mine = [c for c in cells if c.arm == arm]
+        refs = {c.repeat: c for c in mine if c.deploy == ref_name}
+        role = mine[0].role
+        av = by_arm.get(arm)
+        if refs:
+            recs = [r for c in refs.values() for r in c.records]
+            rows.append(Row(arm, role, str(ref_name), {}, list(refs.values()), latency(recs), Duration(), "reference"))
+        for deploy, coords in points:
+            group = [c for c in mine if c.deploy == deploy]
+            if not group:
+                continue
+            recs = [r for c in group for r in c.records]
+            dur = Duration()
+            for c in group:
+                ref = refs.get(c.repeat) or (next(iter(refs.values())) if len(refs) == 1 else None)
+                d = duration(c, ref)
+                dur = Duration(dur.compared + d.compared, dur.truncated + d.truncated, dur.overrun + d.overrun,
+                               dur.ratios + d.ratios)
+            verdicts = [v for v in (av.cells if av else []) if v.point == deploy]
+            status = _point_status(role, verdicts)
+            rows.append(Row(arm, role, deploy, coords, group, latency(recs), dur, status,
+                            knee=bool(av and av.knee == deploy)))
+    return SweepMap(run, sweep, rows, verdict, schedules(run), run_problems(run))
+
+
+def _point_status(role: str, verdicts: list) -> str:
+    if not verdicts:
+        return "missing"
+    if not any(v.stressed for v in verdicts):
+        return "unstressed"
+    hit = [v for v in verdicts if v.stressed]
+    if role == "baseline":
+        return "bug" if any(v.shows_bug for v in hit) else "no-bug"
+    statuses = {v.status for v in hit}
+    return "error" if "error" in statuses else "fail" if "fail" in statuses else "pass"
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _fmt_num(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.0f}" if float(value).is_integer() else f"{value:.2f}"
+
+
+def table_rows(m: SweepMap) -> tuple[list[str], list[list[str]]]:
+    shorts = [a["short"] for a in m.axes]
+    unit = next((r.latency.unit for r in m.rows if r.latency.measured), "steps")
+    head = (["Arm", "Point"] + shorts + ["WER (mean)", "WER > 0.5", "Misaligned (text)", "Chunks", "Replays",
+                                          "Multi-decode", "Preempt.", f"E2E p50/p90/p99 ({unit})",
+                                          f"TTFA p50/p90/p99 ({unit})", "Dur. ratio (med)", "Truncated",
+                                          "Overrun", "Stressed", "Map gate"])
+    body = []
+    for r in m.rows:
+        lat = r.latency
+        e2e = "/".join(_fmt_num(lat.e2e[q]) for q in (50, 90, 99))
+        tta = "/".join(_fmt_num(lat.ttfa[q]) for q in (50, 90, 99))
+        status = r.status + (" (knee)" if r.knee else "")
+        body.append([r.arm, r.deploy if not r.coords else "@" + r.deploy.split("@", 1)[-1]]
+                    + [r.coords.get(s, "·") for s in shorts]
+                    + [_fmt(r.mean_wer), f"{r.over}/{r.scored}", str(r.events("misaligned_text_positions")),
+                       str(r.events("nonzero_offset_chunks")), str(r.events("cross_boundary_replays")),
+                       str(r.events("multi_position_decode_spans")), str(r.preemptions), e2e, tta,
+                       _fmt(r.duration.median_ratio, 2) if r.coords else "1 (ref)",
+                       f"{r.duration.truncated}/{r.duration.compared}" if r.coords else "–",
+                       f"{r.duration.overrun}/{r.duration.compared}" if r.coords else "–",
+                       f"{r.stressed}/{len(r.cells)}" if r.coords else "–", status])
+    return head, body
+
+
+def _render_text(head: list[str], body: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in body]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _render_markdown(head: list[str], body: list[list[str]]) -> str:
+    def esc(text: str) -> str:
+        return text.replace("|", "\\|")
+    lines = ["| " + " | ".join(esc(h) for h in head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def schedules_line(m: SweepMap) -> str:
+    s = m.schedules
+    repeats = m.run.manifest.get("repeat", 1)
+    per_arm = ", ".join(f"{a} {n}" for a, n in s.per_arm.items())
+    return (f"distinct schedules explored: {s.distinct} distinct (deploy, prompt, (P, c, n) span sequence) over "
+            f"{s.requests} request runs (seed {m.run.manifest.get('seed')}, {repeats} repeat"
+            f"{'s' if repeats != 1 else ''}; per arm: {per_arm or 'none'})")
+
+
+def knee_lines(m: SweepMap) -> list[str]:
+    out = []
+    for a in m.verdict.arms:
+        out.append(f"{a.arm} [{a.role}]: " + (f"quality knee at {a.knee}" if a.knee
+                                              else "no quality knee: WER inside the gate at every point"))
+    return out
+
+
+def terminal_map(m: SweepMap) -> str:
+    from harness.sweep_gate import format_map_verdict
+
+    head, body = table_rows(m)
+    parts = [f"sweep {m.sweep.get('name')}: {len(m.sweep.get('points', []))} points, base {m.sweep.get('base')}, "
+             f"reference {m.sweep.get('reference')}", _render_text(head, body), "", schedules_line(m), ""]
+    parts.append(format_map_verdict(m.verdict).rstrip())
+    if m.problems:
+        parts.append("warning: incomplete run: " + "; ".join(m.problems))
+    return "\n".join(parts)
+
+
+def map_json(m: SweepMap) -> dict[str, Any]:
+    rows = []
+    for r in m.rows:
+        rows.append({
+            "arm": r.arm, "role": r.role, "deploy": r.deploy, "coords": r.coords, "requests": r.requests,
+            "mean_wer": r.mean_wer, "requests_over": r.over, "scored": r.scored,
+            "misaligned_text_positions": r.events("misaligned_text_positions"),
+            "nonzero_offset_chunks": r.events("nonzero_offset_chunks"),
+            "cross_boundary_replays": r.events("cross_boundary_replays"),
+            "multi_position_decode_spans": r.events("multi_position_decode_spans"),
+            "preemptions": r.preemptions, "errors": r.errors,
+            "latency": {"unit": r.latency.unit, "e2e": r.latency.e2e, "ttfa": r.latency.ttfa, "rtf": r.latency.rtf},
+            "duration": {"compared": r.duration.compared, "truncated": r.duration.truncated,
+                         "overrun": r.duration.overrun, "median_ratio": r.duration.median_ratio},
+            "stressed_cells": r.stressed, "cells": len(r.cells), "status": r.status, "knee": r.knee,
+        })
+    return {
+        "run_id": m.run.run_id, "sweep": m.sweep, "rows": rows,
+        "schedules": {"requests": m.schedules.requests, "distinct": m.schedules.distinct,
+                      "per_arm": m.schedules.per_arm, "per_deploy": m.schedules.per_deploy},
+        "verdict": {"exit_code": m.verdict.exit_code,
+                    "arms": [{"arm": a.arm, "role": a.role, "status": a.status, "summary": a.summary,
+                              "knee": a.knee} for a in m.verdict.arms]},
+        "problems": m.problems,
+    }
+
+
+def markdown(m: SweepMap, plots: dict[str, str]) -> str:
+    from harness.sweep_gate import format_map_verdict
+
+    head, body = table_rows(m)
+    lines = [f"# Sweep {m.sweep.get('name')}: {m.run.run_id}", "",
+             f"Base deploy `{m.sweep.get('base')}`, reference `{m.sweep.get('reference')}`, "
+             f"{len(m.sweep.get('points', []))} points; axes: "
+             + "; ".join(f"`{a['key']}` ({a['short']}): {', '.join(map(str, a['values']))}" for a in m.axes), "",
+             _render_markdown(head, body), "", schedules_line(m), "", "## Quality knee", ""]
+    lines += [f"* {line}" for line in knee_lines(m)]
+    lines += ["", "## Map gate", "", "```", format_map_verdict(m.verdict).rstrip(), "```"]
+    if m.problems:
+        lines += ["", "**Incomplete run:** " + "; ".join(m.problems)]
+    if plots:
+        lines += ["", "## Heatmaps", ""] + [f"![{name}]({path})" for name, path in plots.items()]
+    return "\n".join(lines) + "\n"
+
+
+def html_page(m: SweepMap, images: dict[str, bytes]) -> str:
+    from harness.sweep_gate import format_map_verdict
+
+    head, body = table_rows(m)
+    status_col = len(head) - 1
+    rows_html = []
+    for row in body:
+        cls = row[status_col].split(" ")[0]
+        rows_html.append(f"<tr class='{html.escape(cls)}'>" + "".join(f"<td>{html.escape(c)}</td>" for c in row)
+                         + "</tr>")
+    imgs = "".join(f"<figure><img src='data:image/png;base64,{base64.b64encode(data).decode()}' alt='{html.escape(n)}'>"
+                   f"<figcaption>{html.escape(n)}</figcaption></figure>" for n, data in images.items())
+    return f"""<!doctype html><html><head><meta charset='utf-8'><title>sweep {html.escape(str(m.sweep.get('name')))}</title>
+<style>body{{font-family:sans-serif;margin:1.5em}}table{{border-collapse:collapse;font-size:12px}}
+td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}tr.fail td,tr.no-bug td{{background:#fdd}}
+tr.pass td,tr.bug td{{background:#efe}}tr.unstressed td{{background:#eee;color:#666}}figure{{display:inline-block}}
+img{{max-width:900px}}</style></head><body>
+<h1>Sweep {html.escape(str(m.sweep.get('name')))}: {html.escape(m.run.run_id)}</h1>
+<p>Base deploy <code>{html.escape(str(m.sweep.get('base')))}</code>, reference <code>{html.escape(str(m.sweep.get('reference')))}</code>.</p>
+<table><tr>{''.join(f'<th>{html.escape(h)}</th>' for h in head)}</tr>{''.join(rows_html)}</table>
+<p>{html.escape(schedules_line(m))}</p>
+<h2>Quality knee</h2><ul>{''.join(f'<li>{html.escape(k)}</li>' for k in knee_lines(m))}</ul>
+<h2>Map gate</h2><pre>{html.escape(format_map_verdict(m.verdict))}</pre>
+{'<p><b>Incomplete run:</b> ' + html.escape('; '.join(m.problems)) + '</p>' if m.problems else ''}
+<h2>Heatmaps</h2>{imgs}</body></html>
+"""
+
+
+# --------------------------------------------------------------------------- heatmaps
+
+
+def _layout(m: SweepMap) -> tuple[str | None, str | None, list[str]]:
+    """(x axis short name, y axis short name, panel axes): the first two knobs, panels per load and the rest."""
+    knobs = [a["short"] for a in m.axes if a["key"] != "load"]
+    loads = [a["short"] for a in m.axes if a["key"] == "load"]
+    if not knobs:
+        return (loads[0] if loads else None), None, []
+    x = knobs[0]
+    y = knobs[1] if len(knobs) > 1 else None
+    return x, y, loads + knobs[2:]
+
+
+def heatmaps(m: SweepMap) -> dict[str, bytes]:
+    """{"<arm>-<metric>": PNG bytes} for every arm x metric."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    x_axis, y_axis, panel_axes = _layout(m)
+    values = {a["short"]: [str(v) for v in a["values"]] for a in m.axes}
+    xs = values.get(x_axis, [""]) if x_axis else [""]
+    ys = values.get(y_axis, [""]) if y_axis else [""]
+    panels: list[tuple[tuple[str, str], ...]] = [()]
+    for axis in panel_axes:
+        panels = [p + ((axis, v),) for p in panels for v in values[axis]]
+    out = {}
+    unit = next((r.latency.unit for r in m.rows if r.latency.measured), "steps")
+    for arm in dict.fromkeys(r.arm for r in m.rows):
+        rows = [r for r in m.rows if r.arm == arm and r.coords]
+        for metric, (title, cmap, fixed) in METRICS.items():
+            fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 0.9 * len(xs) * len(panels) + 0.8 * len(panels),
+                                                              1.6 + 0.55 * len(ys)), squeeze=False)
+            grids = []
+            for panel in panels:
+                grid = np.full((len(ys), len(xs)), np.nan)
+                flags = np.zeros((len(ys), len(xs)), dtype=bool)
+                for r in rows:
+                    if any(r.coords.get(k) != v for k, v in panel):
+                        continue
+                    xi = xs.index(r.coords.get(x_axis, "")) if x_axis else 0
+                    yi = ys.index(r.coords.get(y_axis, "")) if y_axis else 0
+                    v = r.value(metric)
+                    grid[yi, xi] = np.nan if v is None else v
+                    flags[yi, xi] = r.stressed == 0
+                grids.append((panel, grid, flags))
+            finite = [g[np.isfinite(g)] for _, g, _ in grids]
+            vmax = max((float(f.max()) for f in finite if f.size), default=1.0)
+            lo, hi = fixed if fixed else (0.0, vmax or 1.0)
+            for ax, (panel, grid, flags) in zip(axes[0], grids):
+                ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=lo, vmax=hi, aspect="auto")
+                for yi in range(len(ys)):
+                    for xi in range(len(xs)):
+                        v = grid[yi, xi]
+                        text = "–" if np.isnan(v) else (f"{v:.2f}" if metric in ("wer", "over") else f"{v:.0f}")
+                        if flags[yi, xi]:
+                            text += "\nno stress"
+                        ax.text(xi, yi, text, ha="center", va="center", fontsize=7,
+                                color="white" if not np.isnan(v) and (v - lo) > 0.6 * (hi - lo) else "black")
+                ax.set_xticks(range(len(xs)), xs)
+                ax.set_yticks(range(len(ys)), ys)
+                ax.set_xlabel(x_axis or "")
+                ax.set_ylabel(y_axis or "")
+                ax.set_title(", ".join(f"{k}={v}" for k, v in panel) or "all points", fontsize=9)
+            label = title + (f" ({unit})" if metric == "latency" else "")
+            fig.suptitle(f"{arm}: {label}", fontsize=10)
+            fig.tight_layout()
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=90)
+            plt.close(fig)
+            out[f"{arm}-{metric}"] = buf.getvalue()
+    return out
+
+
+def write_sweep_report(m: SweepMap, plots: bool = True) -> dict[str, Path]:
+    """Writes sweep.md, sweep.html, sweep.json and (``plots``) sweep_plots/<arm>-<metric>.png."""
+    from harness.backends import safe_name
+    from harness.records import write_file_atomic
+
+    run_dir = m.run_dir
+    images = heatmaps(m) if plots else {}
+    paths: dict[str, str] = {}
+    out: dict[str, Path] = {}
+    if images:
+        folder = run_dir / HEATMAP_DIR
+        folder.mkdir(exist_ok=True)
+        for name, data in images.items():
+            path = folder / f"{safe_name(name)}.png"
+            path.write_bytes(data)
+            paths[name] = f"{HEATMAP_DIR}/{path.name}"
+    for name, text in (("sweep.md", markdown(m, paths)), ("sweep.html", html_page(m, images)),
+                       ("sweep.json", json.dumps(map_json(m), indent=1, sort_keys=True) + "\n")):
+        write_file_atomic(run_dir / name, text)
+        out[name] = run_dir / name
+    return out

@@ -273,7 +273,7 @@ def test_empty_cell_cannot_evaluate_and_unmeasured_misalignment_is_skipped() -> 
     ({"rules": [{"role": "baseline", "deploy": "s", "expect": "fail", "min_misaligned_text_positions": 1,
                  "max_worst_paired_delta": 1}], "reference_deploy": "r"}, "contradicts max_worst_paired_delta"),
     ({"rules": [{"arm": "pr", "deploy": "x", "max_wer": 1}]}, "rules[0] (pr/x).max_wer: unknown key"),
-    ({"rules": [{"arm": "pr", "deploy": "x", "max_mean_wer": "low"}]}, "max_mean_wer: must be a number"),
+    ({"rules": [{"arm": "pr", "deploy": "x", "max_mean_wer": "low"}]}, "max_mean_wer: must be a finite number >= 0, got 'low'"),
     ({"rules": [{"arm": "pr", "deploy": "x"}]}, "no bound"),
     ({"rules": [{"arm": "pr", "deploy": "x", "max_wer_delta": 0.1}]}, "needs reference_deploy"),
     ({"rules": [{"arm": "m", "deploy": "x", "expect": "fail", "max_errors": 0}]}, "needs a detection bound"),

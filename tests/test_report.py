@@ -462,8 +462,8 @@ def test_accepted_tokens_per_step_column(tmp_path: Path) -> None:
     assert [r["Accepted tokens/step"] for r in data["requests"]] == ["1.50", "2.00", "\u2013", "\u2013"]
     text = report.terminal_text(run, cells)
     ext_lines = [ln.split() for ln in text.split("\n\n")[-1].splitlines()]  # "oracle transcript": 2 words
-    assert [ln[13] for ln in ext_lines if ln[:2] in (["pr", "specdec"], ["pr", "reference"])] == ["1.75", "\u2013"]
-    assert "| pr | specdec | 1 | 3 | oracle transcript | 0.000 | 0.000 | 0.000 | 0/3 | 0 | 0 | 2 | 1.75 |" in (
+    assert [ln[14] for ln in ext_lines if ln[:2] in (["pr", "specdec"], ["pr", "reference"])] == ["1.75", "\u2013"]
+    assert "| pr | specdec | 1 | 3 | oracle transcript | 0.000 | 0.000 | 0.000 | 0/3 | 0 | 0 | 0 | 2 | 1.75 |" in (
         report.markdown_text(run, cells))
 
     written = report.write_reports(run, cells)

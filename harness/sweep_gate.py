@@ -223,7 +223,7 @@ def format_map_verdict(verdict: MapVerdict, verbose: bool = False) -> str:
             if arm.role == "baseline" and cell.stressed:
                 tag = "pass" if cell.shows_bug else "fail"
             if verbose or tag in ("fail", "error") or (not cell.stressed and arm.role != "baseline"):
-                why = cell.message if tag in ("fail", "error") and arm.role != "baseline" else ""
+                why = cell.message if tag in ("fail", "error") else f"holds its rules ({len(cell.cases)} rules)"
                 if arm.role == "baseline" and cell.stressed:
                     why = "bug detected" if cell.shows_bug else "bug NOT detected"
                 if not cell.stressed:
@@ -241,3 +241,40 @@ def format_map_verdict(verdict: MapVerdict, verbose: bool = False) -> str:
     lines.append(f"map gate: {sum(a.status == 'pass' for a in verdict.arms)} of {len(verdict.arms)} arms pass -> "
                  f"{word} (exit {verdict.exit_code})")
     return "\n".join(lines) + "\n"
+
+
+def map_junit_xml(verdict: MapVerdict, run_id: str = "", suite: str = "omni-stress map gate") -> str:
+    """JUnit XML: one testcase per arm (its verdict), one per stressed point cell of each arm."""
+    import xml.etree.ElementTree as ET
+
+    cases: list[tuple[str, str, str, str]] = []  # (classname, name, status, message)
+    for arm in verdict.arms:
+        cases.append((f"omni-stress.map.{arm.arm}", f"arm {arm.arm} [{arm.role}]", arm.status,
+                      "; ".join(arm.problems) or arm.summary))
+        for cell in arm.cells:
+            if not cell.stressed:
+                status, msg = "skip", "did not stress: reported, not counted"
+            elif arm.role == "baseline":
+                status, msg = "pass", "bug detected" if cell.shows_bug else "bug not detected here"
+            else:
+                status, msg = cell.status, cell.message or "holds its rules"
+            cases.append((f"omni-stress.map.{arm.arm}", f"{cell.point} run {cell.cell.run_number}", status, msg))
+    for i, problem in enumerate(verdict.problems):
+        cases.append(("omni-stress.map", f"could not evaluate ({i + 1})", "error", problem))
+    failures = sum(c[2] == "fail" for c in cases)
+    errors = sum(c[2] == "error" for c in cases)
+    skipped = sum(c[2] == "skip" for c in cases)
+    name = f"{suite}: {run_id}" if run_id else suite
+    root = ET.Element("testsuites", name=suite, tests=str(len(cases)), failures=str(failures), errors=str(errors))
+    ts = ET.SubElement(root, "testsuite", name=name, tests=str(len(cases)), failures=str(failures),
+                       errors=str(errors), skipped=str(skipped), time="0")
+    for classname, case_name, status, message in cases:
+        tc = ET.SubElement(ts, "testcase", classname=classname, name=case_name, time="0")
+        if status in ("fail", "error"):
+            tag = "failure" if status == "fail" else "error"
+            el = ET.SubElement(tc, tag, message=message, type=f"gate.{tag}")
+            el.text = message
+        elif status == "skip":
+            ET.SubElement(tc, "skipped", message=message)
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

@@ -35,6 +35,8 @@ def command(run_dir: Path, rules_path: str | None, junit_path: Path | None) -> N
         unmeasurable = summary.not_measurable_problem(run)
         if unmeasurable:
             raise UserError(f"{run.run_dir}: {unmeasurable}; not gated")
+        if isinstance(run.manifest.get("sweep"), dict):  # a sweep's run: the gate over its map
+            _gate_map(run, rules, junit_path)
         result = gate.evaluate(rules, summary.summarize_cells(run), run_id=run.run_id)
     except UserError as exc:
         if junit_path is not None:  # CI still gets a report that says why
@@ -45,6 +47,19 @@ def command(run_dir: Path, rules_path: str | None, junit_path: Path | None) -> N
         _write(junit_path, gate.junit_xml(result))
         click.echo(f"wrote JUnit: {junit_path}", err=True)
     sys.exit(result.exit_code)
+
+
+def _gate_map(run: summary.Run, rules: gate.Rules, junit_path: Path | None) -> None:
+    """A sweep's run directory (``omni-stress sweep``): each grid point gated by the rules of its base
+    deploy, candidates in every stressed cell, the baseline failing in one (``harness.sweep_gate``)."""
+    from harness.sweep_gate import evaluate_map, format_map_verdict, map_junit_xml
+
+    verdict = evaluate_map(rules, summary.summarize_cells(run), run.manifest["sweep"])
+    click.echo(format_map_verdict(verdict, verbose=True), nl=False)
+    if junit_path is not None:
+        _write(junit_path, map_junit_xml(verdict, run.run_id))
+        click.echo(f"wrote JUnit: {junit_path}", err=True)
+    sys.exit(verdict.exit_code)
 
 
 def _write(path: Path, text: str) -> None:

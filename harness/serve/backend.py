@@ -386,6 +386,7 @@ def run_cell(
     options: ServeOptions,
     on_request: Callable[[RequestRecord], None],
     on_spans: Callable[[list[SpanRecord]], None],
+    seed: int = 0,
 ) -> dict[str, float]:
     """Launch the arm's server with the deploy, send every prompt at once, emit records as they complete;
     returns where the cell's time went (``server_start_s``, ``requests_s``, ``server_stop_s``).
@@ -466,6 +467,7 @@ def run_cell(
         asyncio.run(chat.run_requests(
             server.base_url, specs, request_timeout_s=options.request_timeout_s, retries=options.retries,
             on_result=on_result, server_alive=server.alive, server_gone_message=gone,
+            load=deploy.load, seed=seed,
         ))
         times["requests_s"] = round(time.perf_counter() - t_healthy, 1)
         t_stop = time.perf_counter()
@@ -521,6 +523,8 @@ def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.
         audio_path=audio, audio_seconds=res.audio_seconds, preemptions=restarts,
         events=count_events(spans), error=res.error, wall_s=round(res.wall_s, 3),
     )
+    if res.error is None and res.audio_seconds:  # real-time factor: seconds of work per second of audio
+        record.rtf = round(res.wall_s / res.audio_seconds, 4)
     codes = codec_stream(stream or {}, record.talker_prompt_len)
     record.codec_tokens, record.num_codec_tokens = codes, len(codes)
     if speaking and res.error is None:  # the speaking model's oracle: its codec stream read back through the table
@@ -566,7 +570,7 @@ class ServeBackend:
                 emit(record)
 
         times = run_cell(job.arm, job.deploy, job.prompts, job.repeat, self.run_dir, self.options,
-                         on_request=on_request, on_spans=emit_spans)
+                         on_request=on_request, on_spans=emit_spans, seed=job.seed)
         return CellOutcome(seconds=time.perf_counter() - t0,
                            extra={"implementation": implementation_of(self.run_dir, job.arm, job.deploy, job.repeat,
                                                                       self.options), "serve_seconds": times})

@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from harness.config import MAX_REPLY_TOKENS, Deploy, Prompt, PromptSet
+from harness.config import MAX_REPLY_TOKENS, Deploy, LoadSettings, Prompt, PromptSet
 
 # vllm_omni/deploy/qwen2_5_omni.yaml (0.30.0) default_sampling_params, stage by stage.
 THINKER_DEFAULTS: dict[str, Any] = {
@@ -246,8 +246,12 @@ async def run_requests(
     server_gone_message: Callable[[], str] = lambda: "server exited",
     retry_backoff_s: float = 1.0,
     watch_interval_s: float = 0.5,
+    load: LoadSettings | None = None,
+    seed: int = 0,
 ) -> list[ChatResult]:
-    """Send every spec at once; ``on_result`` is called (in this thread) as each finishes.
+    """Send every spec at once (or as ``load`` says: at most ``concurrency`` in flight, or at seeded
+    exponential gaps of mean ``1 / rate`` seconds; ``harness.serve.load``); ``on_result`` is called
+    (in this thread) as each finishes. A result's ``wall_s`` runs from its send: the end-to-end latency.
 
     A request never raises out of here: its error is recorded in its result. If the server process
     dies, the requests still in flight are cancelled and get ``server_gone_message()``.
@@ -257,9 +261,17 @@ async def run_requests(
     limits = httpx.Limits(max_connections=len(specs) + 4, max_keepalive_connections=len(specs) + 4)
     timeout = httpx.Timeout(request_timeout_s + 5.0, connect=10.0)
 
+    from harness.serve.load import ClientLoad
+
+    pacing = ClientLoad(load, len(specs), seed)
+
     async with httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits) as client:
 
-        async def one(spec: RequestSpec) -> ChatResult:
+        async def one(spec: RequestSpec, index: int = 0) -> ChatResult:
+            async with pacing.slot(index):
+                return await _send(spec)
+
+        async def _send(spec: RequestSpec) -> ChatResult:
             res = ChatResult(prompt_id=spec.prompt_id, tag=spec.tag)
             t0 = time.monotonic()
             for attempt in range(1, retries + 2):
@@ -296,7 +308,7 @@ async def run_requests(
             res.wall_s = time.monotonic() - t0
             return res
 
-        tasks = {asyncio.ensure_future(one(spec)): spec for spec in specs}
+        tasks = {asyncio.ensure_future(one(spec, i)): spec for i, spec in enumerate(specs)}
         started = time.monotonic()
         pending = set(tasks)
 

@@ -87,6 +87,20 @@ def test_records_match_golden(name: str, tmp_path: Path) -> None:
                             f"(field: (now, golden)): {str(diff)[:2000]}")
 
 
+def test_decode_span_flags_are_the_tables() -> None:
+    """``contract.span_flags``' shortcut for decode spans gives what the EVENTS table gives."""
+    from harness.contract import EVENTS, count_events, _count_events_each, span_flags
+    from harness.records import SpanRecord
+
+    for P in (2, 7, 61):
+        for c in (P, P + 1, P + 500):
+            assert span_flags(P, c, 1, 1) == {k: bool(pred(P, c, 1, 1)) for k, pred in EVENTS.items()}
+    spans = [SpanRecord("a", "d", 1, "r", i, P, c, n, rows, misaligned_text=i % 3, misaligned_end=i % 2)
+             for i, (P, c, n, rows) in enumerate([(9, 0, 9, 9), (9, 0, 4, 9), (9, 4, 5, 3), (9, 9, 1, 1),
+                                                  (9, 3, 8, 8), (9, 12, 3, 3), (9, 8, 1, 0), (9, 10, 1, 1)])]
+    assert count_events(spans) == _count_events_each(spans)
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--regenerate"]:
         sys.exit(__doc__)

@@ -72,6 +72,7 @@ class RowSpace:
         self._codec_parts_np = self._codec_np[:, TEXT_DIMS:]
         self.meanings: list[TextMeaning] = []
         self._seed = seed
+        self._pair = np.zeros(DIM, dtype=np.float32)  # identify_one's scratch row
 
     # ----------------------------------------------------------------- registration
     def register(self, rows: torch.Tensor, meanings: list[TextMeaning]) -> int:
@@ -98,7 +99,10 @@ class RowSpace:
     # ----------------------------------------------------------------- lookups
     def embed_codec(self, ids: torch.Tensor) -> torch.Tensor:
         """Codec embedding rows of ``ids`` (a new tensor, as ``codec_table[ids]`` would be)."""
-        idx = ids.long().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids, dtype=np.int64)
+        if isinstance(ids, torch.Tensor):
+            idx = ids.numpy() if ids.dtype == torch.int64 and not ids.requires_grad else ids.long().numpy()
+        else:
+            idx = np.asarray(ids, dtype=np.int64)
         return torch.from_numpy(self._codec_np[idx])
 
     def identify(self, rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -114,6 +118,32 @@ class RowSpace:
                     np.array([_match_row(row[TEXT_DIMS:], self._codec_parts_np)], dtype=np.int64))
         ids = _match_segments(flat, (0, TEXT_DIMS), (self._text_np, self._codec_parts_np))
         return ids[:, 0].copy(), ids[:, 1].copy()
+
+    def identify_one(self, rows: torch.Tensor) -> tuple[int, int]:
+        """``identify`` of a single row, as two ints (a decode step: most spans of a run).
+
+        The usual row is a registered text row plus a codec row: both candidate ids are read from
+        the parts' first columns and the whole row is checked against their sum in one pass; any
+        other row takes ``_match_row`` part by part, as ``identify`` does."""
+        if rows.requires_grad:
+            rows = rows.detach()
+        if rows.dtype != torch.float32:
+            rows = rows.to(torch.float32)
+        row = rows.reshape(DIM).numpy()
+        if self._text_np is None:
+            self._text_np = np.ascontiguousarray(self.text_matrix.numpy())
+        text, codec = self._text_np, self._codec_parts_np
+        first_t, first_c = float(row[0]), float(row[TEXT_DIMS])
+        if math.isfinite(first_t) and math.isfinite(first_c):
+            t, k = round(first_t) - 1, round(first_c) - 1
+            if 0 <= t < text.shape[0] and 0 <= k < codec.shape[0]:
+                want = self._pair
+                want[:TEXT_DIMS] = text[t]
+                want[TEXT_DIMS:] = codec[k]
+                np.subtract(row, want, out=want)
+                if float(np.abs(want, out=want).max()) < _TOL:  # both parts within _TOL of their rows
+                    return t, k
+        return _match_row(row[:TEXT_DIMS], text), _match_row(row[TEXT_DIMS:], codec)
 
 
 def _match_row(part: np.ndarray, table: np.ndarray) -> int:

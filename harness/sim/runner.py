@@ -75,18 +75,19 @@ class SimRunner:
         ids = request.all_token_ids[c:c + n]
         if drafts and len(ids) < n:  # a verify span: the scheduled drafts follow the last token
             ids = list(ids) + list(drafts)[:n - len(ids)]
+        # The arm gets this tensor itself (no copy): the runner reads the span's ids from ``ids`` after the call.
         span_ids = torch.tensor(ids, dtype=torch.long)
         req_infos = self.buffer.setdefault(rid, {})
         req_infos["request_id"] = rid
         req_infos["_omni_prompt_len"] = P
         req_infos["_omni_num_computed_tokens"] = c
         req_infos["_omni_is_prefill"] = c < P
-        req_infos["_omni_max_tokens"] = request.sampling_params.max_tokens
-        req_infos["_omni_seed"] = request.sampling_params.seed
+        sp = request.sampling_params
+        req_infos["_omni_max_tokens"] = sp.max_tokens
+        req_infos["_omni_seed"] = sp.seed
         inputs_embeds = self.model.talker.embed_input_ids(span_ids)
-        arm, deploy, repeat = self.cell
         try:  # the arm's failure (an exception, sys.exit, a hang, bad rows) is this request's, not the run's
-            result = armcall.call(self.model.talker_preprocess, input_ids=span_ids.clone(),
+            result = armcall.call(self.model.talker_preprocess, input_ids=span_ids,
                                   input_embeds=inputs_embeds, **req_infos)
             try:
                 _ids, req_embeds, update_dict = result
@@ -98,28 +99,53 @@ class SimRunner:
                 raise armcall.ArmFailure(f"{type(exc).__name__}: talker_preprocess returned something the runner "
                                          f"cannot use: {exc}") from None
         except armcall.ArmFailure as exc:
+            arm, deploy, repeat = self.cell
             span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows=0, error=str(exc))
             return CallResult(span, span.error)
-        seg = min(n, rows)
-        inputs_embeds[:seg] = req_embeds[:seg].to(inputs_embeds.dtype)
-        text_ids, codec_ids = self.space.identify(inputs_embeds)
+        if rows >= n and type(req_embeds) is torch.Tensor and req_embeds.dtype == inputs_embeds.dtype == torch.float32 \
+                and req_embeds.layout == torch.strided and not req_embeds.requires_grad \
+                and req_embeds.device.type == "cpu":
+            # the span's rows are the arm's first n: identify those (copying them into the span's
+            # rows first would give the same float32 values)
+            final = req_embeds if rows == n else req_embeds[:n]
+        else:
+            seg = min(n, rows)
+            inputs_embeds[:seg] = req_embeds[:seg].to(inputs_embeds.dtype)
+            final = inputs_embeds
         kv = self.kv[rid]
-        kv.write(c, text_ids, codec_ids)
-        text, end = self._misaligned(kv, self.thinker[rid], span_ids, c, n, text_ids, codec_ids)
+        out = self.thinker[rid]
+        if n == 1:  # a decode step (or a one-token tail): scalar identification and check
+            t_id, k_id = self.space.identify_one(final)
+            kv.write(c, np.array((t_id,), dtype=np.int64), np.array((k_id,), dtype=np.int64))
+            text, end = self._misaligned_one(kv, out, int(ids[0]), c, t_id, k_id)
+        else:
+            text_ids, codec_ids = self.space.identify(final)
+            kv.write(c, text_ids, codec_ids)
+            text, end = self._misaligned(kv, out, np.asarray(ids, dtype=np.int64), c, n, text_ids, codec_ids)
+        arm, deploy, repeat = self.cell
         span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows, misaligned_text=text, misaligned_end=end)
         return CallResult(span, None)
 
-    def _misaligned(self, kv: TalkerKV, out: ThinkerOutput, span_ids: torch.Tensor, c: int, n: int,
+    def _misaligned_one(self, kv: TalkerKV, out: ThinkerOutput, span_id: int, c: int, t_id: int,
+                        k_id: int) -> tuple[int, int]:
+        """``_misaligned`` of a one-position span, in scalars (``expected_ids`` of that position)."""
+        eos_k = out.output_rows.shape[0] - 1  # len(thinker_result[1:])
+        P = out.P
+        if c >= P:  # a decode position
+            k = c - P
+            want = out.output_first_id + 1 + k if k < eos_k else self._eos_id if k == eos_k else self._pad_id
+            bad = int(t_id != want or k_id != span_id)
+            return (bad, 0) if k <= eos_k else (0, bad)
+        exp_text, exp_codec = self.expected_ids(kv, out, np.array((span_id,), dtype=np.int64), c, 1)
+        bad = int(int(exp_text[0]) != t_id or int(exp_codec[0]) != k_id)
+        return (bad, 0) if c < P + eos_k + 1 else (0, bad)
+
+    def _misaligned(self, kv: TalkerKV, out: ThinkerOutput, span_ids: np.ndarray, c: int, n: int,
                     text_ids: np.ndarray, codec_ids: np.ndarray) -> tuple[int, int]:
         """Positions whose row differs from the contract's expected row (exact, by identity), as
         (text region, end region) counts (``contract.misaligned_regions``)."""
         eos_k = out.output_rows.shape[0] - 1  # len(thinker_result[1:])
-        if n == 1 and c >= out.P:  # a decode position: scalar arithmetic, no array set-up
-            k = c - out.P
-            want = out.output_first_id + 1 + k if k < eos_k else self._eos_id if k == eos_k else self._pad_id
-            bad = int(int(text_ids[0]) != want or int(codec_ids[0]) != int(span_ids[0]))
-            return (bad, 0) if k <= eos_k else (0, bad)
-        exp_text, exp_codec = self.expected_ids(kv, out, span_ids.numpy(), c, n)
+        exp_text, exp_codec = self.expected_ids(kv, out, span_ids, c, n)
         wrong = (exp_text != text_ids) | (exp_codec != codec_ids)
         return misaligned_regions(np.flatnonzero(wrong) + c, out.P, eos_k)
 

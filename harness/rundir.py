@@ -38,6 +38,29 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
+# Environment variables that name folders a run uses later (caches, matplotlib's config): pinned
+# to absolute paths at start with the options, so an arm that changes the working directory
+# cannot move them (issue 24 case 6).
+PATH_ENV = ("OMNI_STRESS_CACHE_DIR", "XDG_CACHE_HOME", "MPLCONFIGDIR")
+
+
+def absolute(path: Path | str | None) -> Path | None:
+    """``path`` made absolute against today's working directory (``~`` expanded, symbolic links
+    kept as given, bytes that are not UTF-8 kept), so nothing a plugin does to the working
+    directory later (``os.chdir`` at import or in a call) moves the run's files."""
+    if path is None:
+        return None
+    return Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+
+
+def pin_path_env() -> None:
+    """Each of ``PATH_ENV`` that is set to a relative path, set to its absolute path now."""
+    for name in PATH_ENV:
+        value = os.environ.get(name)
+        if value and not os.path.isabs(os.path.expanduser(value)):
+            os.environ[name] = str(absolute(value))
+
+
 def check_run_id(run_id: str) -> None:
     """``--run-id`` names one folder inside ``--out``: no separators, no ``..``, not absolute."""
     if (bad := check_name(run_id)) is not None:

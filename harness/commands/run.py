@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -26,11 +27,13 @@ from harness.proc import printable_streams, stdout_to_stderr
 from harness.records import MANIFEST_FILE, write_manifest
 from harness.rundir import (
     DISK_FULL,
+    absolute,
     check_run_files,
     check_run_id,
     check_same_scoring,
     disk_full_error,
     locked,
+    pin_path_env,
     read_resumable_manifest,
 )
 from harness.sim import armcall
@@ -104,6 +107,12 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
     printable_streams()
     if run_id is not None:
         check_run_id(run_id)
+    # Every path once, now: a plugin arm may os.chdir() when it is imported or called, and a
+    # relative --out (or cache, model, resume folder) must still mean what the user typed.
+    out, resume_dir, cache_dir, arms_file = absolute(out), absolute(resume_dir), absolute(cache_dir), absolute(arms_file)
+    serve_python = absolute(serve_python) if serve_python is not None and serve_python.exists() else serve_python
+    asr_model = _absolute_model(asr_model)
+    pin_path_env()
     # Whatever an arm (or a library) prints while the run works goes to stderr: stdout is the table's.
     with stdout_to_stderr():
         printed = _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr,
@@ -111,6 +120,19 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
                        health_timeout, request_timeout, arm_timeout, serve_platform, serve_python, sim_talker,
                        executor, ray_address)
     click.echo(printed)
+
+
+def _absolute_model(model: str) -> str:
+    """``--asr-model``: a path (one that exists, or is written as a path) made absolute; a model name
+    (``base``, ``tiny.en``, an openai-whisper name) kept."""
+    from harness.audio.asr import PACKAGED_MODELS
+
+    if model in PACKAGED_MODELS:
+        return model
+    looks_like_path = os.sep in model or model.startswith(("~", ".")) or model.endswith(".pt")
+    if looks_like_path or os.path.exists(model):
+        return str(absolute(model))
+    return model
 
 
 def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,

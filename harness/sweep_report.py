@@ -233,11 +233,9 @@ def schedules_line(m: SweepMap) -> str:
 
 
 def knee_lines(m: SweepMap) -> list[str]:
-    out = []
-    for a in m.verdict.arms:
-        out.append(f"{a.arm} [{a.role}]: " + (f"quality knee at {a.knee}" if a.knee
-                                              else "no quality knee: WER inside the gate at every point"))
-    return out
+    from harness.sweep_gate import knee_text
+
+    return [f"{a.arm} [{a.role}]: {knee_text(a)}" for a in m.verdict.arms]
 
 
 def terminal_map(m: SweepMap) -> str:
@@ -274,7 +272,7 @@ def map_json(m: SweepMap) -> dict[str, Any]:
                       "per_arm": m.schedules.per_arm, "per_deploy": m.schedules.per_deploy},
         "verdict": {"exit_code": m.verdict.exit_code,
                     "arms": [{"arm": a.arm, "role": a.role, "status": a.status, "summary": a.summary,
-                              "knee": a.knee} for a in m.verdict.arms]},
+                              "knee": a.knee, "knees": a.knees} for a in m.verdict.arms]},
         "problems": m.problems,
     }
 

@@ -375,3 +375,39 @@ def test_resume_with_another_sweep_is_refused(tiny_sweep: tuple[Path, str], tmp_
     res = invoke_cli("sweep", str(TINY), "--prompts", str(PROMPTS), "--quiet", "--resume", str(run_dir),
                      "--seed", "7")
     assert_one_line_error(res, f"--resume {run_dir}: ")
+
+
+def test_list_sweeps() -> None:
+    res = invoke_cli("list", "sweeps")
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.splitlines()[:2] == [
+        "Sweeps (deploy_configs/sweeps/; omni-stress sweep NAME):",
+        "  default    24 points around stress (reference reference)"]
+
+
+def test_client_load_on_the_real_backend() -> None:
+    """Wall-time pacing: at most N in flight; Poisson send times drawn from the seed."""
+    import asyncio
+
+    from harness.serve.load import ClientLoad, poisson_offsets
+
+    async def peak(load: LoadSettings, n: int) -> int:
+        pacing = ClientLoad(load, n, 0)
+        active, top = [0], [0]
+
+        async def one(i: int) -> None:
+            async with pacing.slot(i):
+                active[0] += 1
+                top[0] = max(top[0], active[0])
+                await asyncio.sleep(0.01)
+                active[0] -= 1
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+        return top[0]
+
+    assert asyncio.run(peak(LoadSettings("concurrency", 2), 6)) == 2
+    assert asyncio.run(peak(LoadSettings(), 6)) == 6
+    offsets = poisson_offsets(4, 2.0, 42)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets) and offsets == poisson_offsets(4, 2.0, 42)
+    assert offsets != poisson_offsets(4, 2.0, 43)
+    assert [round(t, 3) for t in offsets] == [0.0, 1.068, 1.129, 1.346]

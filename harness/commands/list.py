@@ -16,9 +16,9 @@ def _settings(obj: object) -> str:
 
 
 @click.command("list")
-@click.argument("what", type=click.Choice(["all", "arms", "deploys", "prompts"]), default="all")
+@click.argument("what", type=click.Choice(["all", "arms", "deploys", "prompts", "sweeps"]), default="all")
 def command(what: str) -> None:
-    """Show arms, deploys and prompt sets."""
+    """Show arms, deploys, prompt sets and sweeps."""
     if what in ("all", "arms"):
         click.echo("Arms (deploy_configs/arms.yaml; or --arm NAME=package.module:attr):")
         for arm in load_arms().values():
@@ -45,3 +45,13 @@ def command(what: str) -> None:
             replies = [len(tokenize(p.reply)) for p in ps.prompts]
             click.echo(f"  {ps.name:<10} {len(ps.prompts)} prompts; Talker prompt length P {min(lens)}-{max(lens)}; "
                        f"reply tokens {min(replies)}-{max(replies)}\n  {'':<10} {ps.description}")
+    if what in ("all", "sweeps"):
+        from harness.sweep import list_sweeps, load_sweep
+
+        click.echo("Sweeps (deploy_configs/sweeps/; omni-stress sweep NAME):")
+        for name in list_sweeps():
+            sw = load_sweep(name)
+            axes = "; ".join(f"{a.key}: {', '.join(a.labels)}" for a in sw.axes)
+            ref = sw.reference.name if sw.reference is not None else "none"
+            click.echo(f"  {sw.name:<10} {len(sw.points)} points around {sw.base.name} (reference {ref})\n"
+                       f"  {'':<10} {axes}\n  {'':<10} {sw.description}")

@@ -173,6 +173,7 @@ def run_cell_here(job: CellJob, options: RunOptions, arm_limit: float) -> dict[s
         armcall.set_limit(arm_limit)
     local = dataclasses.replace(options, executor="local", ray_address=None, sim_workers=0, quiet=True)
     events: list[tuple[str, Any]] = []
+    started = time.time()
     scratch = Path(tempfile.mkdtemp(prefix="omni-stress-ray-"))
     try:
         (scratch / "audio").mkdir()
@@ -191,7 +192,8 @@ def run_cell_here(job: CellJob, options: RunOptions, arm_limit: float) -> dict[s
                 files[path.relative_to(scratch).as_posix()] = path.read_bytes()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"events": events, "files": files, "outcome": outcome, "node": node_here()}
+    return {"events": events, "files": files, "outcome": outcome, "node": node_here(),
+            "timing": {"started": started, "ended": time.time()}}
 
 
 def node_here() -> dict[str, str]:
@@ -210,6 +212,10 @@ class RayExecutor:
         self.run_dir = Path(run_dir)
         self.options = options
         self.refs: dict[str, Any] = {}
+        self.submitted: dict[str, float] = {}
+        #: per cell, where the time went (bench/ray_overhead.py): submitted, started, ended (the task's
+        #: clock), ready (when this process saw the result), fetch_s, write_s, node
+        self.timings: list[dict[str, Any]] = []
         self.ray: Any = None
 
     def open(self, jobs: list[CellJob]) -> None:
@@ -226,7 +232,9 @@ class RayExecutor:
             arm_limit = armcall.limit()
         task = ray.remote(run_cell_here).options(max_retries=MAX_RETRIES, retry_exceptions=False,
                                                  name="omni-stress-cell", **resources)
-        self.refs = {job.key: task.remote(job, self.options, arm_limit) for job in jobs}
+        for job in jobs:
+            self.submitted[job.key] = time.time()
+            self.refs[job.key] = task.remote(job, self.options, arm_limit)
 
     def _warn_infeasible(self, resources: dict[str, float]) -> None:
         """A cell no node can hold waits for a node to join (an autoscaler may add one): say so once."""
@@ -244,6 +252,7 @@ class RayExecutor:
         ray = self.ray
         ref = self.refs.pop(job.key)
         t0 = time.perf_counter()
+        waiting_since = time.time()
         limit = cell_timeout(job, self.options)
         deadline = time.monotonic() + limit
         while True:
@@ -255,14 +264,19 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
                 raise UserError(f"cell {job.label}: no result from its Ray task in {limit:.0f} s; the records "
                                 f"written so far are kept: rerun with --resume")
+        ready = time.time()
         result = self._result(ref, job)
-        waited = time.perf_counter() - t0
+        fetched = time.time()
         for rel, data in result["files"].items():
             target = self._target(rel)
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(f".{target.name}.part")
             tmp.write_bytes(data)
             os.replace(tmp, target)
+        waited = time.perf_counter() - t0
+        self.timings.append({"key": job.key, "node": result["node"]["id"], "submitted": self.submitted.get(job.key),
+                             "waiting_since": waiting_since, "ready": ready, "fetch_s": fetched - ready,
+                             "write_s": time.time() - fetched, **result.get("timing", {})})
         for kind, payload in result["events"]:
             if kind == "spans":
                 emit_spans(payload)

@@ -621,14 +621,70 @@ def load_prompts(name_or_path: str) -> PromptSet:
                      system_prompt=system, prompts=tuple(prompts), path=path)
 
 
+# What the sim's tokenizer (harness.tokenizer: ASCII letters and digits make words, every other
+# character is a pause) splits or drops while Whisper's normaliser (the WER reference) keeps it:
+# a number with a decimal point or thousands separator ("3.5" spoken "3 5", "1,000" spoken "1 000"
+# but scored "1000"), a decimal without its leading digit (".5"), the symbols the normaliser keeps
+# ($ % ¢ € £), and an ellipsis (the normaliser can keep it as a word ".": "end..." scores "end .").
+_NUMBER_RE = re.compile(r"\d+(?:[.,]\d+)+|(?<![A-Za-z0-9.])\.\d+")
+_KEPT_SYMBOLS = "$%¢€£"
+_ELLIPSIS_RE = re.compile(r"\.{2,}|\u2026")
+
+
 def _unspeakable(reply: str) -> str | None:
-    """Replies are English (the WER reference): the sim's TTS (espeak-ng, English voice) cannot say
-    letters of other scripts, while Whisper's normaliser keeps them, so a correct Talker would score
-    as a mismatch (``pr`` got WER 0.9 on a Cyrillic reply). Refused instead of mis-scored."""
-    for ch in reply:
-        if unicodedata.category(ch).startswith("L") and "LATIN" not in unicodedata.name(ch, ""):
-            return (f"letter {ch!r} (U+{ord(ch):04X}, {unicodedata.name(ch, 'unnamed').lower()}) is not Latin script; "
-                    "replies are scored as English (Latin letters) and the sim speaks English only")
+    """Replies are English (the WER reference) and the sim must say each word of a reply as the
+    scoring reads it, else a correct Talker scores as a mismatch (``pr`` got WER 0.9 on a Cyrillic
+    reply, 0.437 on replies with "3.5", "café", "$", "%", "1,000", zero-width spaces: issue 24 case
+    14). Refused at load, naming the first such character (or number), instead of mis-scored. The
+    default prompt sets hold none of them, so their records are unchanged."""
+    found: list[tuple[int, str]] = []
+    if (m := _NUMBER_RE.search(reply)) is not None:
+        spoken = " ".join(re.findall(r"\d+", m.group()))
+        found.append((m.start(), f"number {m.group()!r} is spoken by the sim as {spoken!r} while WER scoring reads "
+                                  f"it whole; write the number in words (e.g. 'three point five', 'one thousand')"))
+    if (m := _ELLIPSIS_RE.search(reply)) is not None:
+        found.append((m.start(), f"ellipsis {m.group()!r}: WER scoring can keep it as a word ('.') that the sim never "
+                                  "says; write one period or a comma"))
+    for i, ch in enumerate(reply):
+        if found and i >= min(found)[0]:
+            break
+        if (bad := _unspeakable_char(reply, i, ch)) is not None:
+            found.append((i, bad))
+            break
+    return min(found)[1] if found else None
+
+
+def _unspeakable_char(reply: str, i: int, ch: str) -> str | None:
+    code = f"U+{ord(ch):04X}"
+    name = unicodedata.name(ch, "unnamed").lower()
+    if ch in _KEPT_SYMBOLS:
+        word = {"$": "dollars", "%": "percent", "¢": "cents", "€": "euros", "£": "pounds"}[ch]
+        return (f"symbol {ch!r} ({code}, {name}): the sim does not speak it while WER scoring keeps it; "
+                f"write it as a word ({word!r})")
+    if ord(ch) < 0x80:
+        return None
+    category = unicodedata.category(ch)
+    if category.startswith("L") and "LATIN" not in name.upper():
+        return (f"letter {ch!r} ({code}, {name}) is not Latin script; "
+                "replies are scored as English (Latin letters) and the sim speaks English only")
+    if category.startswith(("L", "M")):
+        start = i
+        while start > 0 and (reply[start - 1].isalnum() or unicodedata.category(reply[start - 1]).startswith("M")):
+            start -= 1
+        end = i + 1
+        while end < len(reply) and (reply[end].isalnum() or unicodedata.category(reply[end]).startswith("M")):
+            end += 1
+        word = reply[start:end]
+        plain = "".join(c for c in unicodedata.normalize("NFKD", word) if c.isascii())
+        what = f"letter {ch!r}" if category.startswith("L") else "combining mark"
+        return (f"{what} ({code}, {name}) in {word!r}: the sim speaks ASCII letters only and would split or drop it "
+                f"while WER scoring reads {plain!r}; write {plain!r}")
+    if category.startswith("N"):
+        return (f"character {ch!r} ({code}, {name}): the sim does not speak it while WER scoring reads it as a "
+                "number; write it in words")
+    if category.startswith("C"):  # never echoed: a zero-width space, a joiner, a byte-order mark
+        return (f"invisible character {code} ({name}): the sim splits the word there while WER scoring keeps it "
+                "inside the word; remove it")
     return None
 
 

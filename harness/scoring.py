@@ -33,6 +33,17 @@ def measurable(reference: str) -> bool:
     return bool(normalize(reference))
 
 
+def spoken_mismatch(reference: str, spoken: str) -> tuple[str, str] | None:
+    """``(reference, spoken)`` normalised when a Talker that says exactly ``spoken`` would not score
+    WER 0 against ``reference``; None when it would, or when ``reference`` is not measurable (it
+    normalises to no words: such a request is recorded as not measurable, never scored)."""
+    ref = normalize(reference)
+    if not ref:
+        return None
+    hyp = normalize(spoken)
+    return None if ref == hyp else (ref, hyp)
+
+
 def wer(reference: str, hypothesis: str) -> float:
     """Word error rate of ``hypothesis`` against ``reference`` after normalisation.
 

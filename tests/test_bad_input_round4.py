@@ -214,3 +214,76 @@ def test_24_the_shipped_files_pass_and_are_hashed_once(tmp_path, monkeypatch):
     asr._verified.clear()  # a new process: the stamps in <cache>/models/verified/ answer
     asr.make_transcriber("faster-whisper", "tiny.en")
     assert len(hashed) == 4
+
+
+# ----------------------------------------------------------------------------- 14: replies the sim would mis-score
+
+CASE_14 = [
+    ("decimal", "It is 3.5 miles to the station.",
+     "number '3.5' is spoken by the sim as '3 5' while WER scoring reads it whole; write the number in words"),
+    ("thousands", "About 1,000 people came.",
+     "number '1,000' is spoken by the sim as '1 000' while WER scoring reads it whole"),
+    ("accent", "Meet me at the café tomorrow.",
+     "letter 'é' (U+00E9, latin small letter e with acute) in 'café': the sim speaks ASCII letters only and would "
+     "split or drop it while WER scoring reads 'cafe'; write 'cafe'"),
+    ("dollar", "It costs $25 today.",
+     "symbol '$' (U+0024, dollar sign): the sim does not speak it while WER scoring keeps it; write it as a word "
+     "('dollars')"),
+    ("percent", "Take 50% of it.",
+     "symbol '%' (U+0025, percent sign): the sim does not speak it while WER scoring keeps it; write it as a word "
+     "('percent')"),
+    ("zero-width-space", "The wea\u200bther is fine.",
+     "invisible character U+200B (zero width space): the sim splits the word there while WER scoring keeps it "
+     "inside the word; remove it"),
+    ("ellipsis", "...",
+     "ellipsis '...': WER scoring can keep it as a word ('.') that the sim never says; write one period or a comma"),
+    ("ellipsis-char", "Well\u2026 maybe.", "ellipsis '\u2026'"),
+]
+
+
+def _reply_set(tmp: Path, reply: str) -> Path:
+    data = copy.deepcopy(SMALL)
+    data["prompts"] = data["prompts"][:2]
+    data["prompts"][1]["reply"] = reply
+    path = tmp / "replies.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+    return path
+
+
+@pytest.mark.parametrize("reply,said", [c[1:] for c in CASE_14], ids=[c[0] for c in CASE_14])
+def test_14_a_reply_the_sim_cannot_say_as_scored_is_refused_at_load(tmp_path, reply, said):
+    path = _reply_set(tmp_path, reply)
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--prompts", str(path), "--out", str(tmp_path / "out"))
+    line = assert_one_line_error(res, f"{path}: prompts[1].reply: {said}")
+    assert "\u200b" not in line  # an invisible character is named, never echoed
+    assert not (tmp_path / "out").exists()
+
+
+def test_14_what_only_the_normaliser_shows_is_refused_before_the_run(tmp_path):
+    # Whisper's normaliser drops text in square brackets; the sim says it
+    path = _reply_set(tmp_path, "Sure. Hello [note] there, my friend, how are you today.")
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--prompts", str(path), "--out", str(tmp_path / "out"))
+    assert_one_line_error(res, f"{path}: prompts[1].reply: WER scoring reads 'sure hello there my friend how ...' "
+                               "where the sim says 'sure hello note there my friend ...', so a correct arm would "
+                               f"not score 0 (prompt {SMALL['prompts'][1]['id']!r}); rewrite the reply as plain words")
+    assert not (tmp_path / "out").exists()
+
+
+def test_14_ordinary_english_that_is_accepted_scores_zero_for_the_fix(tmp_path):
+    reply = ("It's 25 degrees, so wear a well-known coat: Mr. Smith's shop opens at 5pm, 1, 2, 3 days a week! "
+             "Bring the \u201cgood\u201d umbrella; it\u2019s 3/4 full. Yes? The 1st road, the main one, "
+             "is 10-15 minutes away, and it's #1 for a reason.")
+    path = _reply_set(tmp_path, reply)
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--arm", "pr", "--deploy", "reference", "--prompts", str(path),
+                     "--out", str(tmp_path / "out"), "--run-id", "r")
+    assert res.exit_code == 0, res.stderr
+    records = _records(tmp_path / "out" / "r")
+    assert [r["oracle_wer"] for r in records] == [0.0, 0.0]
+
+
+def test_14_shipped_prompt_sets_pass_unchanged():
+    from harness.commands.run import check_sim_speaks
+    from harness.config import load_prompts
+
+    for path in sorted((REPO / "prompts").glob("*.yaml")) + sorted((REPO / "tests" / "fixtures").glob("prompts_*.yaml")):
+        check_sim_speaks(load_prompts(str(path)))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from harness.config import MAX_SEED, ArmSpec, Deploy, load_arms, load_deploy, load_prompts, resolve_arm
-from harness.errors import UserError
+from harness.config import MAX_SEED, ArmSpec, Deploy, PromptSet, load_arms, load_deploy, load_prompts, resolve_arm
+from harness.errors import ConfigError, UserError
 from harness.executors.options import executor_options
 from harness.pipeline import (
     DEFAULT_SIM_TALKER,
@@ -172,7 +172,7 @@ def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume
             return "\n".join(describe_cell(a, d, run_dir, options.serve) for a in arm_specs for d in deploy_specs)
     elif dry_run:
         raise UserError("--dry-run applies to --backend vllm-omni (the sim has no commands to print)")
-    _preflight(backend, arm_specs, deploy_specs, options)
+    _preflight(backend, arm_specs, deploy_specs, options, prompts)
     armcall.set_limit(arm_timeout)  # before any sim worker is forked: they inherit it
 
     if resume_dir is not None:
@@ -221,9 +221,11 @@ def _locked_run(run_dir: Path, resume: bool, arm_specs: list[ArmSpec], deploy_sp
             + f"\nresults: {plan.run_dir}")
 
 
-def _preflight(backend: str, arm_specs: list[ArmSpec], deploy_specs: list[Deploy], options: RunOptions) -> None:
+def _preflight(backend: str, arm_specs: list[ArmSpec], deploy_specs: list[Deploy], options: RunOptions,
+               prompts: PromptSet | None = None) -> None:
     """Checks that need no run: a broken plugin arm, scheduler settings vLLM refuses, a real-backend
-    arm that cannot be started, or a missing ASR model is refused before a run directory exists."""
+    arm that cannot be started, a reply the sim would mis-score, or a missing ASR model is refused
+    before a run directory exists."""
     if backend == "sim":
         from harness.sim.scheduler import scheduler_config_for
         from harness.talkers import load_impl
@@ -232,6 +234,8 @@ def _preflight(backend: str, arm_specs: list[ArmSpec], deploy_specs: list[Deploy
             load_impl(arm)
         for deploy in deploy_specs:
             scheduler_config_for(deploy)
+        if prompts is not None and options.sim_talker == DEFAULT_SIM_TALKER:
+            check_sim_speaks(prompts)
     else:
         from harness.serve.backend import preflight_arm
 
@@ -241,3 +245,33 @@ def _preflight(backend: str, arm_specs: list[ArmSpec], deploy_specs: list[Deploy
         from harness.audio.asr import make_transcriber
 
         make_transcriber(options.asr, options.asr_model, options.beam_size)
+
+
+def check_sim_speaks(prompts: PromptSet) -> None:
+    """Each reply's words as the sim's Talker says them (``harness.tokenizer``) must score WER 0
+    against the reply under Whisper's normaliser, else a correct arm is mis-scored (issue 24 case
+    14). ``load_prompts`` already refuses the characters known to differ, naming each; this catches
+    what only the normaliser's context shows (text in brackets it drops, ...). A reply that
+    normalises to no words is left to the run: not measurable, recorded as such."""
+    from harness.errors import short_repr
+    from harness.scoring import spoken_mismatch
+    from harness.tokenizer import is_spoken, tokenize
+
+    for i, prompt in enumerate(prompts.prompts):
+        spoken = " ".join(t for t in tokenize(prompt.reply) if is_spoken(t))
+        if (bad := spoken_mismatch(prompt.reply, spoken)) is not None:
+            ref, said = (_around(words, _first_difference(*(b.split() for b in bad))) for words in bad)
+            raise ConfigError(f"{prompts.path}: prompts[{i}].reply: WER scoring reads {short_repr(ref)} where the sim "
+                              f"says {short_repr(said)}, so a correct arm would not score 0 (prompt {prompt.id!r}); "
+                              "rewrite the reply as plain words")
+
+
+def _first_difference(a: list[str], b: list[str]) -> int:
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _around(text: str, k: int) -> str:
+    """Words ``k - 2`` to ``k + 3`` of ``text``, with '...' where words are left out."""
+    words = text.split()
+    lo, hi = max(0, k - 2), min(len(words), k + 4)
+    return ("... " if lo else "") + " ".join(words[lo:hi]) + (" ..." if hi < len(words) else "")

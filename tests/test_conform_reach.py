@@ -210,6 +210,8 @@ def test_no_deploy_files_means_reach_unknown_and_counts_as_shipped() -> None:
 def _cli(*args: str) -> Any:
     from harness.cli import main as cli_main
 
+    if "--source" not in args:  # these tests check one release: 0.30.0 (the default checks 0.32.0rc1 too)
+        args = (*args, "--source", "vllm-omni:0.30.0")
     return CliRunner().invoke(cli_main, ["conform", *args], catch_exceptions=False)
 
 

@@ -11,7 +11,6 @@ import click
 
 from harness.errors import UserError
 
-_DEFAULT_SOURCE = "vllm-omni:0.30.0"
 
 
 @click.command("conform")
@@ -19,9 +18,10 @@ _DEFAULT_SOURCE = "vllm-omni:0.30.0"
               help="A model to check (repeatable): qwen2.5-omni, qwen3-omni, qwen3-tts, minicpmo-4.5 (real upstream code), or "
                    "the calibration arms qwen2.5-omni:main / qwen2.5-omni:pr, or MODEL:package.module:attr (a plugin arm: its "
                    "methods replace the release's hook). Default: the four upstream models.")
-@click.option("--source", default=_DEFAULT_SOURCE, show_default=True, metavar="vllm-omni:SOURCE",
-              help="Where the upstream code comes from: a checkout, a site-packages folder, a wheel, a version "
-                   "(installed, cached, or the vendored 0.30.0) or 'installed' (docs/upstream-arm.md).")
+@click.option("--source", "sources", multiple=True, metavar="vllm-omni:SOURCE",
+              help="A release to check (repeatable): vllm-omni:SOURCE (a checkout, a site-packages folder, a wheel, "
+                   "a version, 'installed') or vllm-omni==VERSION. A version is the installed one, a cached wheel, "
+                   "the vendored copy, or a pip download. Default: the vendored 0.30.0 and 0.32.0rc1.")
 @click.option("--deploy", "deploys", multiple=True, metavar="NAME",
               help="Also run all requests through vLLM's scheduler under this deploy (repeatable; default "
                    "reference and stress; 'none' for forced schedules only).")
@@ -37,48 +37,58 @@ _DEFAULT_SOURCE = "vllm-omni:0.30.0"
                    "also one that needs changed settings (any).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the matrix as JSON.")
 @click.option("--html", "html_path", type=click.Path(path_type=Path), default=None, help="Also write an HTML page.")
-def command(models: tuple[str, ...], source: str, deploys: tuple[str, ...], num_requests: int, generated: int,
+def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[str, ...], num_requests: int, generated: int,
             deploy_generated: int, fail_on: str, json_path: Path | None, html_path: Path | None) -> None:
     """Check each model's preprocess for schedule invariance: model x situation."""
-    from harness.conform.check import DEFAULT_DEPLOYS, check_model
-    from harness.conform.models import CALIBRATION, UPSTREAM_MODELS, resolve_model
-    from harness.conform.report import Matrix, format_html, format_json, format_text
+    from harness.conform.check import DEFAULT_DEPLOYS, check_model, runners_for
+    from harness.conform.models import CALIBRATION, MODELS, UPSTREAM_MODELS, resolve_model
+    from harness.conform.release import DEFAULT_SOURCES, resolve, split_source
+    from harness.conform.report import Matrix, Report, format_html, format_json, format_text
     from harness.config import load_deploy
-
-    from harness.conform.models import MODELS
 
     unknown = [m for m in models if resolve_model(m) is None]
     if unknown:
         raise UserError(f"--model {unknown[0]}: unknown model; known: {', '.join(MODELS)}, or MODEL:package.module:attr "
                         f"(a plugin arm for {', '.join(UPSTREAM_MODELS)})")
-    if not source.startswith("vllm-omni:"):
-        raise UserError(f"--source {source}: give vllm-omni:SOURCE (a checkout, a wheel, a version or 'installed')")
-    spec = source[len("vllm-omni:"):]
+    sources = tuple(dict.fromkeys(sources)) or DEFAULT_SOURCES
+    for source in sources:
+        split_source(source)
     names = tuple(dict.fromkeys(deploys)) if deploys else DEFAULT_DEPLOYS
     deploy_objs = tuple(load_deploy(d) for d in names if d != "none")
     selected = list(dict.fromkeys(models)) if models else list(UPSTREAM_MODELS)
     calibration = [m for m in CALIBRATION if m not in selected]
     logging.getLogger("vllm_omni").setLevel(logging.ERROR)  # upstream's warnings about missing GPU-side state
+    import torch
+
+    # the check's tensors are a few rows wide: one thread is fastest (on 2 busy cores a 2-thread matmul of
+    # 80 x 48 took 15 ms against 0.02 ms on one), and it keeps the rows bit-identical between runs
+    torch.set_num_threads(1)
 
     def say(msg: str) -> None:
         click.echo(msg, err=True)
 
-    def run(name: str) -> list:
+    def run(name: str, spec: str) -> list:
         out = []
-        for runner in resolve_model(name)().runners:  # one row per model runner its deploys use
+        for runner in runners_for(resolve_model(name)(), spec):  # one row per model runner its deploys use
             say(f"[conform] {name} ({runner}) ...")
             out.append(check_model(resolve_model(name)(), spec, deploy_objs, requests=num_requests,
                                    forced_generated=generated, deploy_generated=deploy_generated,
                                    progress=lambda m: say(f"[conform]   {m}"), runner=runner))
         return out
 
-    matrix = Matrix(source, tuple(d.name for d in deploy_objs), [r for n in selected for r in run(n)],
-                    [r for n in calibration for r in run(n)],
-                    {"requests": num_requests, "generated": generated, "deploy_generated": deploy_generated},
-                    fail_on)
-    click.echo(format_text(matrix), nl=False)
-    for path, text in ((json_path, format_json(matrix) if json_path else None),
-                       (html_path, format_html(matrix) if html_path else None)):
+    matrices = []
+    for i, source in enumerate(sources):
+        release = resolve(source)
+        say(f"[conform] {source}: {release.label}")
+        matrices.append(Matrix(f"{source} = {release.label}", tuple(d.name for d in deploy_objs),
+                               [r for n in selected for r in run(n, release.spec)],
+                               [r for n in calibration for r in run(n, release.spec)] if i == 0 else [],
+                               {"requests": num_requests, "generated": generated, "deploy_generated": deploy_generated},
+                               fail_on))
+    report = Report(matrices)
+    click.echo(format_text(report), nl=False)
+    for path, text in ((json_path, format_json(report) if json_path else None),
+                       (html_path, format_html(report) if html_path else None)):
         if path is None or text is None:
             continue
         try:
@@ -87,4 +97,4 @@ def command(models: tuple[str, ...], source: str, deploys: tuple[str, ...], num_
         except OSError as exc:
             raise UserError(f"{path}: cannot write ({exc.strerror})") from None
         say(f"wrote {path}")
-    sys.exit(matrix.exit_code)
+    sys.exit(report.exit_code)

@@ -90,7 +90,9 @@ class Adapter:
     hidden: int = 64
     notes: str = ""  # what the stand-in supplies; shown in docs/conform.md and --json
     deploys: Any = None  # harness.conform.reach.ModelDeploys: the release's deploy files for this model
-    runners: tuple[str, ...] = ("v1",)  # model runners its deploys use: each gets its own matrix row
+    # model runners to check, each its own matrix row; None: those the release's deploys of this model use
+    # (harness.conform.check.runners_for: v1, and v2 where a deploy runs the stage on MRV2)
+    runners: tuple[str, ...] | None = None
     plugin: str | None = None  # "package.module:attr": a plugin arm over the release's code (--model NAME:module:attr)
 
     # ------------------------------------------------------------------ loading
@@ -100,7 +102,7 @@ class Adapter:
 
         source = read_model_source(spec, self.member, base_dir, wheel_dir)
         mixin = build_mixin(source, self.stand_in_class(), class_name=self.class_name, entries=self.entries,
-                            module_name=self.module_name, shims=self.shims())
+                            module_name=self.module_name, shims=self.all_shims())
         info = mixin.omni_stress_upstream
         prov = Provenance(self.name, f"vLLM-Omni {source.version or '?'} {Path(self.member).name} "
                                      f"(sha256 {source.sha256[:12]})",
@@ -124,7 +126,11 @@ class Adapter:
         """Load more upstream code (a stage input processor); record it in ``prov``."""
 
     def shims(self) -> dict[tuple[str, str], Any]:
+        """``(module, name) -> object`` for names the hooks import; every adapter gets ``RELEASE_SHIMS``."""
         return {}
+
+    def all_shims(self) -> dict[tuple[str, str], Any]:
+        return {**RELEASE_SHIMS, **self.shims()}
 
     def stand_in_class(self) -> type:
         raise NotImplementedError
@@ -168,6 +174,24 @@ class Adapter:
         return {}
 
 
+def _to_device_nonblocking(tensor: torch.Tensor, device: Any) -> torch.Tensor:
+    """``vllm_omni.utils.device_copy.to_device_nonblocking`` (0.32.0rc1) on the CPU: its own CPU branch,
+    ``tensor.to(device)`` (the pinned non-blocking copy is for CUDA/NPU targets only)."""
+    return tensor.to(torch.device(device))
+
+
+def _index_to_device(values: Any, device: Any, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``vllm_omni.utils.device_copy.index_to_device`` (0.32.0rc1) on the CPU: its own CPU branch."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+# Names newer releases import that carry no model logic (device copies): their CPU branches, for every adapter.
+RELEASE_SHIMS: dict[tuple[str, str], Any] = {
+    ("vllm_omni.utils.device_copy", "to_device_nonblocking"): _to_device_nonblocking,
+    ("vllm_omni.utils.device_copy", "index_to_device"): _index_to_device,
+}
+
+
 def _file_info(source: Any, methods: tuple[str, ...], stubbed: tuple[str, ...],
                from_stand_in: tuple[str, ...] = ()) -> dict[str, Any]:
     return {"location": source.location, "version": source.version, "sha256": source.sha256,
@@ -176,15 +200,18 @@ def _file_info(source: Any, methods: tuple[str, ...], stubbed: tuple[str, ...],
 
 def read_model_source(spec: str, member: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> Any:
     """``harness.talkers.upstream.read_source`` for ``member``; a version that is neither installed nor
-    cached falls back to the vendored copy of that version (``harness/conform/vendor``)."""
+    cached falls back to the vendored copy of that version (``harness/conform/vendor/vllm-omni-<version>``)."""
     from harness.talkers.upstream import _VERSION_RE, read_source
+
+    from harness.conform.release import VENDORED, vendor_dir
 
     try:
         return read_source(spec, base_dir, wheel_dir, member=member)
     except ConfigError:
-        if _VERSION_RE.match(spec) and _same(spec, VENDORED_VERSION) and (VENDOR_DIR / member).is_file():
-            src = read_source(str(VENDOR_DIR), None, wheel_dir, member=member)
-            return type(src)(spec, "vendored", src.location, src.version, src.sha256, src.text)
+        for version in VENDORED:
+            if _VERSION_RE.match(spec) and _same(spec, version) and (vendor_dir(version) / member).is_file():
+                src = read_source(str(vendor_dir(version)), None, wheel_dir, member=member)
+                return type(src)(spec, "vendored", src.location, src.version, src.sha256, src.text)
         raise
 
 

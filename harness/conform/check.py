@@ -176,9 +176,23 @@ def _reach(result: ModelResult, adapter: Adapter, source: str, base_dir: Path | 
     checked under each of its runners counts, per row, only the (deploy, platform)s that use that runner."""
     failing = {k: c.trigger for k, c in result.cells.items() if c.status not in ("conforms", "not-run")}
     shipped = load_shipped(adapter.deploys, source, base_dir, wheel_dir)
-    if len(adapter.runners) > 1:
+    if len(runners_for(adapter, source, base_dir, wheel_dir)) > 1:
         shipped.targets = [t for t in shipped.targets if t.runner == runner]
     result.reach = model_reach(failing, shipped, adapter.deploys)
+
+
+def runners_for(adapter: Adapter, source: str, base_dir: Path | None = None,
+                wheel_dir: Path | None = None) -> tuple[str, ...]:
+    """The model runners the model is checked under: the adapter's own list, else those its shipped deploys
+    run the hooked stage on in this release (V1 first; ``("v1",)`` when no deploy file is there)."""
+    if adapter.runners:
+        return tuple(adapter.runners)
+    try:
+        shipped = load_shipped(adapter.deploys, source, base_dir, wheel_dir)
+    except Exception:  # noqa: BLE001 -- unreadable deploys: the reach says why; check V1
+        return ("v1",)
+    used = {t.runner for t in shipped.targets}
+    return tuple(r for r in ("v1", "v2") if r in used) or ("v1",)
 
 
 def _unavailable(result: ModelResult, feeds: list[Feed]) -> None:

@@ -128,7 +128,7 @@ class StageTarget:
 class ModelDeploys:
     """What an adapter says about its shipped deploys."""
 
-    files: tuple[str, ...]  # vllm_omni/deploy/<file>
+    files: tuple[str, ...]  # vllm_omni/deploy/<file>; a glob (qwen3_omni*.yaml) takes every match in the release
     stage: int  # the stage whose hook is under test
     max_model_len: int  # the stage's max_model_len when a deploy sets none (the model config's)
     kv_bytes_per_token: int | None = None  # to turn kv_cache_memory_bytes into tokens
@@ -142,6 +142,7 @@ class CellReach:
     shipped: list[str] = field(default_factory=list)  # "qwen3_tts.yaml (rocm, npu)" deploys that reach it
     unmodelled: list[str] = field(default_factory=list)  # deploys that would reach it under unmodelled settings
     why_not: list[str] = field(default_factory=list)  # per shipped deploy, why it cannot
+    hit: list[StageTarget] = field(default_factory=list)  # the (deploy, platform)s behind ``shipped``
 
     @property
     def text(self) -> str:
@@ -225,11 +226,17 @@ def targets(deploy: dict[str, Any], name: str, md: ModelDeploys) -> list[StageTa
     for platform in [PLATFORM_DEFAULT, *[p for p in platforms if p != PLATFORM_DEFAULT]]:
         section = platforms.get(platform) or {}
         runner = str(section.get("model_runner", deploy.get("model_runner", "v1")))
-        if runner == "v2" and platform in ("npu", "xpu"):
-            continue  # vllm_omni refuses MRV2 there (NotImplementedError): no such deploy
         stage = next((dict(s) for s in deploy.get("stages") or [] if s.get("stage_id") == md.stage), None)
         if stage is None:
             return []  # a deploy without the stage (thinker only)
+        # a stage's own model_runner overrides the deploy's (0.32.0rc1 *_mrv2.yaml); a platform's
+        # model_runner v1 also covers stages that opt into v2 (stage_config.py)
+        stage_runner = stage.get("model_runner")
+        if stage_runner == "v2" and section.get("model_runner") == "v1":
+            stage_runner = None
+        runner = str(stage_runner or runner)
+        if runner == "v2" and platform in ("npu", "xpu"):
+            continue  # vllm_omni refuses MRV2 there (NotImplementedError): no such deploy
         for ps in section.get("stages") or []:
             if ps.get("stage_id") == md.stage:
                 stage.update({k: v for k, v in (ps.get("engine_args") or ps).items() if k != "stage_id"})
@@ -279,7 +286,7 @@ def load_shipped(md: ModelDeploys | None, spec: str, base_dir: Path | None = Non
     if md is None:
         return Shipped([], [], [], "the adapter names no shipped deploys")
     out = Shipped([], [], [])
-    for name in md.files:
+    for name in expand_files(md.files, spec, base_dir, wheel_dir):
         try:
             deploy, shas = resolve_deploy(spec, name, base_dir, wheel_dir)
         except UserError as exc:
@@ -291,6 +298,27 @@ def load_shipped(md: ModelDeploys | None, spec: str, base_dir: Path | None = Non
         out.targets += targets(deploy, name, md)
     if not out.files:
         out.error = f"none of the deploy files {', '.join(md.files)} is in vllm-omni:{spec}"
+    return out
+
+
+def expand_files(files: tuple[str, ...], spec: str, base_dir: Path | None = None,
+                 wheel_dir: Path | None = None) -> list[str]:
+    """``files`` with each glob replaced by the release's matching deploy files (sorted), in order; a release
+    whose deploy folder cannot be listed keeps only the plain names."""
+    import fnmatch
+
+    from harness.conform.release import deploy_names, resolve
+
+    names: list[str] | None = None
+    if any(ch in f for f in files for ch in "*?["):
+        try:
+            names = deploy_names(resolve(spec, base_dir, wheel_dir).spec)
+        except UserError:
+            names = None
+    out: list[str] = []
+    for f in files:
+        matches = [f] if not any(ch in f for ch in "*?[") else fnmatch.filter(names or [], f)
+        out += [m for m in matches if m not in out]
     return out
 
 
@@ -320,7 +348,8 @@ def cell_reach(needs: tuple[str, ...], shipped: Shipped, md: ModelDeploys | None
             (unmod if why else hit).append((t, why))
         else:
             out.why_not += [f"{t.deploy} on {t.platform}: {r}" for ok, r in reasons if not ok]
-    out.shipped = _group([t for t, _ in hit])
+    out.hit = [t for t, _ in hit]
+    out.shipped = _group(out.hit)
     by_why: dict[str, list[StageTarget]] = {}
     for t, why in unmod:
         by_why.setdefault(str(why), []).append(t)
@@ -354,8 +383,8 @@ def model_reach(failing: dict[str, dict[str, int] | None], shipped: Shipped, md:
         cells = {k: CellReach(needs_of(v)) for k, v in failing.items()}
         return ModelReach("unknown", f"fails (reachability unknown: {shipped.error})", cells, deploys)
     cells = {k: cell_reach(needs_of(v), shipped, md) for k, v in failing.items()}
-    reached = sorted({d for c in cells.values() for d in c.shipped}, key=lambda d: [
-        t.deploy for t in shipped.targets].index(d.split(" (")[0]))
+    hit_targets = {(t.deploy, t.platform) for c in cells.values() for t in c.hit}
+    reached = _group([t for t in shipped.targets if (t.deploy, t.platform) in hit_targets])
     if reached:
         return ModelReach("shipped", "fails under shipped deploy " + ", ".join(reached), cells, deploys)
     text = "fails " + only_with({c.needs for c in cells.values()})

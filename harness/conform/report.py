@@ -76,6 +76,31 @@ class Matrix:
         }
 
 
+@dataclass
+class Report:
+    """One matrix per release (``--source``, repeatable); the calibration runs with the first."""
+
+    matrices: list[Matrix]
+
+    @property
+    def exit_code(self) -> int:
+        codes = [m.exit_code for m in self.matrices]
+        return EXIT_COULD_NOT_CHECK if EXIT_COULD_NOT_CHECK in codes else max(codes, default=EXIT_CONFORMS)
+
+    def verdict(self) -> str:
+        return "; ".join(f"{m.source.split(' = ')[0]}: {m.verdict()} (exit {m.exit_code})" for m in self.matrices)
+
+    def to_json(self) -> dict[str, Any]:
+        if len(self.matrices) == 1:
+            return self.matrices[0].to_json()
+        return {"releases": [m.to_json() for m in self.matrices], "verdict": self.verdict(),
+                "exit_code": self.exit_code}
+
+
+def _matrices(x: Matrix | Report) -> list[Matrix]:
+    return x.matrices if isinstance(x, Report) else [x]
+
+
 _REACH_SHORT = {"conforms": "", "shipped": "shipped deploy", "only": "changed deploy only",
                 "unknown": "unknown", "error": ""}
 
@@ -87,7 +112,15 @@ def _cell_text(r: ModelResult, key: str) -> str:
     return "-" if cell is None else cell.summary
 
 
-def format_text(m: Matrix) -> str:
+def format_text(x: Matrix | Report) -> str:
+    ms = _matrices(x)
+    if len(ms) == 1:
+        return _format_one(ms[0])
+    parts = [_format_one(m) for m in ms]
+    return "\n".join(parts) + f"\noverall: {x.verdict()} (exit {x.exit_code})\n"
+
+
+def _format_one(m: Matrix) -> str:
     cols = m.columns
     rows = m.results + m.calibration
     head = ["model", *cols.values(), "verdict", "reach"]
@@ -126,15 +159,25 @@ def format_text(m: Matrix) -> str:
     return "\n".join(lines) + "\n"
 
 
-def format_json(m: Matrix) -> str:
-    return json.dumps(m.to_json(), indent=2) + "\n"
+def format_json(x: Matrix | Report) -> str:
+    return json.dumps(x.to_json(), indent=2) + "\n"
 
 
 _COLORS = {"conforms": "#d8f0d8", "differs": "#f6d2d2", "raised": "#f3c9a8", "row-count": "#f6d2d2",
            "not-run": "#eeeeee"}
 
 
-def format_html(m: Matrix) -> str:
+def format_html(x: Matrix | Report) -> str:
+    ms = _matrices(x)
+    if len(ms) == 1:
+        return _html_one(ms[0])
+    bodies = [_html_one(m).split("<body>", 1)[1].rsplit("</body>", 1)[0] for m in ms]
+    head = _html_one(ms[0]).split("<body>", 1)[0]
+    return (head + "<body>" + "<hr>".join(bodies) + f"<p><b>Overall</b>: {html.escape(x.verdict())} "
+            f"(exit {x.exit_code})</p></body></html>\n")
+
+
+def _html_one(m: Matrix) -> str:
     e = html.escape
     cols = m.columns
     rows = m.results + m.calibration

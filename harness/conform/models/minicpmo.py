@@ -94,6 +94,10 @@ class MiniCPMoStandIn:
         self._tts_config = SimpleNamespace(max_position_embeddings=4096)
         self._request_audio_states: dict[str, dict[str, Any]] = {}
         self._request_condition_states: dict[str, dict[str, Any]] = {}
+        # 0.32.0rc1: K codec frames per decode step (multi-frame decode), 0 unless stage 1 carries the ngram
+        # speculative_config that arms it; the offline path under test reads it only for native duplex
+        self._k_step_frames = 0
+        self.supports_multi_frame_decode = False
 
     def embed_input_ids(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
         return self.emb_code[0](input_ids)
@@ -107,7 +111,7 @@ class MiniCPMoAdapter(Adapter):
     deploys = ModelDeploys(
         ("minicpmo_4_5.yaml", "minicpmo_4_5_turn.yaml", "minicpmo_4_5_2gpu.yaml", "minicpmo_4_5_3gpu.yaml",
          "minicpmo_4_5_3gpu_stage1_replicas.yaml", "minicpmo_4_5_4gpu_stage1_replicas.yaml",
-         "minicpmo_4_5_8x4090.yaml", "minicpmo_4_5_8x4090_stage1_replicas.yaml"), stage=1, max_model_len=4096,
+         "minicpmo_4_5_8x4090.yaml", "minicpmo_4_5_8x4090_stage1_replicas.yaml", "minicpmo_4_5*.yaml"), stage=1, max_model_len=4096,
         kv_bytes_per_token=61440)
     title = "MiniCPM-o 4.5 TTS talker"
     member = "vllm_omni/model_executor/models/minicpmo_4_5/minicpmo_4_5_omni_tts.py"

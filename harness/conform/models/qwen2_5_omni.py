@@ -36,7 +36,7 @@ class Qwen25OmniAdapter(Adapter):
              "Thinker's embed.prefill / hidden_states.output / ids for the first prompts of prompts/default.yaml")
 
     # the Talker is stage 1; its max_model_len is the model config's 32768 (the deploy sets none)
-    deploys = ModelDeploys(("qwen2_5_omni.yaml",), stage=1, max_model_len=32768)
+    deploys = ModelDeploys(("qwen2_5_omni.yaml", "qwen2_5_omni*.yaml"), stage=1, max_model_len=32768)
 
     def __init__(self, arm: str = "upstream", plugin: str | None = None) -> None:
         self.arm = arm

@@ -43,6 +43,9 @@ TTS_PAD_TOKEN = 151671
 ACCEPT_HIDDEN_LAYER = 24
 SIP_MEMBER = "vllm_omni/model_executor/stage_input_processors/qwen3_omni.py"
 SIP_FUNCTIONS = ("thinker2talker_full_payload", "_compute_talker_prompt_ids_length")
+# 0.32.0rc1+: the prefill cuts the Thinker text at a <tool_call> token (model code, compiled from the release)
+TOOL_SPEECH_MEMBER = "vllm_omni/model_executor/models/qwen3_omni/tool_speech.py"
+TOOL_SPEECH_FUNCTIONS = ("spoken_span_end", "tool_call_start_offset")
 
 
 class _Linear:
@@ -99,7 +102,8 @@ class Qwen3OmniAdapter(Adapter):
     name = "qwen3-omni"
     # the Talker is stage 1; max_model_len: the shipped deploys set none (32768 assumed for the model config)
     deploys = ModelDeploys(
-        ("qwen3_omni_moe.yaml", "qwen3_omni_duplex.yaml", "qwen3_omni_moe_mori_intranode.yaml"), stage=1,
+        ("qwen3_omni_moe.yaml", "qwen3_omni_duplex.yaml", "qwen3_omni_moe_mori_intranode.yaml", "qwen3_omni*.yaml"),
+        stage=1,
         max_model_len=32768,
         unmodelled=(("async_chunk", True, "async_chunk: true (the Talker decodes text from the streamed "
                                           "cached_decode rows, a path conform does not model)"),))
@@ -117,9 +121,35 @@ class Qwen3OmniAdapter(Adapter):
 
     def __init__(self) -> None:
         self._sip: dict[str, Any] | None = None
+        self._tool_speech: dict[str, Any] = {}
+        self._tool_speech_src: Any = None
 
     def stand_in_class(self) -> type:
         return Qwen3OmniStandIn
+
+    def load(self, spec: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> tuple[Any, Provenance]:
+        """Releases from 0.32.0rc1 import ``spoken_span_end`` from ``tool_speech.py``: compile it from the
+        same release (it decides where the spoken Thinker text ends), when the release has that file."""
+        from harness.errors import ConfigError
+        from harness.talkers.upstream import build_functions
+
+        self._tool_speech, self._tool_speech_src = {}, None
+        try:
+            src = read_model_source(spec, TOOL_SPEECH_MEMBER, base_dir, wheel_dir)
+        except ConfigError:
+            src = None
+        if src is not None and src.kind != "file":
+            self._tool_speech = build_functions(src, TOOL_SPEECH_FUNCTIONS, module_name="vllm_omni.model_executor."
+                                                "models.qwen3_omni.tool_speech")
+            self._tool_speech_src = src
+        impl, prov = super().load(spec, base_dir, wheel_dir)
+        if self._tool_speech_src is not None:
+            prov.files.append(_file_info(self._tool_speech_src, TOOL_SPEECH_FUNCTIONS, self._tool_speech["__stubbed__"]))
+        return impl, prov
+
+    def shims(self) -> dict[tuple[str, str], Any]:
+        mod = "vllm_omni.model_executor.models.qwen3_omni.tool_speech"
+        return {(mod, k): self._tool_speech[k] for k in TOOL_SPEECH_FUNCTIONS if k in self._tool_speech}
 
     def extra_sources(self, spec: str, base_dir: Path | None, wheel_dir: Path | None, prov: Provenance) -> None:
         from harness.talkers.upstream import build_functions

@@ -71,9 +71,8 @@ class Qwen3TTSAdapter(Adapter):
     deploys = ModelDeploys(
         ("qwen3_tts.yaml", "qwen3_tts_mrv2.yaml", "qwen3_tts_high_concurrency.yaml",
          "qwen3_tts_high_concurrency_mrv2.yaml", "qwen3_tts_high_concurrency_mrv2_b4.yaml",
-         "qwen3_tts_high_concurrency_mrv2_single_gpu.yaml"), stage=0, max_model_len=4096)
+         "qwen3_tts_high_concurrency_mrv2_single_gpu.yaml", "qwen3_tts*.yaml"), stage=0, max_model_len=4096)
     # CUDA runs MRV2 (model_runner: v2), the other platforms V1: one matrix row each (qwen3-tts, qwen3-tts@mrv2)
-    runners = ("v1", "v2")
     title = "Qwen3-TTS talker"
     member = "vllm_omni/model_executor/models/qwen3_tts/qwen3_tts_talker.py"
     class_name = "Qwen3TTSTalkerForConditionalGeneration"

@@ -411,3 +411,14 @@ def test_client_load_on_the_real_backend() -> None:
     assert offsets[0] == 0.0 and offsets == sorted(offsets) and offsets == poisson_offsets(4, 2.0, 42)
     assert offsets != poisson_offsets(4, 2.0, 43)
     assert [round(t, 3) for t in offsets] == [0.0, 1.068, 1.129, 1.346]
+
+
+def test_report_on_a_sweep_rewrites_the_map(tiny_sweep: tuple[Path, str], tmp_path: Path) -> None:
+    full, _ = tiny_sweep
+    run_dir = tmp_path / "run"
+    shutil.copytree(full, run_dir)
+    (run_dir / "sweep.json").unlink()
+    res = invoke_cli("report", str(run_dir), "--format", "csv")
+    assert res.exit_code == 0, res.stderr
+    assert f"wrote sweep.json: {run_dir / 'sweep.json'}" in res.stderr.splitlines()
+    assert json.loads((run_dir / "sweep.json").read_text())["rows"] == json.loads((full / "sweep.json").read_text())["rows"]

@@ -45,6 +45,11 @@ def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_
     if not no_write:
         try:
             written = report.write_reports(run, cells)
+            if isinstance(run.manifest.get("sweep"), dict):  # a sweep's run: its map too
+                from harness.gate import DEFAULT_RULES, load_rules
+                from harness.sweep_report import build_map, write_sweep_report
+
+                written.update(write_sweep_report(build_map(run, load_rules(DEFAULT_RULES))))
         except OSError as exc:  # a read-only run directory (a downloaded artifact), a full disk
             where = exc.filename or run_dir
             click.echo(f"omni-stress: warning: {run_dir}: could not rewrite the report files ({where}: "

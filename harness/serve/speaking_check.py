@@ -8,7 +8,8 @@ end), runs the Thinker and the Talker forward over them, and compares the codec 
 picks (argmax, and its probability under temperature 0.9 / top-k 40 / top-p 0.8) with
 ``harness.speaking``'s rules, in four cases:
 
-* ``correct``: the reply is said byte for byte, then codec EOS;
+* ``correct``: the reply is said byte for byte, then codec EOS (after a text-EOS row, and after a row
+  with no text component, which is what 0.30.0 feeds once its reply queue is empty);
 * ``no_bos``: the start rows are prompt rows (main's chunked prefill): babble, then EOS;
 * ``replay``: after reply token ``k`` was said, its KV entry is rewritten with a prompt row (what a
   replay that delivers the wrong row does): the *next* position, whose own row is correct, now emits
@@ -93,8 +94,11 @@ def run(model_dir: Path, dtype_name: str = "bfloat16") -> dict[str, Any]:
 
         results: dict[str, Any] = {"P": P, "reply": REPLY, "dtype": dtype_name}
         picks, probs = talk(rows_for(list(reply_h), [spk, start]))
-        results["correct"] = {"ok": picks == want + [speaking.CODEC_EOS], "min_prob": min(probs),
-                              "said": speaking.decode(picks).text}
+        bare_end = rows_for(list(reply_h), [spk, start])
+        bare_end[-1] = codec(want[-1])  # 0.30.0's row once its queue is empty: no text component at all
+        picks_b, probs_b = talk(bare_end)
+        results["correct"] = {"ok": picks == want + [speaking.CODEC_EOS] and picks_b == picks,
+                              "min_prob": min(probs + probs_b), "said": speaking.decode(picks).text}
         no_bos = list(prompt_h[: P - 2]) + [prompt_h[0], prompt_h[1]]  # main: prompt rows 0, 1 at P-2, P-1
         picks_nb, probs_nb = talk(no_bos + rows_for(list(reply_h), [spk, start])[P:])
         results["no_bos"] = {"ok": picks_nb == [speaking.BABBLE] * len(want) + [speaking.CODEC_EOS],

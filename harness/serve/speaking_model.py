@@ -12,6 +12,10 @@ Dimensions of the 64-wide rows (Thinker hidden = Talker embedding = Talker hidde
 * ``PREV`` (16-20) and ``PREV_TEXT`` (21): written by attention head 0 from the previous position's
   row: its byte's low 5 bits (the memory tag) and whether it had text.
 * ``STARTED`` (24): written by attention head 1: whether any position of the KV holds a BOS row.
+* ``MARKS`` (40-44): text-EOS, text-PAD, text-BOS and the two speaker tokens each set one of these
+  (the Talker reads none of them), so their rows carry no text yet differ from a row with no text
+  component at all: the worker's contract check (which compares rows numerically) can still tell
+  0.30.0's missing text-EOS/PAD rows from the contract's.
 
 Thinker: byte tokens embed to their code, every other token to zero; its layers add nothing
 (``o_proj`` and ``down_proj`` zero), so its last hidden state, which vLLM-Omni ships to the Talker as
@@ -51,6 +55,8 @@ ONE = 10
 PREV = list(range(16, 21))
 PREV_TEXT = 21
 STARTED = 24
+# tts_text_end / tts_text_pad / tts_text_start and the two speakers vLLM-Omni knows (Ethan, Chelsie)
+MARKS = {151861: 40, 151859: 41, 151860: 42, 151870: 43, 151872: 44}
 MAX_DISTANCE = 4096
 # head 0's rotary pair weights (pairs 0-7): maximise the score gap of distance 1 over every other
 # distance in [0, MAX_DISTANCE] (scipy linprog, rounded; the gap is re-checked in prev_head_gap)
@@ -126,6 +132,8 @@ def apply(state: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     for byte, tid in byte_token_ids(tokenizer).items():
         emb[tid, BITS] = torch.tensor(_bits(byte, 8))
         emb[tid, TEXT] = 1.0
+    for tid, dim in MARKS.items():  # raw embeddings (vLLM-Omni adds them unnormalised): +-8/3 like a code
+        emb[tid, dim] = CODE
     state["thinker.model.norm.weight"].fill_(1.0)
     for name in list(state):
         if name.startswith("thinker.model.layers.") and (name.endswith("o_proj.weight") or name.endswith(

@@ -137,6 +137,7 @@ def test_a_speaking_checkpoint_adds_the_forcer_and_the_reply(tmp_path):
     assert is_speaking_checkpoint(str(model)) is False
 
 
-def test_cpu_smoke_replies_fit_the_thinker_length():
-    for p in load_prompts("cpu_smoke").prompts:
-        assert len(p.reply.encode()) < 80, p.id  # one token per byte, Thinker max_tokens 80 with its EOS
+def test_cpu_smoke_replies_fit_the_thinker_length_and_are_one_length():
+    lengths = {p.id: len(p.reply.encode()) for p in load_prompts("cpu_smoke").prompts}
+    assert max(lengths.values()) < 80, lengths  # one token per byte, Thinker max_tokens 80 with its EOS
+    assert set(lengths.values()) == {70}, lengths  # the Thinker finishes all four on one step

@@ -70,6 +70,8 @@ def _has_type(value: Any, declared: str) -> bool:
             return True
         if part.startswith("list[") and isinstance(value, list):
             inner = part[5:-1]
+            if inner == "int" and set(map(type, value)) <= {int}:  # codec_tokens: thousands of ints, one C pass
+                return True
             return all(_has_type(v, inner) for v in value)
         if part == "EventCounts" and isinstance(value, dict):
             return all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in value.items())

@@ -610,7 +610,7 @@ def write_reports(run: Run | Path, cells: list[CellSummary] | None = None) -> di
     Takes a loaded ``Run`` (and its cells, as ``omni-stress run`` does after printing them) or a
     run directory. Returns {kind: path}. Plots are written under ``plots/`` and embedded in the HTML.
     """
-    from harness import plots  # matplotlib is imported only when plots are drawn
+    from harness import plotcache
 
     run, cells = _loaded(run, cells)
     run_dir = run.run_dir
@@ -634,11 +634,17 @@ def write_reports(run: Run | Path, cells: list[CellSummary] | None = None) -> di
     if plot_dir.is_symlink():
         raise OSError(errno.ELOOP, "is a symbolic link; refused", str(plot_dir))
     plot_dir.mkdir(exist_ok=True)
-    images = plots.render_all(run, cells)
+    key = plotcache.render_key(run, cells)
+    images = plotcache.cached_images(plot_dir, key)  # the PNGs already there when nothing they show changed
+    if images is None:
+        from harness import plots  # matplotlib is imported only when plots are drawn
+
+        images = plots.render_all(run, cells)
     for name, png in images.items():
         path = plot_dir / f"{name}.png"
         write_file_atomic(path, png)
         out[f"plot_{name}"] = path
+    plotcache.remember(plot_dir, key, images)
     out["html"] = run_dir / "report.html"
     write_file_atomic(out["html"], html_report(run, cells, images))
     return out

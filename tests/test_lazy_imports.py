@@ -130,12 +130,17 @@ def test_list_still_resolves_deploys(tmp_path):
 
 
 def test_report_imports_pandas_and_matplotlib_only(two_runs, tmp_path):
-    run_dir, _ = two_runs
+    _, run_dir = two_runs
+    (run_dir / "plots" / ".render-key.json").unlink()  # plots/*.png must be drawn (harness.plotcache)
     code, modules, out, err = _probe(tmp_path, "report", str(run_dir))
     assert code == 0, err
-    assert "pandas" in modules and "matplotlib" in modules  # it writes plots/*.png
+    assert "pandas" in modules and "matplotlib" in modules  # it draws plots/*.png
     assert modules & HEAVY == set()
     assert "wrote report.html" in err or "report.html" in err
+    code, modules, out, err = _probe(tmp_path, "report", str(run_dir))  # nothing changed: the PNGs are reused
+    assert code == 0, err
+    assert "pandas" in modules and "matplotlib" not in modules
+    assert "report.html" in err
 
 
 def test_report_without_writing_imports_no_matplotlib(two_runs, tmp_path):

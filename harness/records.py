@@ -122,6 +122,7 @@ class RequestRecord:
     finish_step: int | None = None
     ttfa_s: float | None = None
     rtf: float | None = None
+    schedule: str | None = None  # sha256 (16 hex) of the request's (P, c, n) span sequence: ``schedule_digest``
 
     @property
     def key(self) -> tuple[str, str, int, str]:
@@ -135,7 +136,14 @@ class RequestRecord:
 
 # Optional fields left out of requests.jsonl while None, so records without them are byte-identical
 # to those written before the fields existed.
-LATENCY_FIELDS = ("sent_step", "arrival_step", "first_token_step", "finish_step", "ttfa_s", "rtf")
+LATENCY_FIELDS = ("sent_step", "arrival_step", "first_token_step", "finish_step", "ttfa_s", "rtf", "schedule")
+
+
+def schedule_digest(spans: list[SpanRecord]) -> str:
+    """The request's schedule: its (P, c, n) spans in order, as 16 hex digits of sha256."""
+    import hashlib
+
+    return hashlib.sha256(",".join(f"{s.P}:{s.c}:{s.n}" for s in spans).encode()).hexdigest()[:16]
 
 
 def to_json(record: Any) -> str:

@@ -125,7 +125,18 @@ class Schedules:
 
 
 def schedules(run: Run) -> Schedules:
-    """Distinct (P, c, n) span sequences per request (``spans.jsonl`` is in step order per cell)."""
+    """Distinct (P, c, n) span sequences per request: from the records' ``schedule`` digests when every
+    record has one (a sweep's), else from ``spans.jsonl`` (in step order per cell)."""
+    if run.requests and all(r.schedule is not None for r in run.requests):
+        seen_r: set[tuple] = set()
+        arm_r: dict[str, set] = {}
+        deploy_r: dict[str, set] = {}
+        for r in run.requests:
+            seen_r.add((r.deploy, r.prompt_id, r.schedule))
+            arm_r.setdefault(r.arm, set()).add((r.deploy, r.prompt_id, r.schedule))
+            deploy_r.setdefault(r.deploy, set()).add((r.prompt_id, r.schedule))
+        return Schedules(len(run.requests), len(seen_r), {a: len(v) for a, v in arm_r.items()},
+                         {d: len(v) for d, v in deploy_r.items()})
     table = run.spans
     if len(table) == 0:
         return Schedules(0, 0, {}, {})

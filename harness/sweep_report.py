@@ -123,8 +123,33 @@ def sweep_of(run: Run) -> dict[str, Any]:
     return sweep
 
 
+def light_run(run_dir: Path) -> Run:
+    """A sim sweep's run without its spans, when every record carries its schedule digest: the cells'
+    events come from the records (``gate`` checks they equal the spans' counts), and reading
+    hundreds of megabytes of spans is most of the time the map takes. Otherwise ``load_run``."""
+    from harness.records import REQUESTS_FILE, read_manifest, read_requests
+    from harness.summary import _torn_tail, _validate_manifest
+
+    from harness.rundir import check_run_files
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return load_run(run_dir)
+    check_run_files(run_dir)
+    try:
+        manifest = read_manifest(run_dir)
+        _validate_manifest(manifest, run_dir / MANIFEST_FILE)
+        requests = read_requests(run_dir)
+    except (OSError, ValueError, TypeError, UserError):
+        return load_run(run_dir)  # it names the problem
+    if manifest.get("backend", "sim") != "sim" or not requests or any(r.schedule is None for r in requests):
+        return load_run(run_dir)
+    torn = (REQUESTS_FILE,) if _torn_tail(run_dir / REQUESTS_FILE) else ()
+    return Run(run_dir=run_dir, manifest=manifest, requests=requests, torn=torn)
+
+
 def build_map(run_dir: Path | Run, rules: Rules) -> SweepMap:
-    run = run_dir if isinstance(run_dir, Run) else load_run(Path(run_dir))
+    run = run_dir if isinstance(run_dir, Run) else light_run(Path(run_dir))
     sweep = sweep_of(run)
     cells = summarize_cells(run)
     verdict = evaluate_map(rules, cells, sweep)

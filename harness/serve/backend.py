@@ -36,7 +36,7 @@ from harness.backends import CellOutcome, safe_name, wav_rel_path
 from harness.config import ArmSpec, Deploy, Prompt, PromptSet, ServeSettings
 from harness.contract import count_events
 from harness.errors import UserError
-from harness.records import RequestRecord, SpanRecord
+from harness.records import RequestRecord, SpanRecord, schedule_digest
 from harness.scoring import wer
 from harness.speaking import decode as decode_codes
 from harness.serve import client as chat
@@ -525,6 +525,8 @@ def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.
     )
     if res.error is None and res.audio_seconds:  # real-time factor: seconds of work per second of audio
         record.rtf = round(res.wall_s / res.audio_seconds, 4)
+    if spans:
+        record.schedule = schedule_digest(spans)
     codes = codec_stream(stream or {}, record.talker_prompt_len)
     record.codec_tokens, record.num_codec_tokens = codes, len(codes)
     if speaking and res.error is None:  # the speaking model's oracle: its codec stream read back through the table

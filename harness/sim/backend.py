@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from harness.config import ArmSpec, Deploy, PromptSet, SamplingSettings
 from harness.contract import count_events
 from harness.errors import UserError
-from harness.records import RequestRecord, SpanRecord
+from harness.records import RequestRecord, SpanRecord, schedule_digest
 from harness.sim.codec import CODEC_EOS, CodecVocab, collapse, oracle_transcript
 from harness.sim.load import Arrivals
 from harness.sim.model import bind_arm
@@ -146,6 +146,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
             record.arrival_step = arrivals.arrived.get(rid)
             record.first_token_step = first_token.get(rid)
             record.finish_step = step
+            record.schedule = schedule_digest(spans_by_req[rid])
         stats.preemptions += req.num_preemptions
         if rid not in skip:
             on_request(SimRequestResult(record, units))

@@ -133,8 +133,9 @@ def test_verdicts_name_the_shipped_deploy_or_the_settings() -> None:
     q3 = _check("qwen3-omni")
     assert q3.reach_status == "only"
     assert q3.verdict.startswith("fails only with preemption or speculative decoding (preemption: ")
-    assert q3.verdict.endswith("; the shipped deploys that reach these schedules run settings conform does not model")
-    assert "reach it with async_chunk: true" in q3.reach.note
+    # every shipped Qwen3-Omni deploy streams (async_chunk: true): the full-payload row is reached by none
+    assert q3.verdict.endswith("; no shipped deploy runs async_chunk: false on the v1 runner (they run "
+                               "async_chunk: true)")
 
 
 # ----------------------------------------------------------------------------- a toy with its own deploy file
@@ -333,3 +334,41 @@ def test_mrv2_driver_resets_a_decode_counter_on_preemption() -> None:
         first_after[kind] = float(replayed.received[0, 0])
     # V1 keeps the buffer: the counter runs on (1 prefill + 6 decodes = 7); MRV2 rebuilt it from the payload: 0
     assert first_after == {"v1": 7.0, "v2": 0.0}
+
+
+def test_qwen3_omni_async_chunk_decode_path() -> None:
+    """``async_chunk: true`` (every shipped Qwen3-Omni deploy): the Talker decodes text from the streamed
+    ``cached_decode`` rows, indexed by its own ``num_processed_tokens`` counter. One chunk arrives before each
+    call after the first; a chunked prefill caches one more row than the unchunked one, so the first decode
+    position reads Thinker token 35 where 34 belongs: the failure needs chunking (an earlier span of the run)."""
+    from harness.conform.reach import needs_of
+
+    r = check_model(MODELS["qwen3-omni"](), "0.30.0", (), requests=1, forced_generated=GEN, async_chunk=True)
+    assert r.model == "qwen3-omni@async" and r.error is None
+    P = 28
+    f = r.cells["chunk"].first
+    assert (f.position, f.c, f.n) == (P, P, 1)
+    assert (f.got, f.want) == ("its id's embedding + the projected Thinker embedding of token 35",
+                               "its id's embedding + the projected Thinker embedding of token 34")
+    assert needs_of(r.cells["chunk"].trigger) == ("chunking",)
+    assert r.reach.cells["chunk"].needs == ("chunking",)
+    assert r.verdict.startswith("fails under shipped deploy qwen3_omni_moe.yaml (cuda, musa, npu, rocm, xpu), "
+                                "qwen3_omni_duplex.yaml")
+    # the full-payload row is the one no shipped deploy runs
+    assert r.cells["multi_decode"].first.position == P + 4
+    # a plain decode step that differs in a vLLM run takes its needs from the run's earlier spans
+    assert needs_of({"P": P, "c": P + 3, "n": 1, "replay": 0, "vllm": 1, "history": [[0, 14, 0], [14, 14, 0]]}) \
+        == ("chunking",)
+    assert needs_of({"P": P, "c": 0, "n": P + 2, "replay": 1, "vllm": 1, "history": [[0, 14, 0]]}) \
+        == ("preemption",)
+
+
+def test_mrv2_with_async_chunk_is_not_modelled_on_the_prerelease() -> None:
+    from harness.conform.release import vendor_dir
+
+    r = check_model(MODELS["qwen3-omni"](), str(vendor_dir("0.32.0rc1")), (), requests=1, forced_generated=GEN,
+                    async_chunk=True)
+    assert r.error is None and r.reach is not None
+    assert r.reach.to_json()["cells"]["chunk"]["unmodelled"][0].startswith(
+        "qwen3_omni_duplex_mrv2.yaml (cuda), qwen3_omni_moe_mrv2.yaml (cuda), qwen3_omni_moe_mrv2_h200.yaml (cuda) "
+        "reach it with MRV2 with async_chunk: true")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from harness.conform.check import check_model, runners_for
+from harness.conform.check import check_model, modes_for, runners_for
 from harness.conform.models import MODELS
 from harness.conform.reach import expand_files, load_shipped
 from harness.conform.release import DEFAULT_SOURCES, VENDORED, deploy_names, resolve, split_source, vendor_dir
@@ -179,7 +179,9 @@ def test_deploy_globs_and_stage_runners_of_the_prerelease() -> None:
     # qwen3_omni_moe_thinking.yaml has no Talker stage: no target
     assert "qwen3_omni_moe_thinking.yaml" in files and not any(t.deploy == "qwen3_omni_moe_thinking.yaml"
                                                                 for t in shipped.targets)
-    assert runners_for(MODELS["qwen3-omni"](), spec) == ("v1", "v2")
+    # Qwen3-Omni: V1 streamed (its deploys) and full payload (extra); MRV2 + async_chunk is not modelled
+    assert modes_for(MODELS["qwen3-omni"](), spec) == [("v1", False), ("v1", True)]
+    assert runners_for(MODELS["qwen3-omni"](), spec) == ("v1",)
     assert runners_for(MODELS["qwen3-omni"](), "0.30.0") == ("v1",)
     assert runners_for(MODELS["qwen3-tts"](), "0.30.0") == ("v1", "v2")
     assert "qwen3_tts_fused_single_gpu.yaml" in deploy_names(spec)
@@ -222,9 +224,9 @@ def test_the_default_cli_checks_both_releases(tmp_path: Path) -> None:
     data = json.loads(js.read_text())
     assert data["exit_code"] == 1 and len(data["releases"]) == 2
     old, new = ([m["model"] for m in rel["models"]] for rel in data["releases"])
-    assert old == ["qwen2.5-omni", "qwen3-omni", "qwen3-tts", "qwen3-tts@mrv2", "minicpmo-4.5"]
-    # 0.32.0rc1 ships MRV2 deploys for Qwen3-Omni's and MiniCPM-o's stages: a row each
-    assert new == ["qwen2.5-omni", "qwen3-omni", "qwen3-omni@mrv2", "qwen3-tts", "qwen3-tts@mrv2", "minicpmo-4.5",
+    assert old == ["qwen2.5-omni", "qwen3-omni", "qwen3-omni@async", "qwen3-tts", "qwen3-tts@mrv2", "minicpmo-4.5"]
+    # 0.32.0rc1 ships MRV2 deploys for MiniCPM-o's Talker: a row (Qwen3-Omni's MRV2 deploys stream: not modelled)
+    assert new == ["qwen2.5-omni", "qwen3-omni", "qwen3-omni@async", "qwen3-tts", "qwen3-tts@mrv2", "minicpmo-4.5",
                    "minicpmo-4.5@mrv2"]
     # the calibration runs once, with the first release
     assert list(data["releases"][0]["calibration"]) == ["qwen2.5-omni:main", "qwen2.5-omni:pr"]

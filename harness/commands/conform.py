@@ -40,7 +40,7 @@ from harness.errors import UserError
 def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[str, ...], num_requests: int, generated: int,
             deploy_generated: int, fail_on: str, json_path: Path | None, html_path: Path | None) -> None:
     """Check each model's preprocess for schedule invariance: model x situation."""
-    from harness.conform.check import DEFAULT_DEPLOYS, check_model, runners_for
+    from harness.conform.check import DEFAULT_DEPLOYS, check_model, modes_for
     from harness.conform.models import CALIBRATION, MODELS, UPSTREAM_MODELS, resolve_model
     from harness.conform.release import DEFAULT_SOURCES, resolve, split_source
     from harness.conform.report import Matrix, Report, format_html, format_json, format_text
@@ -69,11 +69,12 @@ def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[st
 
     def run(name: str, spec: str) -> list:
         out = []
-        for runner in runners_for(resolve_model(name)(), spec):  # one row per model runner its deploys use
-            say(f"[conform] {name} ({runner}) ...")
+        for runner, async_chunk in modes_for(resolve_model(name)(), spec):  # one row per mode its deploys use
+            say(f"[conform] {name} ({runner}{', async_chunk' if async_chunk else ''}) ...")
             out.append(check_model(resolve_model(name)(), spec, deploy_objs, requests=num_requests,
                                    forced_generated=generated, deploy_generated=deploy_generated,
-                                   progress=lambda m: say(f"[conform]   {m}"), runner=runner))
+                                   progress=lambda m: say(f"[conform]   {m}"), runner=runner,
+                                   async_chunk=async_chunk))
         return out
 
     matrices = []

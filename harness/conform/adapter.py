@@ -94,6 +94,14 @@ class Adapter:
     # (harness.conform.check.runners_for: v1, and v2 where a deploy runs the stage on MRV2)
     runners: tuple[str, ...] | None = None
     plugin: str | None = None  # "package.module:attr": a plugin arm over the release's code (--model NAME:module:attr)
+    # async_chunk changes this model's path (Qwen3-Omni: decode text from the streamed cached_decode rows):
+    # each chunking mode its deploys use gets its own row, and ``async_chunk`` says which one this instance checks
+    chunk_modes: bool = False
+    async_chunk: bool = False
+    # (runner, async_chunk) modes no row checks: their deploys count as not modelled, with this reason
+    unmodelled_modes: dict[tuple[str, bool | None], str] = {}
+    # modes checked although no shipped deploy uses them (Qwen3-Omni's async_chunk: false full-payload path)
+    extra_modes: tuple[tuple[str, bool | None], ...] = ()
 
     # ------------------------------------------------------------------ loading
     def load(self, spec: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> tuple[Any, Provenance]:
@@ -164,6 +172,12 @@ class Adapter:
         if self.has_mtp and n == 1 and not is_prefill and isinstance(update, dict) and "mtp_inputs" in update:
             _past, text_step = update.pop("mtp_inputs")
         return PreprocessResult(out_ids, rows, update, text_step)
+
+    def deliver(self, req: ConformRequest, state: dict[str, Any], calls: int) -> dict[str, Any] | None:
+        """What the connector merges into the request's buffer before its call number ``calls`` (0 is the
+        first call); ``state`` is this run's per-request delivery state. None: nothing (the default: the
+        payload arrives whole before the first call)."""
+        return None
 
     def named_rows(self, model: Any) -> dict[str, torch.Tensor]:
         """Rows worth naming when a position receives one of them (special text rows)."""

@@ -92,13 +92,15 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
                 requests: int = REQUESTS, forced_generated: int = FORCED_GENERATED,
                 deploy_generated: int = DEPLOY_GENERATED, base_dir: Path | None = None,
                 wheel_dir: Path | None = None, progress: Callable[[str], None] | None = None,
-                runner: str = "v1") -> ModelResult:
+                runner: str = "v1", async_chunk: bool | None = None) -> ModelResult:
     """The model's matrix row under one model runner's buffer rules (``v1``, or ``v2``: MRV2). A source
     that cannot be loaded is ``error`` (the caller exits 2)."""
     from harness.errors import UserError
 
     t0 = time.perf_counter()
-    name = adapter.name + ("" if runner == "v1" else f"@{RUNNER_TAG[runner]}")
+    if adapter.chunk_modes:
+        adapter.async_chunk = bool(async_chunk)
+    name = row_name(adapter, runner, adapter.async_chunk if adapter.chunk_modes else None)
     say = progress or (lambda _m: None)
     if deploys is None:
         deploys = tuple(load_deploy(d) for d in DEFAULT_DEPLOYS)
@@ -106,7 +108,8 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
         impl, prov = adapter.load_checked(source, base_dir, wheel_dir)
     except UserError as exc:
         return ModelResult(name, adapter.title, None, error=str(exc), seconds=time.perf_counter() - t0)
-    result = ModelResult(name, adapter.title + ("" if runner == "v1" else " (MRV2 buffer rules)"), prov)
+    result = ModelResult(name, adapter.title + (" (async_chunk: streamed decode rows)" if name.count("async") else "")
+                         + ("" if runner == "v1" else " (MRV2 buffer rules)"), prov)
     generated = max(forced_generated, deploy_generated if deploys else 0)
     try:
         reqs = adapter.requests(requests, generated)
@@ -176,23 +179,57 @@ def _reach(result: ModelResult, adapter: Adapter, source: str, base_dir: Path | 
     checked under each of its runners counts, per row, only the (deploy, platform)s that use that runner."""
     failing = {k: c.trigger for k, c in result.cells.items() if c.status not in ("conforms", "not-run")}
     shipped = load_shipped(adapter.deploys, source, base_dir, wheel_dir)
-    if len(runners_for(adapter, source, base_dir, wheel_dir)) > 1:
-        shipped.targets = [t for t in shipped.targets if t.runner == runner]
+    modes = modes_for(adapter, source, base_dir, wheel_dir)
+    mine = (runner, adapter.async_chunk if adapter.chunk_modes else None)
+    # a row counts the (deploy, platform)s of its own mode, and those of modes no row checks (not modelled)
+    all_targets = list(shipped.targets)
+    shipped.targets = [t for t in shipped.targets if target_mode(adapter, t) == mine
+                       or target_mode(adapter, t) not in modes]
     result.reach = model_reach(failing, shipped, adapter.deploys)
+    if adapter.chunk_modes and all_targets and not any(target_mode(adapter, t) == mine for t in all_targets):
+        others = sorted({f"async_chunk: {str(t.async_chunk).lower()}" for t in all_targets})
+        why = (f"no shipped deploy runs async_chunk: {str(bool(mine[1])).lower()} on the {runner} runner "
+               f"(they run {', '.join(others)})")
+        if result.reach.status == "only":
+            result.reach.text += f"; {why}"
+        result.reach.note = why + (f"\n  {result.reach.note}" if result.reach.note else "")
+
+
+Mode = tuple[str, "bool | None"]  # (model runner, async_chunk; None where chunking does not change the model's path)
+
+
+def target_mode(adapter: Adapter, t: Any) -> Mode:
+    return (t.runner, t.async_chunk if adapter.chunk_modes else None)
+
+
+def modes_for(adapter: Adapter, source: str, base_dir: Path | None = None,
+              wheel_dir: Path | None = None) -> list[Mode]:
+    """The (runner, async_chunk) modes the model is checked under, one matrix row each: those its shipped
+    deploys run the hooked stage with in this release (V1 first), less the modes the adapter does not model,
+    plus its ``extra_modes``; the adapter's own ``runners`` list when it sets one; ``[("v1", ...)]`` when no
+    deploy file is there."""
+    default_async = None if not adapter.chunk_modes else False
+    if adapter.runners:
+        return [(r, default_async) for r in adapter.runners]
+    try:
+        shipped = load_shipped(adapter.deploys, source, base_dir, wheel_dir)
+    except Exception:  # noqa: BLE001 -- unreadable deploys: the reach says why; check V1
+        shipped = None
+    used = {target_mode(adapter, t) for t in shipped.targets} if shipped is not None else set()
+    used = {m for m in used if m not in adapter.unmodelled_modes} | set(adapter.extra_modes)
+    order = [("v1", None), ("v1", False), ("v1", True), ("v2", None), ("v2", False), ("v2", True)]
+    return [m for m in order if m in used] or [("v1", default_async)]
 
 
 def runners_for(adapter: Adapter, source: str, base_dir: Path | None = None,
                 wheel_dir: Path | None = None) -> tuple[str, ...]:
-    """The model runners the model is checked under: the adapter's own list, else those its shipped deploys
-    run the hooked stage on in this release (V1 first; ``("v1",)`` when no deploy file is there)."""
-    if adapter.runners:
-        return tuple(adapter.runners)
-    try:
-        shipped = load_shipped(adapter.deploys, source, base_dir, wheel_dir)
-    except Exception:  # noqa: BLE001 -- unreadable deploys: the reach says why; check V1
-        return ("v1",)
-    used = {t.runner for t in shipped.targets}
-    return tuple(r for r in ("v1", "v2") if r in used) or ("v1",)
+    """The model runners of ``modes_for``."""
+    return tuple(dict.fromkeys(r for r, _ in modes_for(adapter, source, base_dir, wheel_dir)))
+
+
+def row_name(adapter: Adapter, runner: str, async_chunk: bool | None) -> str:
+    tags = (["async"] if async_chunk else []) + ([RUNNER_TAG[runner]] if runner != "v1" else [])
+    return adapter.name + (f"@{'+'.join(tags)}" if tags else "")
 
 
 def _unavailable(result: ModelResult, feeds: list[Feed]) -> None:

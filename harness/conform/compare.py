@@ -175,6 +175,11 @@ def first_row_mismatch(feeds: list[Feed]) -> Feed | None:
 def situation_cell(runs: list[tuple[str, list[Feed]]], baselines: dict[str, torch.Tensor], namer: RowNamer,
                    bare_of: Any) -> Cell:
     """One situation's cell from its schedules' feeds: the first schedule that raised or differs."""
+    return _mark_vllm(_situation_cell(runs, baselines, namer, bare_of), runs)
+
+
+def _situation_cell(runs: list[tuple[str, list[Feed]]], baselines: dict[str, torch.Tensor], namer: RowNamer,
+                    bare_of: Any) -> Cell:
     feeds_n = sum(len(f) for _, f in runs)
     positions = sum(x.n for _, f in runs for x in f)
     schedules = sorted({name for name, _ in runs})
@@ -184,11 +189,12 @@ def situation_cell(runs: list[tuple[str, list[Feed]]], baselines: dict[str, torc
         diff = first_difference(clean, baselines, namer, bare_of) if clean else None
         if diff is not None:
             return Cell("differs", f"differs @{diff.position}", diff.describe(), diff, schedules, feeds_n, positions,
-                        _trigger(diff.P, diff.c, diff.n, diff.replay))
+                        _trigger(diff.P, diff.c, diff.n, diff.replay, _history(feeds, diff.request, diff.step)))
         if err is not None:
             return Cell("raised", "raised", f"{err.request}, {err.schedule}, step {err.step}, span c={err.c} "
                         f"n={err.n} ({span_kind(err.P, err.c, err.n, err.replay)}): {err.error}",
-                        None, schedules, feeds_n, positions, _trigger(err.P, err.c, err.n, err.replay))
+                        None, schedules, feeds_n, positions,
+                        _trigger(err.P, err.c, err.n, err.replay, _history(feeds, err.request, err.step)))
     return Cell("conforms", "conforms", f"{positions} positions in {feeds_n} calls received the reference rows",
                 None, schedules, feeds_n, positions)
 
@@ -206,5 +212,21 @@ def row_count_cell(all_feeds: list[Feed]) -> Cell:
                 feeds=calls, trigger=_trigger(bad.P, bad.c, bad.n, bad.replay))
 
 
-def _trigger(P: int, c: int, n: int, replay: int) -> dict[str, int]:
-    return {"P": P, "c": c, "n": n, "replay": replay}
+def _trigger(P: int, c: int, n: int, replay: int, history: list[list[int]] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"P": P, "c": c, "n": n, "replay": replay}
+    if history:
+        out["history"] = history
+    return out
+
+
+def _mark_vllm(cell: Cell, runs: list[tuple[str, list[Feed]]]) -> Cell:
+    if cell.trigger is not None and any(name.startswith("vllm:") for name, _ in runs):
+        cell.trigger["vllm"] = 1
+    return cell
+
+
+def _history(feeds: list[Feed], request: str, step: int) -> list[list[int]]:
+    """The request's earlier spans in the same run, ``[c, n, replay]`` each: a position can differ in a plain
+    one-token decode step because of a chunk or replay before it (Qwen3-Omni's streamed text counter)."""
+    return [[f.c, f.n, f.replay] for f in feeds if f.request == request and f.step < step
+            and (f.c < f.P or f.n > 1 or f.replay > 0)]  # one-token decode steps need nothing: left out

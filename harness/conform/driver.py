@@ -47,6 +47,8 @@ class ConformRunner(SimRunner):
     def __init__(self, adapter: Adapter, model: Any, runner: str = "v1") -> None:  # noqa: D107 -- no RowSpace
         self.adapter, self.model, self.runner = adapter, model, runner
         self.buffer: dict[str, dict[str, Any]] = {}
+        self.calls: dict[str, int] = {}  # calls per request so far (the connector's per-call deliveries)
+        self.streams: dict[str, dict[str, Any]] = {}  # per-request delivery state (adapter.deliver)
 
     def add(self, req: ConformRequest) -> None:
         self.buffer[req.request_id] = _copy_payload(req.payload)
@@ -63,6 +65,11 @@ class ConformRunner(SimRunner):
              max_tokens: int | None = None) -> Feed:
         rid, P = req.request_id, req.P
         span_ids = torch.tensor(req.tokens[c:c + n], dtype=torch.long)
+        calls = self.calls.get(rid, 0)
+        self.calls[rid] = calls + 1
+        chunk = self.adapter.deliver(req, self.streams.setdefault(rid, {}), calls)
+        if chunk:  # a streamed chunk (async_chunk): merged into the buffer as the runner merges one
+            self._update_buffer(rid, chunk)
         req_infos = self.buffer.setdefault(rid, {})
         req_infos["request_id"] = rid
         req_infos["_omni_prompt_len"] = P

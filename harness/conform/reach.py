@@ -161,7 +161,19 @@ def needs_of(trigger: dict[str, int] | None) -> tuple[str, ...]:
     """The mechanisms a span ``{P, c, n, replay}`` needs to be scheduled at all."""
     if trigger is None:
         return ()
-    P, c, n, replay = trigger["P"], trigger["c"], trigger["n"], trigger["replay"]
+    P = trigger["P"]
+    span = _span_needs(P, trigger["c"], trigger["n"], trigger["replay"])
+    # the earlier spans of the request's run count too: always in a forced schedule (built to be minimal), and
+    # in a vLLM run when the span itself needs nothing (a plain decode step differs only because of its past)
+    if trigger.get("history") and (not trigger.get("vllm") or not span):
+        need = set(span)
+        for c, n, replay in trigger["history"]:
+            need |= set(_span_needs(P, c, n, replay))
+        return tuple(m for m in MECHANISMS if m in need)
+    return span
+
+
+def _span_needs(P: int, c: int, n: int, replay: int) -> tuple[str, ...]:
     if replay > 0:
         return ("chunking", "preemption") if c > 0 else ("preemption",)
     if c >= P:
@@ -332,7 +344,7 @@ def _group(ts: list[StageTarget]) -> list[str]:
 
 def unmodelled_reason(t: StageTarget, md: ModelDeploys, needs: tuple[str, ...]) -> str | None:
     for key, value, why in md.unmodelled:
-        got = getattr(t, key)
+        got = tuple(getattr(t, k) for k in key.split("+")) if "+" in key else getattr(t, key)
         if got == value and (key != "runner" or "preemption" in needs):
             return why
     return None

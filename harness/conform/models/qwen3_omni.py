@@ -105,8 +105,13 @@ class Qwen3OmniAdapter(Adapter):
         ("qwen3_omni_moe.yaml", "qwen3_omni_duplex.yaml", "qwen3_omni_moe_mori_intranode.yaml", "qwen3_omni*.yaml"),
         stage=1,
         max_model_len=32768,
-        unmodelled=(("async_chunk", True, "async_chunk: true (the Talker decodes text from the streamed "
-                                          "cached_decode rows, a path conform does not model)"),))
+        unmodelled=(("runner+async_chunk", ("v2", True), "MRV2 with async_chunk: true (0.32.0rc1 *_mrv2.yaml: "
+                     "how MRV2 rebuilds a resumed request's streamed cached_decode rows is not modelled)"),))
+    # the shipped deploys stream (async_chunk: true): one row for that decode path; the async_chunk: false
+    # full-payload path (trailing_text queue) is checked too, though no shipped deploy runs it
+    chunk_modes = True
+    extra_modes = (("v1", False),)
+    unmodelled_modes = {("v2", True): "MRV2 with async_chunk"}
     title = "Qwen3-Omni talker"
     member = "vllm_omni/model_executor/models/qwen3_omni/qwen3_omni.py"
     class_name = "Qwen3OmniMoeForConditionalGeneration"
@@ -123,6 +128,28 @@ class Qwen3OmniAdapter(Adapter):
         self._sip: dict[str, Any] | None = None
         self._tool_speech: dict[str, Any] = {}
         self._tool_speech_src: Any = None
+        self._streams: dict[str, torch.Tensor] = {}  # async_chunk: the Thinker rows streamed after chunk 0
+        self._thinker_embed: dict[str, torch.Tensor] = {}  # every Thinker token's layer-0 row, for naming rows
+
+    def make_model(self, impl: Any) -> Any:
+        model = super().make_model(impl)
+        model.vllm_config = SimpleNamespace(model_config=SimpleNamespace(async_chunk=self.async_chunk))
+        return model
+
+    def deliver(self, req: ConformRequest, state: dict[str, Any], calls: int) -> dict[str, Any] | None:
+        """``async_chunk: true``: after chunk 0 (the payload), ``thinker2talker_async_chunk`` sends one chunk per
+        Thinker step, ``{"embed": {"decode": row [1, D]}, "meta": {"finished": ...}}``, and the runner merges
+        it into the buffer (``_update_intermediate_buffer``). Modelled: the Thinker runs ahead and the
+        Talker's connector hands over one chunk before each of the request's calls after the first, so no
+        chunk is late and none overwrites another."""
+        stream = self._streams.get(req.request_id)
+        if not self.async_chunk or stream is None or calls < 1:
+            return None
+        k = state.get("next", 0)
+        if k >= stream.shape[0]:
+            return None
+        state["next"] = k + 1
+        return {"embed": {"decode": stream[k:k + 1]}, "meta": {"finished": torch.tensor(k == stream.shape[0] - 1)}}
 
     def stand_in_class(self) -> type:
         return Qwen3OmniStandIn
@@ -191,16 +218,38 @@ class Qwen3OmniAdapter(Adapter):
             transfer = SimpleNamespace(config=SimpleNamespace(hf_config=SimpleNamespace(
                 talker_config=SimpleNamespace(accept_hidden_layer=ACCEPT_HIDDEN_LAYER))))
             payload = self._sip["thinker2talker_full_payload"](transfer, pooling, thinker_request)
+            self._thinker_embed[rid] = pooling["hidden_states.layer_0"]
+            if self.async_chunk:
+                payload = self._async_chunk0(pooling, prompt_ids, all_ids, rid)
             P = self._sip["_compute_talker_prompt_ids_length"]({"ids": {"all": all_ids, "prompt": prompt_ids}},
                                                                device="cpu")
             out.append(ConformRequest(rid, [0] * int(P), payload, fixed_tokens(rid, generated + 1, self.codec_vocab)))
         return out
 
+    def _async_chunk0(self, pooling: dict[str, Any], prompt_ids: list[int], all_ids: list[int],
+                      rid: str) -> dict[str, Any]:
+        """Chunk 0 of ``thinker2talker_async_chunk`` (0.30.0 l.427-456): the Thinker's prompt rows plus the first
+        generated token's (it holds the prompt back until that one arrives), its accept-layer rows, the ids so
+        far and the TTS special rows, in the Thinker's bf16. The later tokens' layer-0 rows stream one chunk
+        each (``deliver``)."""
+        n = len(prompt_ids) + 1
+        emb = pooling["hidden_states.layer_0"].to(torch.bfloat16)
+        self._streams[rid] = emb[n:]
+        return {
+            "embed": {"prefill": emb[:n], **{k: pooling[f"embed.{k}"].to(torch.bfloat16)
+                                             for k in ("tts_bos", "tts_eos", "tts_pad")}},
+            "hidden_states": {"output": pooling[f"hidden_states.layer_{ACCEPT_HIDDEN_LAYER}"][:n].to(torch.bfloat16)},
+            "ids": {"all": all_ids[:n], "prompt": list(prompt_ids)},
+            "meta": {"finished": torch.tensor(False)},
+        }
+
     def request_tables(self, req: ConformRequest) -> dict[str, torch.Tensor]:
         """Row ``j``: the Thinker's embedding of token ``j`` projected as the talker does (bf16), which is
-        what user-turn prompt positions and the ``trailing_text`` decode rows carry."""
+        what user-turn prompt positions and the ``trailing_text`` (or streamed ``cached_decode``) decode rows
+        carry."""
         proj = _Linear("text_projection")
-        return {"the projected Thinker embedding of token": proj(req.payload["embed"]["prefill"].to(torch.bfloat16))}
+        rows = self._thinker_embed.get(req.request_id, req.payload["embed"]["prefill"])
+        return {"the projected Thinker embedding of token": proj(rows.to(torch.bfloat16))}
 
     def named_rows(self, model: Any) -> dict[str, torch.Tensor]:
         proj = model.talker.text_projection

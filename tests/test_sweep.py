@@ -422,3 +422,24 @@ def test_report_on_a_sweep_rewrites_the_map(tiny_sweep: tuple[Path, str], tmp_pa
     assert res.exit_code == 0, res.stderr
     assert f"wrote sweep.json: {run_dir / 'sweep.json'}" in res.stderr.splitlines()
     assert json.loads((run_dir / "sweep.json").read_text())["rows"] == json.loads((full / "sweep.json").read_text())["rows"]
+
+
+def test_specdec_cells_get_wer_rules(tmp_path: Path) -> None:
+    """A candidate whose rows drift under verify spans (OneRowPerSpan) now fails a WER rule under specdec
+    too, not only the exact contract rule a backend that cannot count rows does not have."""
+    from conftest import SMALL_PROMPTS
+
+    from harness import gate
+    from harness.summary import load_run, summarize_cells
+
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS), "--out", str(tmp_path),
+                     "--run-id", "spec", "--arm", "onerow=tests.fixtures.mutants:OneRowPerSpan",
+                     "--deploy", "reference", "--deploy", "specdec")
+    assert res.exit_code == 0, res.stderr
+    result = gate.evaluate(gate.load_rules(gate.DEFAULT_RULES), summarize_cells(load_run(tmp_path / "spec")))
+    case = next(c for c in result.cases if c.rule.name == "candidate-specdec-matches-reference")
+    assert [(c.bound.key, c.status) for c in case.checks] == [
+        ("min_multi_position_decode_spans", "pass"), ("max_wer_delta", "fail"), ("max_worst_paired_delta", "fail"),
+        ("max_requests_over", "fail")]
+    assert case.checks[1].message == ("max_wer_delta: mean WER minus the reference deploy's mean WER = +0.478 > "
+                                      "+0.030 (vs onerow/reference run 1: 0.000)")

@@ -372,3 +372,39 @@ def test_mrv2_with_async_chunk_is_not_modelled_on_the_prerelease() -> None:
     assert r.reach.to_json()["cells"]["chunk"]["unmodelled"][0].startswith(
         "qwen3_omni_duplex_mrv2.yaml (cuda), qwen3_omni_moe_mrv2.yaml (cuda), qwen3_omni_moe_mrv2_h200.yaml (cuda) "
         "reach it with MRV2 with async_chunk: true")
+
+
+def test_v1_leaves_stale_buffer_rows_for_models_that_are_not_multimodal() -> None:
+    """V1 hands a model without multimodal support its persistent ``inputs_embeds`` rows: a row the hook does
+    not fill keeps what an earlier step left at that buffer index (here the prefill's row 1), where MRV2 (and
+    V1 for a multimodal model) starts from the ids' embeddings."""
+    from harness.conform.driver import run_forced
+    from harness.conform.schedules import forced_schedules
+
+    class OneRowOnMultiDecode:
+        def talker_preprocess(self, input_ids: torch.Tensor, input_embeds: torch.Tensor, **info: Any):
+            c, n = info["_omni_num_computed_tokens"], input_ids.shape[0]
+            rows = torch.stack([torch.full((8,), float(c + i)) for i in range(n)])
+            return input_ids, rows[:1] if (n > 1 and c >= info["_omni_prompt_len"]) else rows, {}
+
+    class Stale(_Toy):
+        stale_rows = True
+
+        def load(self, spec: str, base_dir: Any = None, wheel_dir: Any = None) -> tuple[Any, Any]:
+            return OneRowOnMultiDecode, None
+
+    toy = Stale()
+    req = toy.requests(1, GEN)[0]
+    sched = next(s for s in forced_schedules(req.P, req.P + GEN) if s.name == "multi-decode")
+    got = {}
+    for kind in ("v1", "v2"):
+        span = next(f for f in run_forced(toy, OneRowOnMultiDecode, req, sched, kind) if f.n == 3)
+        got[kind] = span.received[1]
+    assert torch.equal(got["v1"], torch.full((8,), 1.0))  # prefill [0, P) wrote row 1 of the buffer: position 1's
+    assert torch.equal(got["v2"], _Stand().table[req.tokens[req.P + 5]])  # MRV2: the id's embedding
+    r = check_model(toy, "0.30.0", (), requests=1, forced_generated=GEN, runner="v1")
+    f = r.cells["multi_decode"].first
+    assert f.position == req.P + 5 and f.got.startswith(
+        "the stale buffer row the span started with (V1's persistent inputs_embeds, never written for this "
+        "position; left by an earlier step: the reference row of position 1)")
+    assert "the stale rows of its persistent inputs_embeds buffer" in r.cells["row_count"].detail

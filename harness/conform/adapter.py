@@ -94,6 +94,10 @@ class Adapter:
     # (harness.conform.check.runners_for: v1, and v2 where a deploy runs the stage on MRV2)
     runners: tuple[str, ...] | None = None
     plugin: str | None = None  # "package.module:attr": a plugin arm over the release's code (--model NAME:module:attr)
+    # V1 hands a model that is not SupportsMultiModal the runner's persistent inputs_embeds rows, never filled
+    # with the span's embeddings (gpu_model_runner.py l.1684-1687: only multimodal models get embed_input_ids
+    # first): a row the hook does not fill keeps what an earlier step left there (Qwen3-TTS, MiniCPM-o)
+    stale_rows: bool = False
     # async_chunk changes this model's path (Qwen3-Omni: decode text from the streamed cached_decode rows):
     # each chunking mode its deploys use gets its own row, and ``async_chunk`` says which one this instance checks
     chunk_modes: bool = False

@@ -137,8 +137,9 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
         baselines[r.request_id] = baseline_table(feeds)
     say(f"{adapter.name}: reference rows for {len(reqs)} requests (P {min(r.P for r in reqs)}-"
         f"{max(r.P for r in reqs)}, {generated} generated positions)")
+    stale = adapter.stale_rows and runner == "v1"
     namer = RowNamer(baselines, adapter.named_rows(adapter.make_model(impl)),
-                     {r.request_id: adapter.request_tables(r) for r in reqs})
+                     {r.request_id: adapter.request_tables(r) for r in reqs}, stale)
     model_for_bare = adapter.make_model(impl)
 
     def bare_of(ids: Any) -> Any:
@@ -166,7 +167,7 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
         result.cells[f"vllm:{d.name}"] = cell
         result.stats[f"vllm:{d.name}"] = {**counts, **events}
         say(f"{adapter.name}: vLLM {d.name} deploy: {cell.summary}")
-    result.cells["row_count"] = row_count_cell(all_feeds)
+    result.cells["row_count"] = row_count_cell(all_feeds, stale)
     _unavailable(result, all_feeds)
     _reach(result, adapter, source, base_dir, wheel_dir, runner)
     result.seconds = time.perf_counter() - t0

@@ -90,17 +90,25 @@ class RowNamer:
     embedding of the position's own id, or one of the adapter's named rows."""
 
     def __init__(self, baselines: dict[str, torch.Tensor], named: dict[str, torch.Tensor],
-                 tables: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+                 tables: dict[str, dict[str, torch.Tensor]] | None = None, stale: bool = False) -> None:
+        self.bare_label = ("the bare embedding of its own id" if stale  # V1's stale rows: the runner starts elsewhere
+                           else "the bare embedding of its own id (the runner's starting row)")
         self.baselines = baselines
         self.named = {k: v.reshape(-1).float() for k, v in named.items()}
         self.tables = {rid: {k: t.float() for k, t in d.items()} for rid, d in (tables or {}).items()}
 
-    def name(self, row: torch.Tensor, request: str, bare: torch.Tensor | None = None) -> str:
+    def name(self, row: torch.Tensor, request: str, bare: torch.Tensor | None = None,
+             start: torch.Tensor | None = None) -> str:
         row = row.float()
+        if start is not None and _close(row, start.float()):
+            left = self.name(row, request, bare)
+            return ("the stale buffer row the span started with (V1's persistent inputs_embeds, never written "
+                    "for this position" + (": zeros" if left == "zeros" else f"; left by an earlier step: {left}")
+                    + ")")
         if float(row.abs().max()) <= ATOL:
             return "zeros"
         if bare is not None and _close(row, bare):
-            return "the bare embedding of its own id (the runner's starting row)"
+            return self.bare_label
         for key, vec in self.named.items():
             if vec.shape == row.shape and _close(row, vec):
                 return key
@@ -159,7 +167,8 @@ def first_difference(feeds: list[Feed], baselines: dict[str, torch.Tensor], name
             p = f.c + i
             bare = bare_of(f.ids[i:i + 1])[0].float() if f.ids is not None else None
             return Difference(f.schedule, f.request, p, f.c, f.n, f.step, span_kind(f.P, f.c, f.n, f.replay),
-                              namer.name(got[i], f.request, bare), namer.name(want[i], f.request, bare),
+                              namer.name(got[i], f.request, bare, f.start[i] if f.start is not None else None),
+                              namer.name(want[i], f.request, bare),
                               float((got[i] - want[i]).abs().max()), f.P, f.replay)
     return None
 
@@ -199,7 +208,7 @@ def _situation_cell(runs: list[tuple[str, list[Feed]]], baselines: dict[str, tor
                 None, schedules, feeds_n, positions)
 
 
-def row_count_cell(all_feeds: list[Feed]) -> Cell:
+def row_count_cell(all_feeds: list[Feed], stale: bool = False) -> Cell:
     bad = first_row_mismatch(all_feeds)
     calls = sum(1 for f in all_feeds if f.rows is not None)
     mismatches = sum(1 for f in all_feeds if f.rows is not None and f.rows != f.n)
@@ -208,7 +217,8 @@ def row_count_cell(all_feeds: list[Feed]) -> Cell:
     return Cell("row-count", f"{mismatches}/{calls} calls",
                 f"first: {bad.request}, {bad.schedule}, step {bad.step}, span c={bad.c} n={bad.n} "
                 f"({span_kind(bad.P, bad.c, bad.n, bad.replay)}) returned {bad.rows} rows; the runner copies "
-                f"min(n, rows) and leaves the rest as the bare embedding of their ids",
+                f"min(n, rows) and leaves the rest as "
+                + ("the stale rows of its persistent inputs_embeds buffer" if stale else "the bare embedding of their ids"),
                 feeds=calls, trigger=_trigger(bad.P, bad.c, bad.n, bad.replay))
 
 

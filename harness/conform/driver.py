@@ -39,6 +39,7 @@ class Feed:
     received: torch.Tensor | None  # [n, hidden] what the positions c..c+n-1 run with
     ids: torch.Tensor | None = None  # the span's ids
     error: str | None = None
+    start: torch.Tensor | None = None  # the rows the span started with (V1's stale buffer rows), when not bare
 
 
 class ConformRunner(SimRunner):
@@ -49,6 +50,7 @@ class ConformRunner(SimRunner):
         self.buffer: dict[str, dict[str, Any]] = {}
         self.calls: dict[str, int] = {}  # calls per request so far (the connector's per-call deliveries)
         self.streams: dict[str, dict[str, Any]] = {}  # per-request delivery state (adapter.deliver)
+        self.persist: torch.Tensor | None = None  # V1's persistent inputs_embeds buffer (adapter.stale_rows)
 
     def add(self, req: ConformRequest) -> None:
         self.buffer[req.request_id] = _copy_payload(req.payload)
@@ -61,8 +63,21 @@ class ConformRunner(SimRunner):
         if self.runner == "v2":
             self.add(req)
 
+    def _starting_rows(self, bare: torch.Tensor, offset: int) -> torch.Tensor | None:
+        """V1 without multimodal support: the persistent buffer's rows at the span's batch offset (zeros
+        until a step writes them); None where the span starts from its ids' embeddings."""
+        if not (self.adapter.stale_rows and self.runner == "v1"):
+            return None
+        n, need = bare.shape[0], offset + bare.shape[0]
+        if self.persist is None or self.persist.shape[0] < need:
+            grown = torch.zeros(max(need, 256), bare.shape[1], dtype=bare.dtype)
+            if self.persist is not None:
+                grown[:self.persist.shape[0]] = self.persist
+            self.persist = grown
+        return self.persist[offset:offset + n].clone()
+
     def feed(self, req: ConformRequest, c: int, n: int, step: int, schedule: str, replay: int,
-             max_tokens: int | None = None) -> Feed:
+             max_tokens: int | None = None, offset: int = 0) -> Feed:
         rid, P = req.request_id, req.P
         span_ids = torch.tensor(req.tokens[c:c + n], dtype=torch.long)
         calls = self.calls.get(rid, 0)
@@ -78,6 +93,9 @@ class ConformRunner(SimRunner):
         req_infos["_omni_max_tokens"] = max_tokens
         req_infos["_omni_seed"] = 42
         received = self.adapter.embed(self.model, span_ids)
+        start = self._starting_rows(received, offset)
+        if start is not None:
+            received = start.clone()
         try:
             out = self.adapter.preprocess(self.model, span_ids.clone(), received.clone(), req_infos, c < P)
             rows = int(out.rows.shape[0])
@@ -89,7 +107,9 @@ class ConformRunner(SimRunner):
         received[:seg] = out.rows[:seg].to(received.dtype).reshape(seg, -1)
         if out.text_step is not None:  # the runner's talker_mtp path adds the decode step's text row
             received = received + out.text_step.to(received.dtype).reshape(1, -1)
-        return Feed(schedule, rid, step, P, c, n, replay, rows, received, span_ids)
+        if start is not None:  # what the step leaves in the persistent buffer
+            self.persist[offset:offset + n] = received
+        return Feed(schedule, rid, step, P, c, n, replay, rows, received, span_ids, start=start)
 
 
 def _copy_payload(payload: dict[str, Any]) -> dict[str, Any]:
@@ -158,6 +178,7 @@ def run_deploy(adapter: Adapter, impl: Any, requests: list[ConformRequest], depl
         sampled: list[list[int]] = []
         failed: list[str] = []
         drafts_by_req = sched.scheduled_spec_decode_tokens
+        offset = 0  # the span's rows in the step's flattened batch (V1's persistent buffer)
         for rid, n in sched.num_scheduled_tokens.items():
             q, r = live[rid], by_id[rid]
             c = before[rid]
@@ -165,7 +186,8 @@ def run_deploy(adapter: Adapter, impl: Any, requests: list[ConformRequest], depl
                 seen_preemptions[rid] = q.num_preemptions
                 runner.preempted(r)
             drafts = len(drafts_by_req.get(rid, ()))
-            feed = runner.feed(r, c, n, step, f"vllm:{deploy.name}", q.num_preemptions, len(r.generated))
+            feed = runner.feed(r, c, n, step, f"vllm:{deploy.name}", q.num_preemptions, len(r.generated), offset)
+            offset += n
             feeds.append(feed)
             if feed.error is not None:
                 failed.append(rid)

@@ -104,6 +104,7 @@ class MiniCPMoStandIn:
 
 
 class MiniCPMoAdapter(Adapter):
+    stale_rows = True  # not SupportsMultiModal: V1 hands it the persistent inputs_embeds rows
     name = "minicpmo-4.5"
     # the TTS Talker is stage 1. KV bytes per token (bf16 K and V): 20 layers x 12 KV heads x 64 x 2 x 2 = 61440,
     # assumed from the MiniCPM-o TTS config (hidden 768); minicpmo_4_5.yaml's own comment says its 2 GiB CUDA

@@ -66,6 +66,7 @@ class Qwen3TTSStandIn:
 
 
 class Qwen3TTSAdapter(Adapter):
+    stale_rows = True  # not SupportsMultiModal: V1 hands it the persistent inputs_embeds rows
     name = "qwen3-tts"
     # the Talker is stage 0 (no stage feeds it: async_chunk only changes what it publishes, not its rows)
     deploys = ModelDeploys(

@@ -11,6 +11,28 @@ class ConfigError(UserError):
     """A config file, field or value is wrong; the message names it."""
 
 
+class WorkerOutOfMemory(MemoryError):
+    """A sim worker ran out of memory in ``cell`` (a MemoryError, or a library it had no memory to
+    load); the run turns it into one line (``harness.rundir.out_of_memory_error``)."""
+
+    def __init__(self, cell: str) -> None:
+        super().__init__(cell)
+        self.cell = cell
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """A ``MemoryError``, ``ENOMEM``, or an import that failed because no memory was left to map the
+    library (``ImportError: ... failed to map segment from shared object`` under ``ulimit -v``)."""
+    import errno
+
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOMEM
+    text = str(exc)
+    return isinstance(exc, ImportError) and ("failed to map segment" in text or "Cannot allocate memory" in text)
+
+
 SHORT_REPR_CHARS = 200
 
 

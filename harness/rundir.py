@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import check_name
-from harness.errors import UserError
+from harness.errors import UserError, WorkerOutOfMemory
 from harness.records import MANIFEST_FILE, REQUESTS_FILE, SPANS_FILE
 
 LOCK_FILE = ".lock"
@@ -227,3 +227,21 @@ def disk_full_error(exc: OSError, run_dir: Path) -> UserError:
     return UserError(f"{what.lower()}{where}: {n} record{'s' if n != 1 else ''} kept in {run_dir}; "
                      f"free some space, then --resume {run_dir} continues")
 
+
+
+def out_of_memory_error(exc: BaseException, run_dir: Path) -> UserError:
+    """The run's own process out of memory (an arm that keeps what it allocated, a low ``ulimit
+    -v``), as one line that says what is kept and what to do (issue 24, case 10). Records are
+    written as each request ends, so nothing measured is lost; the resume completes the run and
+    writes its report."""
+    what = ("MemoryError" if isinstance(exc, MemoryError) else "Cannot allocate memory" if isinstance(exc, OSError)
+            else "no memory to load a library")
+    where = f"a sim worker (cell {exc.cell})" if isinstance(exc, WorkerOutOfMemory) else "the run's process"
+    if not (run_dir / MANIFEST_FILE).exists() and _remove_empty_run_dir(run_dir):
+        return UserError(f"out of memory in {where} ({what}): nothing was recorded and {run_dir} was removed; raise "
+                         "the process's memory limit (ulimit -v), then run the same command again")
+    n = count_records(run_dir)
+    return UserError(f"out of memory in {where} ({what}): {n} record{'s' if n != 1 else ''} kept in "
+                     f"{run_dir}; an arm may be holding memory it allocated (its failed requests are recorded), or "
+                     f"the memory limit (ulimit -v) is too low: raise it, then --resume {run_dir} completes the run "
+                     "and writes its report")

@@ -287,3 +287,79 @@ def test_14_shipped_prompt_sets_pass_unchanged():
 
     for path in sorted((REPO / "prompts").glob("*.yaml")) + sorted((REPO / "tests" / "fixtures").glob("prompts_*.yaml")):
         check_sim_speaks(load_prompts(str(path)))
+
+
+# ----------------------------------------------------------------------------- 10: an arm that exhausts memory
+
+_MEMORY_PLUGIN = """\
+from harness.talkers.pr import FixedTalker
+
+BAD = {bad!r}
+_hoard = []
+
+
+class AsksForTooMuch(FixedTalker):
+    def talker_preprocess(self, input_ids, input_embeds, **info):
+        if info.get("request_id") == BAD:
+            bytearray(64 << 30)  # 64 GiB: past any limit the test sets
+        return super().talker_preprocess(input_ids, input_embeds, **info)
+
+
+class KeepsAllMemory(FixedTalker):
+    def talker_preprocess(self, input_ids, input_embeds, **info):
+        if info.get("request_id") == BAD and not _hoard:  # takes all but a few MiB, keeps it, returns
+            size = 256 << 20
+            while size >= 1 << 20:
+                try:
+                    _hoard.append(bytearray(size))
+                except MemoryError:
+                    size //= 2
+        return super().talker_preprocess(input_ids, input_embeds, **info)
+"""
+
+MEMORY_LIMIT = 4 << 30  # address space (ulimit -v): a sim run needs about 2.5 GiB of it
+
+
+def _limit_memory() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_10_an_arm_that_asks_for_too_much_memory_fails_its_request_only(tmp_path, workers):
+    bad = SMALL["prompts"][2]["id"]
+    (tmp_path / "memory_plugin_round4.py").write_text(_MEMORY_PLUGIN.format(bad=bad))
+    work = tmp_path / "work"
+    work.mkdir()
+    res = _cli_in(work, "run", "--asr", "none", "--quiet", "--arm", "m=memory_plugin_round4:AsksForTooMuch",
+                  "--arm", "pr", "--deploy", "reference", "--sim-workers", workers, "--prompts", str(SMALL_PROMPTS),
+                  "--out", str(tmp_path / "out"), "--run-id", "r", preexec_fn=_limit_memory)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    records = _records(tmp_path / "out" / "r")
+    assert len(records) == 2 * len(SMALL["prompts"])
+    assert {(r["arm"], r["prompt_id"]): r["error"] for r in records if r["error"]} == {
+        ("m", bad): "MemoryError: talker_preprocess ran out of memory (the process's memory limit, e.g. ulimit -v)"}
+
+
+def test_10_an_arm_that_keeps_all_memory_stops_the_run_with_one_line_and_resume_completes_it(tmp_path):
+    bad = SMALL["prompts"][1]["id"]
+    (tmp_path / "memory_plugin_round4.py").write_text(_MEMORY_PLUGIN.format(bad=bad))
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["--asr", "none", "--quiet", "--arm", "m=memory_plugin_round4:KeepsAllMemory", "--deploy", "reference",
+            "--sim-workers", "0", "--prompts", str(SMALL_PROMPTS)]
+    run_dir = tmp_path / "out" / "r"
+    res = _cli_in(work, "run", *args, "--out", str(tmp_path / "out"), "--run-id", "r", preexec_fn=_limit_memory)
+    assert "Traceback" not in res.stderr, res.stderr
+    if res.returncode != 0:  # the harness's own next allocation failed: one line, what is kept, what to do
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("omni-stress: error: out of memory in the run's process ("), lines
+        assert f"kept in {run_dir}; an arm may be holding memory it allocated" in lines[0]
+        assert lines[0].endswith(f"then --resume {run_dir} completes the run and writes its report")
+        res = _cli_in(work, "run", *args, "--resume", str(run_dir))
+        assert res.returncode == 0, res.stderr
+    assert len(_records(run_dir)) == len(SMALL["prompts"])
+    assert (run_dir / "summary.csv").is_file()

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from harness.config import MAX_SEED, ArmSpec, Deploy, PromptSet, load_arms, load_deploy, load_prompts, resolve_arm
-from harness.errors import ConfigError, UserError
+from harness.errors import ConfigError, UserError, out_of_memory
 from harness.executors.options import executor_options
 from harness.pipeline import (
     DEFAULT_SIM_TALKER,
@@ -33,6 +33,7 @@ from harness.rundir import (
     check_same_scoring,
     disk_full_error,
     locked,
+    out_of_memory_error,
     pin_path_env,
     read_resumable_manifest,
 )
@@ -185,10 +186,13 @@ def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume
     with locked(run_dir):
         try:
             return _locked_run(run_dir, resume_dir is not None, arm_specs, deploy_specs, prompts, options, quiet)
-        except OSError as exc:
-            if exc.errno in DISK_FULL:
+        except (OSError, MemoryError, ImportError) as exc:
+            if isinstance(exc, OSError) and exc.errno in DISK_FULL:
                 raise disk_full_error(exc, run_dir) from None
-            raise
+            if not out_of_memory(exc):
+                raise
+            exc.__traceback__ = None  # free what the failed frames held before the message is built
+            raise out_of_memory_error(exc, run_dir) from None
 
 
 def _locked_run(run_dir: Path, resume: bool, arm_specs: list[ArmSpec], deploy_specs: list[Deploy], prompts,

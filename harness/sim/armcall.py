@@ -1,8 +1,9 @@
 """One call of an arm's ``talker_preprocess``, fenced so that the arm can break its own request
 but never the run (docs/robustness.md, "Arms that misbehave").
 
-* Whatever the arm raises, including ``SystemExit`` (``sys.exit``) and a ``KeyboardInterrupt`` it
-  raises itself, fails the call. A real Ctrl-C (SIGINT) during the call still stops the run: a
+* Whatever the arm raises, including ``SystemExit`` (``sys.exit``), a ``KeyboardInterrupt`` it
+  raises itself and a ``MemoryError`` (its frames are dropped and collected at once), fails the
+  call. A real Ctrl-C (SIGINT) during the call still stops the run: a
   SIGINT handler counts the signals, so the two are told apart.
 * ``os._exit`` called by the arm during the call fails the call instead of ending the process
   (``os._exit`` is swapped for the length of the call; a plugin that bound ``_exit`` before, or
@@ -32,6 +33,7 @@ records, in under 3 minutes. ``--arm-timeout 0`` turns the limit off (a debugger
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import _signal
@@ -256,6 +258,11 @@ def call(fn: Any, /, **kwargs: Any) -> Any:
         if not main or _sigints != sigints:
             raise  # a real Ctrl-C (or a thread we cannot tell about): the run stops
         raise ArmFailure("KeyboardInterrupt: talker_preprocess raised KeyboardInterrupt (not a Ctrl-C)") from None
+    except MemoryError as exc:  # under a memory limit (ulimit -v, RLIMIT_AS) or a huge request (issue 24 case 10)
+        exc.__traceback__ = None  # the arm's frames, and what their locals hold, go now
+        gc.collect()  # so what the arm let go of is free again before the next request
+        raise ArmFailure("MemoryError: talker_preprocess ran out of memory (the process's memory limit, "
+                         "e.g. ulimit -v)") from None
     except Exception as exc:
         raise ArmFailure(f"{type(exc).__name__}: {exc}") from None
     finally:

@@ -19,7 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
 from harness.config import ArmSpec, Deploy, PromptSet
-from harness.errors import UserError
+from harness.errors import UserError, WorkerOutOfMemory, out_of_memory
 from harness.proc import exit_with_parent
 from harness.sim.backend import CellStats, SimRequestResult, run_cell
 
@@ -81,6 +81,10 @@ class SimPool:
             return fut.result(timeout=0)
         except FutureTimeout:
             raise UserError(f"cell {label}: no result from its sim worker in {CELL_TIMEOUT_S:.0f} s") from None
+        except (MemoryError, OSError, ImportError) as exc:  # the worker's own code out of memory (issue 24 case 10)
+            if not out_of_memory(exc):
+                raise
+            raise WorkerOutOfMemory(label) from None
         except BrokenProcessPool:
             # One dead worker breaks every cell in flight, so this cell is not necessarily the culprit.
             raise UserError(f"a sim worker process died (killed, out of memory, or a crash in an arm's native "

@@ -136,13 +136,16 @@ class RowSpace:
         first_t, first_c = float(row[0]), float(row[TEXT_DIMS])
         if math.isfinite(first_t) and math.isfinite(first_c):
             t, k = round(first_t) - 1, round(first_c) - 1
-            if 0 <= t < text.shape[0] and 0 <= k < codec.shape[0]:
+            if -1 <= t < text.shape[0] and 0 <= k < codec.shape[0]:
                 want = self._pair
-                want[:TEXT_DIMS] = text[t]
+                if t >= 0:
+                    want[:TEXT_DIMS] = text[t]
+                else:  # no text row here (a zero text part, as 0.30.0 feeds after the reply): NONE if all zero
+                    want[:TEXT_DIMS] = 0.0
                 want[TEXT_DIMS:] = codec[k]
                 np.subtract(row, want, out=want)
                 if float(np.abs(want, out=want).max()) < _TOL:  # both parts within _TOL of their rows
-                    return t, k
+                    return (t if t >= 0 else NONE), k
         return _match_row(row[:TEXT_DIMS], text), _match_row(row[TEXT_DIMS:], codec)
 
 

@@ -1,0 +1,242 @@
+"""Issue 23's sim and report targets, each beside its floor, measured in one bench run.
+
+* **sim per cell vs vLLM's own scheduling** (target: <= 2x): every cell of the matrix is simulated
+  in this process after a warm-up cell (vLLM imported, first-use costs paid), and inside the same
+  cells vLLM's ``Scheduler.schedule()`` + ``update_from_output()`` are timed (the floor: the sim
+  cannot cost less than the scheduler it drives). Both are read as this thread's CPU time
+  (``time.thread_time``), which a loaded machine stretches far less than wall time, and as wall
+  time; the ratio is cell / scheduler.
+* **main job** (target: warm <= 8 s): ``omni-stress run`` on the matrix as a fresh process with
+  faster-whisper, against a transcript/TTS cache (``--cache-dir``; the first run fills it when it
+  is cold, and only a run whose requests were all cache hits counts as warm).
+* **--asr none** (target <= 8 s): the same run without TTS and Whisper.
+* **report** (target: its own work <= 1 s beyond imports): ``omni-stress report`` on the
+  ``--asr none`` run's directory (64 requests), as a fresh process, beside its floor: a fresh
+  ``python -c`` importing what ``report`` imports (Click, pandas, the harness's report modules).
+  Wall and CPU (user + sys of the child) are both printed; commands and floors alternate.
+
+    .venv/bin/python bench/sim_vs_vllm.py                     # everything (the main job needs faster-whisper)
+    .venv/bin/python bench/sim_vs_vllm.py --no-asr-run        # sim, --asr none and report only
+    .venv/bin/python bench/sim_vs_vllm.py --prompts tests/fixtures/prompts_small.yaml --no-asr-run
+
+Prints a table with the load average before and after, and writes ``bench/sim_vs_vllm.json``
+(``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = {"sim_over_scheduler": 2.0, "main_warm_s": 8.0, "asr_none_s": 8.0, "report_own_s": 1.0}
+REPORT_FLOOR = ("import click, yaml, numpy, pandas; import harness.cli, harness.report, harness.summary, "
+                "harness.commands.report")
+
+
+def _time_vllm_scheduler() -> dict[str, float]:
+    """Wraps vLLM's ``Scheduler.schedule`` and ``update_from_output`` with a timer (thread CPU and
+    wall); returns the accumulator they add to."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    clock = {"cpu": 0.0, "wall": 0.0, "calls": 0}
+    for name in ("schedule", "update_from_output"):
+        fn = getattr(Scheduler, name)
+        fn = getattr(fn, "__wrapped__", fn)
+
+        def timed(*a, _fn=fn, **k):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                clock["cpu"] += time.thread_time() - c0
+                clock["wall"] += time.perf_counter() - w0
+                clock["calls"] += 1
+
+        timed.__wrapped__ = fn  # type: ignore[attr-defined]
+        setattr(Scheduler, name, timed)
+    return clock
+
+
+def sim_cells(args: argparse.Namespace) -> list[dict]:
+    from harness.config import load_arms, load_deploy, load_prompts, resolve_arm
+    from harness.sim.backend import run_cell
+
+    known = load_arms()
+    arms = [resolve_arm(a, known) for a in args.arm]
+    deploys = [load_deploy(d) for d in args.deploy]
+    prompts = load_prompts(args.prompts)
+    run_cell(arms[0], deploys[0], load_prompts("cpu_smoke"), 1, args.seed, lambda r: None)  # imports, first use
+    clock = _time_vllm_scheduler()
+    rows = []
+    for arm in arms:
+        for dep in deploys:
+            for key in clock:
+                clock[key] = 0
+            c0, w0 = time.thread_time(), time.perf_counter()
+            stats = run_cell(arm, dep, prompts, 1, args.seed, lambda r: None)
+            cpu, wall = time.thread_time() - c0, time.perf_counter() - w0
+            rows.append({"cell": f"{arm.name}/{dep.name}", "steps": stats.steps, "spans": len(stats.spans),
+                         "scheduled_tokens": stats.scheduled_tokens, "cell_cpu_s": round(cpu, 3),
+                         "cell_wall_s": round(wall, 3), "scheduler_cpu_s": round(clock["cpu"], 3),
+                         "scheduler_wall_s": round(clock["wall"], 3),
+                         "ratio_cpu": round(cpu / clock["cpu"], 2) if clock["cpu"] else None,
+                         "ratio_wall": round(wall / clock["wall"], 2) if clock["wall"] else None})
+    return rows
+
+
+def _child(cmd: list[str], env: dict[str, str] | None = None, ok: tuple[int, ...] = (0,)) -> tuple[float, float]:
+    """(wall, user + sys CPU) of one fresh process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, check=False)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode not in ok:
+        raise SystemExit(f"bench: `{' '.join(cmd)}` exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def run_job(args: argparse.Namespace, out: Path, name: str, asr: str, cache: Path) -> dict:
+    cmd = [sys.executable, "-m", "harness.cli", "run", "--quiet", "--out", str(out), "--run-id", name,
+           "--cache-dir", str(cache), "--prompts", args.prompts, "--asr", asr, "--seed", str(args.seed)]
+    for a in args.arm:
+        cmd += ["--arm", a]
+    for d in args.deploy:
+        cmd += ["--deploy", d]
+    shutil.rmtree(out / name, ignore_errors=True)
+    wall, cpu = _child(cmd)
+    manifest = json.loads((out / name / "manifest.json").read_text())
+    st = manifest.get("stage_seconds", {})
+    requests = sum(1 for line in (out / name / "requests.jsonl").read_text().splitlines() if line.strip())
+    return {"run": name, "asr": asr, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "requests": requests,
+            "sim_wall_s": st.get("sim_wall"), "asr_transcribed": st.get("asr_transcribed"),
+            "asr_cache_hits": st.get("asr_cache_hits"), "run_dir": str(out / name)}
+
+
+def time_report(run_dir: Path, repeat: int) -> dict:
+    """``omni-stress report RUN_DIR`` and its import floor, alternating; medians."""
+    cmd = [sys.executable, "-m", "harness.cli", "report", str(run_dir)]
+    floor = [sys.executable, "-c", REPORT_FLOOR]
+    _child(cmd)  # the first report after a run may draw what the run did not record
+    samples: dict[str, list[tuple[float, float]]] = {"report": [], "floor": []}
+    for _ in range(repeat):
+        samples["report"].append(_child(cmd))
+        samples["floor"].append(_child(floor))
+
+    def med(kind: str, i: int) -> float:
+        return round(statistics.median(s[i] for s in samples[kind]), 3)
+
+    return {"report_wall_s": med("report", 0), "report_cpu_s": med("report", 1), "floor_wall_s": med("floor", 0),
+            "floor_cpu_s": med("floor", 1), "own_wall_s": round(med("report", 0) - med("floor", 0), 3),
+            "own_cpu_s": round(med("report", 1) - med("floor", 1), 3), "floor": f"python -c \"{REPORT_FLOOR}\"",
+            "samples": samples}
+
+
+def _fmt_table(head: tuple[str, ...], rows: list[tuple]) -> str:
+    rows = [tuple(str(x) for x in r) for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", default="default")
+    ap.add_argument("--arm", action="append", default=None, help="repeatable (default: main, pr)")
+    ap.add_argument("--deploy", action="append", default=None, help="repeatable (default: reference, stress)")
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--no-sim", action="store_true", help="skip the in-process sim-vs-scheduler cells")
+    ap.add_argument("--no-asr-run", action="store_true", help="skip the main job with faster-whisper")
+    ap.add_argument("--cache-dir", type=Path, default=None,
+                    help="transcript/TTS cache of the main job (default: the run's default cache)")
+    ap.add_argument("--report-repeat", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "sim_vs_vllm.json")
+    args = ap.parse_args()
+    args.arm = args.arm or ["main", "pr"]
+    args.deploy = args.deploy or ["reference", "stress"]
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    work = Path(tempfile.mkdtemp(prefix="omni-stress-bench23-"))
+    result: dict = {"config": {"prompts": args.prompts, "arms": args.arm, "deploys": args.deploy, "seed": args.seed},
+                    "host": {"platform": platform.platform(), "python": platform.python_version(),
+                             "cpus": os.cpu_count()}, "load_average_before": load_before, "targets": TARGETS}
+    try:
+        if not args.no_sim:
+            print("bench: sim cells in-process ...", file=sys.stderr, flush=True)
+            cells = sim_cells(args)
+            tot = {k: sum(c[k] for c in cells) for k in ("cell_cpu_s", "cell_wall_s", "scheduler_cpu_s",
+                                                          "scheduler_wall_s")}
+            result["sim"] = {"cells": cells, "total": {**{k: round(v, 3) for k, v in tot.items()},
+                             "ratio_cpu": round(tot["cell_cpu_s"] / tot["scheduler_cpu_s"], 2),
+                             "ratio_wall": round(tot["cell_wall_s"] / tot["scheduler_wall_s"], 2)}}
+        print("bench: omni-stress run --asr none ...", file=sys.stderr, flush=True)
+        none_run = run_job(args, work / "runs", "asr-none", "none", work / "cache-none")
+        result["asr_none"] = none_run
+        if not args.no_asr_run:
+            cache = args.cache_dir or Path(os.environ.get("OMNI_STRESS_CACHE_DIR") or
+                                           Path.home() / ".cache" / "omni-stress")
+            print(f"bench: omni-stress run (faster-whisper, cache {cache}) ...", file=sys.stderr, flush=True)
+            first = run_job(args, work / "runs", "main-1", "faster-whisper", cache)
+            warm = first
+            if first["asr_transcribed"]:  # it was cold: run again, warm
+                print("bench: omni-stress run again (warm) ...", file=sys.stderr, flush=True)
+                warm = run_job(args, work / "runs", "main-2", "faster-whisper", cache)
+            result["main_first"], result["main_warm"] = first, warm
+        print("bench: omni-stress report ...", file=sys.stderr, flush=True)
+        result["report"] = time_report(Path(none_run["run_dir"]), args.report_repeat)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+
+    measured = {"sim_over_scheduler": result.get("sim", {}).get("total", {}).get("ratio_cpu"),
+                "main_warm_s": result["main_warm"]["wall_s"] if "main_warm" in result and
+                not result["main_warm"]["asr_transcribed"] else None,
+                "asr_none_s": result["asr_none"]["wall_s"], "report_own_s": result["report"]["own_cpu_s"]}
+    result["measured"] = measured
+    result["meets_target"] = {k: None if v is None else v <= TARGETS[k] for k, v in measured.items()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    if "sim" in result:
+        rows = [(c["cell"], c["steps"], c["spans"], f"{c['cell_cpu_s']:.2f}", f"{c['scheduler_cpu_s']:.2f}",
+                 f"{c['ratio_cpu']:.2f}", f"{c['cell_wall_s']:.2f}", f"{c['scheduler_wall_s']:.2f}",
+                 f"{c['ratio_wall']:.2f}") for c in result["sim"]["cells"]]
+        t = result["sim"]["total"]
+        rows.append(("all cells", "", "", f"{t['cell_cpu_s']:.2f}", f"{t['scheduler_cpu_s']:.2f}",
+                     f"{t['ratio_cpu']:.2f}", f"{t['cell_wall_s']:.2f}", f"{t['scheduler_wall_s']:.2f}",
+                     f"{t['ratio_wall']:.2f}"))
+        print(_fmt_table(("cell", "steps", "spans", "sim cpu s", "vLLM sched cpu s", "ratio", "sim wall s",
+                          "vLLM sched wall s", "ratio"), rows))
+        print()
+    r = result["report"]
+    rows = []
+    if "sim" in result:
+        rows.append(("sim per cell / vLLM scheduling (cpu)", result["sim"]["total"]["ratio_cpu"], "1.00 (the scheduler)",
+                     "<= 2x"))
+    if "main_warm" in result:
+        w = result["main_warm"]
+        rows.append(("main job warm: wall s" + ("" if not w["asr_transcribed"] else " (NOT warm: transcribed)"),
+                     w["wall_s"], "", "<= 8 s"))
+    rows.append(("--asr none: wall s", result["asr_none"]["wall_s"], "", "<= 8 s"))
+    rows.append(("report (64 requests): wall s", r["report_wall_s"], f"{r['floor_wall_s']} (imports)", ""))
+    rows.append(("report: cpu s (own = report - floor)", f"{r['report_cpu_s']} (own {r['own_cpu_s']})",
+                 f"{r['floor_cpu_s']} (imports)", "own <= 1 s"))
+    print(_fmt_table(("what", "measured", "floor", "target"), rows))
+    print(f"load average before {load_before}, after {result['load_average_after']} ({os.cpu_count()} cpus)")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

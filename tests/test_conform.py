@@ -164,7 +164,7 @@ def test_a_position_addressed_model_conforms_and_so_does_a_consistently_wrong_on
         r = _toy(impl)
         assert r.status == "conforms", impl.__name__
         assert {k: c.status for k, c in r.cells.items()} == {**dict.fromkeys(SITUATIONS, "conforms"),
-                                                              "row_count": "conforms"}
+                                                              "row_count": "conforms", "restart": "conforms"}
 
 
 def test_a_short_return_is_a_row_count_cell_and_a_bare_position() -> None:

@@ -408,3 +408,23 @@ def test_v1_leaves_stale_buffer_rows_for_models_that_are_not_multimodal() -> Non
         "the stale buffer row the span started with (V1's persistent inputs_embeds, never written for this "
         "position; left by an earlier step: the reference row of position 1)")
     assert "the stale rows of its persistent inputs_embeds buffer" in r.cells["row_count"].detail
+
+
+def test_restart_after_preemption_is_its_own_verdict() -> None:
+    """The #6179 class: after a preemption, a generated position re-receives a start row (what the preprocess
+    gave one of the first generated positions). Qwen3-Omni's trailing_text queue and Qwen3-TTS under MRV2
+    (buffer rebuilt) restart; Qwen3-TTS under V1 (its replayed prompt is wrong instead), Qwen3-Omni's streamed
+    counter (it jumps ahead) and the fix do not."""
+    q3 = _check("qwen3-omni")
+    cell = q3.cells["restart"]
+    assert cell.status == "differs" and cell.summary.startswith("restarts @")
+    p = int(cell.summary.split("@")[1])
+    assert p > 28 and "re-receives the start row of position 28" in cell.detail
+    assert q3.restart_verdict.startswith(f"restarts after a preemption: generated position {p} re-receives a start "
+                                         "row (the upstream #6179 class); only with")
+    assert _check("qwen3-tts", runner="v2").cells["restart"].summary.startswith("restarts @")
+    assert _check("qwen3-tts").restart_verdict == "no restart after a preemption"
+    a = check_model(MODELS["qwen3-omni"](), "0.30.0", (), requests=1, forced_generated=GEN, async_chunk=True)
+    assert a.cells["restart"].status == "conforms"
+    assert check_model(MODELS["qwen2.5-omni:pr"](), "0.30.0", (), requests=1,
+                       forced_generated=GEN).cells["restart"].summary == "no restart"

@@ -21,6 +21,7 @@ from harness.conform.compare import (
     RowNamer,
     baseline_table,
     first_error,
+    restart_cell,
     row_count_cell,
     situation_cell,
     span_kind,
@@ -66,6 +67,18 @@ class ModelResult:
         return self.reach.text if self.reach is not None else "fails"
 
     @property
+    def restart_verdict(self) -> str | None:
+        """The #6179 check as its own verdict: "restarts after a preemption ..." (None: not run, or an error)."""
+        cell = self.cells.get("restart")
+        if self.error is not None or cell is None or cell.status == "not-run":
+            return None
+        if cell.status != "differs":
+            return "no restart after a preemption"
+        reach = self.reach.cells.get("restart") if self.reach is not None else None
+        return (f"restarts after a preemption: generated position {cell.summary.split('@')[-1]} re-receives a start "
+                f"row (the upstream #6179 class)" + (f"; {reach.text}" if reach is not None else ""))
+
+    @property
     def status(self) -> str:
         if self.error is not None:
             return "error"
@@ -76,7 +89,7 @@ class ModelResult:
             "model": self.model, "title": self.title, "status": self.status, "error": self.error,
             "provenance": None if self.provenance is None else {"what": self.provenance.what,
                                                                 "files": self.provenance.files},
-            "verdict": self.verdict, "reach_status": self.reach_status,
+            "verdict": self.verdict, "reach_status": self.reach_status, "restart_verdict": self.restart_verdict,
             "reach": None if self.reach is None else self.reach.to_json(),
             "cells": {k: v.to_json() for k, v in self.cells.items()}, "stats": self.stats,
             "seconds": round(self.seconds, 2),
@@ -85,7 +98,8 @@ class ModelResult:
 
 def columns(deploys: tuple[str, ...]) -> dict[str, str]:
     """Matrix column key -> heading."""
-    return {**SITUATIONS, "row_count": "row count", **{f"vllm:{d}": f"vLLM {d}" for d in deploys}}
+    return {**SITUATIONS, "row_count": "row count", "restart": "restart after preemption",
+            **{f"vllm:{d}": f"vLLM {d}" for d in deploys}}
 
 
 def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | None = None, *,
@@ -157,10 +171,12 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
     for key, runs in by_situation.items():
         result.cells[key] = situation_cell(runs, baselines, namer, bare_of)
     say(f"{adapter.name}: forced schedules done")
+    vllm_runs: list[tuple[str, list[Feed]]] = []
     for d in deploys:
         feeds, counts = run_deploy(adapter, impl, [_truncate(r, deploy_generated) for r in reqs], d,
                                    runner_kind=runner)
         all_feeds += feeds
+        vllm_runs.append((f"vllm:{d.name}", feeds))
         cell = situation_cell([(f"vllm:{d.name}", feeds)], baselines, namer, bare_of)
         events = _events(feeds)
         cell.detail += f" [{_describe_events(events, counts)}]"
@@ -168,6 +184,8 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
         result.stats[f"vllm:{d.name}"] = {**counts, **events}
         say(f"{adapter.name}: vLLM {d.name} deploy: {cell.summary}")
     result.cells["row_count"] = row_count_cell(all_feeds, stale)
+    replay_runs = by_situation["cross_replay"] + by_situation["repeated_replay"] + vllm_runs
+    result.cells["restart"] = restart_cell(replay_runs, baselines, bare_of)
     _unavailable(result, all_feeds)
     _reach(result, adapter, source, base_dir, wheel_dir, runner)
     result.seconds = time.perf_counter() - t0

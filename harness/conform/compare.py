@@ -240,3 +240,58 @@ def _history(feeds: list[Feed], request: str, step: int) -> list[list[int]]:
     one-token decode step because of a chunk or replay before it (Qwen3-Omni's streamed text counter)."""
     return [[f.c, f.n, f.replay] for f in feeds if f.request == request and f.step < step
             and (f.c < f.P or f.n > 1 or f.replay > 0)]  # one-token decode steps need nothing: left out
+
+
+RESTART_WINDOW = 3  # the start rows: those of the first generated positions P .. P+2
+
+
+def restart_cell(runs: list[tuple[str, list[Feed]]], baselines: dict[str, torch.Tensor], bare_of: Any) -> Cell:
+    """The #6179 class (native-AR TTS that restarts from frame 0 after a recompute preemption): after a
+    preemption, a generated position ``p`` re-receives a start row, the conditioning the reference gives one of
+    the first generated positions ``P + j`` (``j < p - P``), where its own reference row is another. Rows are
+    compared less the position's id embedding, so a decode row (codec embedding + a text or frame row) counts by
+    what the preprocess added; start rows that add nothing (zeros) are not taken as evidence."""
+    replays = 0
+    for name, feeds in runs:
+        for f in feeds:
+            if f.received is None or f.replay == 0 or f.ids is None or f.c + f.n <= f.P:
+                continue
+            replays += 1
+            base = baselines[f.request]
+            start_ids = None
+            for i in range(max(0, f.P - f.c), f.n):
+                p = f.c + i
+                if p >= base.shape[0] or p - f.P < 1:
+                    continue
+                if start_ids is None:  # the ids of the start positions, from the reference table's request
+                    start_ids = _start_components(f, base, bare_of)
+                got = f.received[i].float() - bare_of(f.ids[i:i + 1])[0].float()
+                own = base[p] - bare_of(f.ids[i:i + 1])[0].float()
+                for j, comp in enumerate(start_ids):
+                    if j >= p - f.P or comp is None:
+                        continue
+                    if _close(got, comp) and not _close(own, comp):
+                        return Cell("differs", f"restarts @{p}",
+                                    f"{f.request}, {name}, step {f.step}, span c={f.c} n={f.n} (replay {f.replay}): "
+                                    f"generated position {p} re-receives the start row of position {f.P + j} "
+                                    f"(what the preprocess adds to its id's embedding there), where the reference "
+                                    f"gives it its own: the preprocess restarted its generated sequence after the "
+                                    f"preemption (the upstream #6179 class)", None, [name], replays,
+                                    trigger=_trigger(f.P, f.c, f.n, f.replay, _history(feeds, f.request, f.step)))
+    if not replays:
+        return Cell("not-run", "no replay", "no run replayed a generated position")
+    return Cell("conforms", "no restart", f"{replays} replay calls: no generated position re-received a start row")
+
+
+def _start_components(f: Feed, base: torch.Tensor, bare_of: Any) -> list[torch.Tensor | None]:
+    """The reference rows of positions P .. P+W-1 less their ids' embeddings (None: nothing added, or absent)."""
+    out: list[torch.Tensor | None] = []
+    ids = f.all_ids
+    for j in range(RESTART_WINDOW):
+        q = f.P + j
+        if ids is None or q >= base.shape[0] or q >= len(ids):
+            out.append(None)
+            continue
+        comp = base[q] - bare_of(torch.tensor([ids[q]], dtype=torch.long))[0].float()
+        out.append(None if float(comp.abs().max()) <= ATOL else comp)
+    return out

@@ -40,6 +40,7 @@ class Feed:
     ids: torch.Tensor | None = None  # the span's ids
     error: str | None = None
     start: torch.Tensor | None = None  # the rows the span started with (V1's stale buffer rows), when not bare
+    all_ids: list[int] | None = None  # the request's tokens (prompt + generated): the restart check's start ids
 
 
 class ConformRunner(SimRunner):
@@ -109,7 +110,8 @@ class ConformRunner(SimRunner):
             received = received + out.text_step.to(received.dtype).reshape(1, -1)
         if start is not None:  # what the step leaves in the persistent buffer
             self.persist[offset:offset + n] = received
-        return Feed(schedule, rid, step, P, c, n, replay, rows, received, span_ids, start=start)
+        return Feed(schedule, rid, step, P, c, n, replay, rows, received, span_ids, start=start,
+                    all_ids=req.tokens if replay else None)
 
 
 def _copy_payload(payload: dict[str, Any]) -> dict[str, Any]:

@@ -138,6 +138,8 @@ def _format_one(m: Matrix) -> str:
         if r.error:
             lines.append(f"  could not check: {r.error}")
             continue
+        if r.restart_verdict and r.restart_verdict.startswith("restarts"):
+            lines.append(f"  restart verdict: {r.restart_verdict}")
         if r.reach is not None and r.reach.note:
             lines.append(f"  {r.reach.note}")
         for key, heading in cols.items():
@@ -209,6 +211,8 @@ def _html_one(m: Matrix) -> str:
             out.append(f"<dd>could not check: {e(r.error)}</dd>")
         else:
             out.append(f"<dd><b>verdict</b>: {e(r.verdict)}</dd>")
+            if r.restart_verdict:
+                out.append(f"<dd><b>restart verdict</b>: {e(r.restart_verdict)}</dd>")
         for key, heading in cols.items():
             cell = r.cells.get(key)
             if cell is not None:

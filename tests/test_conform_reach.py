@@ -19,6 +19,7 @@ from harness.conform.models import MODELS
 from harness.conform.reach import ModelDeploys, load_shipped, needs_of, resolve_deploy, targets
 
 DEPLOYS = {
+    "glm_tts.yaml": "8d0c5ffbb5fcc7ecd71ef125a2ee9dd778c037d45241d3e0ac6f4ac4bb9c4995",
     "qwen2_5_omni.yaml": "d251d8e66f80bdededeb5e6e6f8199a8c4f7c8ae79430ef67befbb0178946a6f",
     "qwen3_omni_moe.yaml": "df882aa6ccc28a998dace784977b6d1dbf6c3225eb50b29f5aee2b9981ddd898",
     "qwen3_omni_duplex.yaml": "75def35dbb839162f69c82172a4b658ccee2027767920d43454cc3a3f7750301",

@@ -26,6 +26,10 @@ RC = "0.32.0rc1"
 RC_WHEEL_SHA256 = "93d3990d21bbbfd6c5d23a47d965dfde7aa95c3e9ac4a34e6bca58bc80c7444b"
 # every vendored 0.32.0rc1 file, as in the PyPI wheel (its RECORD agrees)
 RC_FILES = {
+    "vllm_omni/model_executor/models/glm_tts/glm_tts.py":
+        "8f072eb0f9ce21fcf6b77eefa57c8ab870b101dcc39dc82802d1c82c69a32aba",
+    "vllm_omni/deploy/glm_tts.yaml":
+        "8d0c5ffbb5fcc7ecd71ef125a2ee9dd778c037d45241d3e0ac6f4ac4bb9c4995",
     "LICENSE":
         "c71d239df91726fc519c6eb72d318ec65820627232b2f796219e87dcf35d0ab4",
     "vllm_omni/_version.py":
@@ -197,7 +201,7 @@ def _wheel(path: Path, tree: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("model", ["qwen2.5-omni", "qwen3-omni", "qwen3-tts", "minicpmo-4.5"])
+@pytest.mark.parametrize("model", ["qwen2.5-omni", "qwen3-omni", "qwen3-tts", "minicpmo-4.5", "glm-tts"])
 def test_each_model_checks_on_the_prerelease_as_wheel_and_tree(model: str, tmp_path: Path) -> None:
     """0.32.0rc1 changed what the hooks import (device copies, tool-call cuts, K-step state): the stand-ins
     follow, so every model checks, and a wheel of the same files gives the same row as the tree."""
@@ -224,13 +228,26 @@ def test_the_default_cli_checks_both_releases(tmp_path: Path) -> None:
     data = json.loads(js.read_text())
     assert data["exit_code"] == 1 and len(data["releases"]) == 2
     old, new = ([m["model"] for m in rel["models"]] for rel in data["releases"])
-    assert old == ["qwen2.5-omni", "qwen3-omni", "qwen3-omni@async", "qwen3-tts", "qwen3-tts@mrv2", "minicpmo-4.5"]
+    assert old == ["qwen2.5-omni", "qwen3-omni", "qwen3-omni@async", "qwen3-tts", "qwen3-tts@mrv2", "minicpmo-4.5",
+                   "glm-tts"]
     # 0.32.0rc1 ships MRV2 deploys for MiniCPM-o's Talker: a row (Qwen3-Omni's MRV2 deploys stream: not modelled)
     assert new == ["qwen2.5-omni", "qwen3-omni", "qwen3-omni@async", "qwen3-tts", "qwen3-tts@mrv2", "minicpmo-4.5",
-                   "minicpmo-4.5@mrv2"]
+                   "minicpmo-4.5@mrv2", "glm-tts"]
     # the calibration runs once, with the first release
     assert list(data["releases"][0]["calibration"]) == ["qwen2.5-omni:main", "qwen2.5-omni:pr"]
     assert data["releases"][1]["calibration"] == {}
     status = {rel["source"].split(" = ")[0]: {m["model"]: m["reach_status"] for m in rel["models"]}
               for rel in data["releases"]}
     assert status["vllm-omni:0.30.0"]["qwen3-tts"] == status[f"vllm-omni:{RC}"]["qwen3-tts"] == "shipped"
+
+
+@pytest.mark.parametrize("release", VENDORED)
+def test_glm_tts_hands_back_the_runners_rows_and_conforms(release: str) -> None:
+    """GLM-TTS (upstream #5018's list) is SupportsMultiModal: V1 embeds the span first and the hook returns
+    those rows in the model's dtype for every prefill span, tail and decode step, so every schedule conforms;
+    the one shipped deploy runs one sequence with a 512-token budget (chunking reachable, no preemption)."""
+    r = check_model(MODELS["glm-tts"](), release, (), requests=1, forced_generated=24)
+    assert r.error is None and r.status == "conforms", {k: c.detail for k, c in r.cells.items()}
+    assert r.restart_verdict == "no restart after a preemption"
+    targets = load_shipped(MODELS["glm-tts"]().deploys, release).targets
+    assert [(t.deploy, t.platform, t.max_num_seqs, t.budget) for t in targets] == [("glm_tts.yaml", "cuda", 1, 512)]

@@ -29,6 +29,8 @@ from harness.contract import classify_span
 
 FIXTURE_QWEN25 = Path(__file__).parent / "fixtures" / "upstream" / "vllm_omni_0_30_0_qwen2_5_omni.py"
 VENDORED = {
+    "vllm_omni/model_executor/models/moss_tts/modeling_moss_tts_talker.py":
+        "01f69e8c4e1db642973bdd1df5f6107ac34208d6077864ab3d3ce1529dc3645c",
     "vllm_omni/model_executor/models/glm_tts/glm_tts.py":
         "fe3e8db16be9570bf5235d20eb4d6c974a39ebe5dea1151184a4595a6ee04b4b",
     "vllm_omni/_version.py": "2ade9f96dd56ff65e00062b12ea8523a94eae3dec037a2e3972d40de9f45da7b",

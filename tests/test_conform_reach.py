@@ -19,6 +19,11 @@ from harness.conform.models import MODELS
 from harness.conform.reach import ModelDeploys, load_shipped, needs_of, resolve_deploy, targets
 
 DEPLOYS = {
+    "moss_tts.yaml": "d67c3dc4c43a3ed221fbd625d4e45f39360178fd551f9b9ea9324a551c7aca68",
+    "moss_tts_80gb.yaml": "857bc4c86fc3570b78913ce545633e9eee63d8aed4b6ad02bb20a14305976ade",
+    "moss_ttsd.yaml": "872bc25c1f49993268240ecbeaa18159dfb09ebcaf54afaea2ebd232616c9dea",
+    "moss_sound_effect.yaml": "e5a7a272da1e826811a5b6c01770a02352be6ed113987ab023279751ed8cc309",
+    "moss_voice_generator.yaml": "07360c0de89b4605b66023b14dd29ee7e40b349dbd337152d18b426033052888",
     "glm_tts.yaml": "8d0c5ffbb5fcc7ecd71ef125a2ee9dd778c037d45241d3e0ac6f4ac4bb9c4995",
     "qwen2_5_omni.yaml": "d251d8e66f80bdededeb5e6e6f8199a8c4f7c8ae79430ef67befbb0178946a6f",
     "qwen3_omni_moe.yaml": "df882aa6ccc28a998dace784977b6d1dbf6c3225eb50b29f5aee2b9981ddd898",

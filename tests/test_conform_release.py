@@ -26,6 +26,18 @@ RC = "0.32.0rc1"
 RC_WHEEL_SHA256 = "93d3990d21bbbfd6c5d23a47d965dfde7aa95c3e9ac4a34e6bca58bc80c7444b"
 # every vendored 0.32.0rc1 file, as in the PyPI wheel (its RECORD agrees)
 RC_FILES = {
+    "vllm_omni/model_executor/models/moss_tts/modeling_moss_tts_talker.py":
+        "19e8ddde8f225ebd50f40c37daabc200dec6478cca4f7b912aa4d58e53d865a2",
+    "vllm_omni/deploy/moss_tts.yaml":
+        "d67c3dc4c43a3ed221fbd625d4e45f39360178fd551f9b9ea9324a551c7aca68",
+    "vllm_omni/deploy/moss_tts_80gb.yaml":
+        "857bc4c86fc3570b78913ce545633e9eee63d8aed4b6ad02bb20a14305976ade",
+    "vllm_omni/deploy/moss_ttsd.yaml":
+        "872bc25c1f49993268240ecbeaa18159dfb09ebcaf54afaea2ebd232616c9dea",
+    "vllm_omni/deploy/moss_sound_effect.yaml":
+        "e5a7a272da1e826811a5b6c01770a02352be6ed113987ab023279751ed8cc309",
+    "vllm_omni/deploy/moss_voice_generator.yaml":
+        "07360c0de89b4605b66023b14dd29ee7e40b349dbd337152d18b426033052888",
     "vllm_omni/model_executor/models/glm_tts/glm_tts.py":
         "8f072eb0f9ce21fcf6b77eefa57c8ab870b101dcc39dc82802d1c82c69a32aba",
     "vllm_omni/deploy/glm_tts.yaml":
@@ -201,7 +213,7 @@ def _wheel(path: Path, tree: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("model", ["qwen2.5-omni", "qwen3-omni", "qwen3-tts", "minicpmo-4.5", "glm-tts"])
+@pytest.mark.parametrize("model", ["qwen2.5-omni", "qwen3-omni", "qwen3-tts", "minicpmo-4.5", "glm-tts", "moss-tts"])
 def test_each_model_checks_on_the_prerelease_as_wheel_and_tree(model: str, tmp_path: Path) -> None:
     """0.32.0rc1 changed what the hooks import (device copies, tool-call cuts, K-step state): the stand-ins
     follow, so every model checks, and a wheel of the same files gives the same row as the tree."""
@@ -229,10 +241,10 @@ def test_the_default_cli_checks_both_releases(tmp_path: Path) -> None:
     assert data["exit_code"] == 1 and len(data["releases"]) == 2
     old, new = ([m["model"] for m in rel["models"]] for rel in data["releases"])
     assert old == ["qwen2.5-omni", "qwen3-omni", "qwen3-omni@async", "qwen3-tts", "qwen3-tts@mrv2", "minicpmo-4.5",
-                   "glm-tts"]
+                   "glm-tts", "moss-tts"]
     # 0.32.0rc1 ships MRV2 deploys for MiniCPM-o's Talker: a row (Qwen3-Omni's MRV2 deploys stream: not modelled)
     assert new == ["qwen2.5-omni", "qwen3-omni", "qwen3-omni@async", "qwen3-tts", "qwen3-tts@mrv2", "minicpmo-4.5",
-                   "minicpmo-4.5@mrv2", "glm-tts"]
+                   "minicpmo-4.5@mrv2", "glm-tts", "moss-tts"]
     # the calibration runs once, with the first release
     assert list(data["releases"][0]["calibration"]) == ["qwen2.5-omni:main", "qwen2.5-omni:pr"]
     assert data["releases"][1]["calibration"] == {}
@@ -251,3 +263,19 @@ def test_glm_tts_hands_back_the_runners_rows_and_conforms(release: str) -> None:
     assert r.restart_verdict == "no restart after a preemption"
     targets = load_shipped(MODELS["glm-tts"]().deploys, release).targets
     assert [(t.deploy, t.platform, t.max_num_seqs, t.budget) for t in targets] == [("glm_tts.yaml", "cuda", 1, 512)]
+
+
+@pytest.mark.parametrize("release", VENDORED)
+def test_moss_tts_loses_its_reference_audio_on_a_replay_and_a_tail(release: str) -> None:
+    """MOSS-TTS (upstream #5018's list): the reference-audio codes are sliced at ``ref_offset``, a counter the
+    prefill advances by each span and a replay never resets, so a replayed prompt gets text rows only; a
+    one-token prefill tail takes the decode branch (the previous frame's audio); chunks conform."""
+    r = check_model(MODELS["moss-tts"](), release, (), requests=1, forced_generated=24)
+    assert r.error is None
+    P = r.cells["tail"].first.P
+    assert r.cells["chunk"].status == "conforms"
+    assert (r.cells["tail"].first.position, r.cells["tail"].first.got) == (P - 1, "the reference row of position "
+                                                                                   f"{P - 2}")
+    f = r.cells["cross_replay"].first
+    assert (f.position, f.c, f.got) == (0, 0, "the bare embedding of its own id")
+    assert r.verdict.startswith("fails under shipped deploy moss_tts.yaml (cuda, rocm), moss_tts_80gb.yaml (cuda)")

@@ -177,10 +177,11 @@ class Adapter:
             _past, text_step = update.pop("mtp_inputs")
         return PreprocessResult(out_ids, rows, update, text_step)
 
-    def deliver(self, req: ConformRequest, state: dict[str, Any], calls: int) -> dict[str, Any] | None:
-        """What the connector merges into the request's buffer before its call number ``calls`` (0 is the
-        first call); ``state`` is this run's per-request delivery state. None: nothing (the default: the
-        payload arrives whole before the first call)."""
+    def deliver(self, req: ConformRequest, state: dict[str, Any], calls: int, c: int = 0) -> dict[str, Any] | None:
+        """What is merged into the request's buffer before its call number ``calls`` (0 is the first call), a
+        span starting at ``c``: a streamed chunk, or what the model's own sampling stored after the previous
+        step (teacher-forced like the ids); ``state`` is this run's per-request delivery state. None: nothing
+        (the default: the payload arrives whole before the first call)."""
         return None
 
     def named_rows(self, model: Any) -> dict[str, torch.Tensor]:

@@ -83,7 +83,7 @@ class ConformRunner(SimRunner):
         span_ids = torch.tensor(req.tokens[c:c + n], dtype=torch.long)
         calls = self.calls.get(rid, 0)
         self.calls[rid] = calls + 1
-        chunk = self.adapter.deliver(req, self.streams.setdefault(rid, {}), calls)
+        chunk = self.adapter.deliver(req, self.streams.setdefault(rid, {}), calls, c)
         if chunk:  # a streamed chunk (async_chunk): merged into the buffer as the runner merges one
             self._update_buffer(rid, chunk)
         req_infos = self.buffer.setdefault(rid, {})

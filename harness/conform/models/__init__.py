@@ -44,16 +44,23 @@ def _glm_tts() -> Adapter:
     return GLMTTSAdapter()
 
 
+def _moss_tts() -> Adapter:
+    from harness.conform.models.moss_tts import MossTTSAdapter
+
+    return MossTTSAdapter()
+
+
 MODELS: dict[str, Callable[[], Adapter]] = {
     "qwen2.5-omni": _qwen25("upstream"),
     "qwen3-omni": _qwen3_omni,
     "qwen3-tts": _qwen3_tts,
     "minicpmo-4.5": _minicpmo,
     "glm-tts": _glm_tts,
+    "moss-tts": _moss_tts,
     "qwen2.5-omni:main": _qwen25("main"),
     "qwen2.5-omni:pr": _qwen25("pr"),
 }
-UPSTREAM_MODELS = ("qwen2.5-omni", "qwen3-omni", "qwen3-tts", "minicpmo-4.5", "glm-tts")
+UPSTREAM_MODELS = ("qwen2.5-omni", "qwen3-omni", "qwen3-tts", "minicpmo-4.5", "glm-tts", "moss-tts")
 
 
 def resolve_model(name: str) -> Callable[[], Adapter] | None:

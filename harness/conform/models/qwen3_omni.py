@@ -136,7 +136,7 @@ class Qwen3OmniAdapter(Adapter):
         model.vllm_config = SimpleNamespace(model_config=SimpleNamespace(async_chunk=self.async_chunk))
         return model
 
-    def deliver(self, req: ConformRequest, state: dict[str, Any], calls: int) -> dict[str, Any] | None:
+    def deliver(self, req: ConformRequest, state: dict[str, Any], calls: int, c: int = 0) -> dict[str, Any] | None:
         """``async_chunk: true``: after chunk 0 (the payload), ``thinker2talker_async_chunk`` sends one chunk per
         Thinker step, ``{"embed": {"decode": row [1, D]}, "meta": {"finished": ...}}``, and the runner merges
         it into the buffer (``_update_intermediate_buffer``). Modelled: the Thinker runs ahead and the

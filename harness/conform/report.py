@@ -117,7 +117,7 @@ def format_text(x: Matrix | Report) -> str:
     if len(ms) == 1:
         return _format_one(ms[0])
     parts = [_format_one(m) for m in ms]
-    return "\n".join(parts) + f"\noverall: {x.verdict()} (exit {x.exit_code})\n"
+    return "\n".join(parts) + f"\noverall (exit {x.exit_code}): {x.verdict()}\n"
 
 
 def _format_one(m: Matrix) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -64,8 +65,9 @@ class ServeOptions:
     def resolved_platform(self) -> str:
         return detect_platform() if self.platform == "auto" else self.platform
 
-    @property
+    @functools.cached_property
     def speaking(self) -> bool:
+        """Read once: every request body and every cell's translation asks."""
         return is_speaking_checkpoint(self.model)
 
     def translate(self, deploy: Deploy) -> DeployTranslation:

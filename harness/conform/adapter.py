@@ -184,6 +184,12 @@ class Adapter:
         (the default: the payload arrives whole before the first call)."""
         return None
 
+    def generated_count(self, model: Any, request_id: str) -> int | None:
+        """The model's own count of the frames it has generated for the request, read after each call (Gepard's
+        ``frame_count``): the restart check compares it with the frames the schedule generated. None: the model
+        keeps no such counter (the default)."""
+        return None
+
     def named_rows(self, model: Any) -> dict[str, torch.Tensor]:
         """Rows worth naming when a position receives one of them (special text rows)."""
         return {}

@@ -75,8 +75,10 @@ class ModelResult:
         if cell.status != "differs":
             return "no restart after a preemption"
         reach = self.reach.cells.get("restart") if self.reach is not None else None
-        return (f"restarts after a preemption: generated position {cell.summary.split('@')[-1]} re-receives a start "
-                f"row (the upstream #6179 class)" + (f"; {reach.text}" if reach is not None else ""))
+        what = ("is counted as frame 0 again (the model's own frame count restarted)" if "generated frame(s)" in
+                cell.detail else "re-receives a start row")
+        return (f"restarts after a preemption: generated position {cell.summary.split('@')[-1]} {what} "
+                f"(the upstream #6179 class)" + (f"; {reach.text}" if reach is not None else ""))
 
     @property
     def status(self) -> str:

@@ -278,6 +278,16 @@ def restart_cell(runs: list[tuple[str, list[Feed]]], baselines: dict[str, torch.
                                     f"gives it its own: the preprocess restarted its generated sequence after the "
                                     f"preemption (the upstream #6179 class)", None, [name], replays,
                                     trigger=_trigger(f.P, f.c, f.n, f.replay, _history(feeds, f.request, f.step)))
+            due = f.c + f.n - f.P + 1  # frames sampled at positions P-1 .. c+n-1, as in the reference
+            if f.counter is not None and f.counter < due:
+                p = f.c + f.n - 1
+                return Cell("differs", f"restarts @{p}",
+                            f"{f.request}, {name}, step {f.step}, span c={f.c} n={f.n} (replay {f.replay}): after "
+                            f"the span the model counts {f.counter} generated frame(s) where the schedule has "
+                            f"generated {due}: the preprocess dropped the frames committed before the preemption, "
+                            f"and the frame sampled at generated position {p} is its frame {f.counter - 1} again "
+                            f"(restarted from frame 0; the upstream #6179 class)", None, [name], replays,
+                            trigger=_trigger(f.P, f.c, f.n, f.replay, _history(feeds, f.request, f.step)))
     if not replays:
         return Cell("not-run", "no replay", "no run replayed a generated position")
     return Cell("conforms", "no restart", f"{replays} replay calls: no generated position re-received a start row")

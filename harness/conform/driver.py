@@ -41,6 +41,7 @@ class Feed:
     error: str | None = None
     start: torch.Tensor | None = None  # the rows the span started with (V1's stale buffer rows), when not bare
     all_ids: list[int] | None = None  # the request's tokens (prompt + generated): the restart check's start ids
+    counter: int | None = None  # the model's own generated-frame count after the call (Adapter.generated_count)
 
 
 class ConformRunner(SimRunner):
@@ -111,7 +112,7 @@ class ConformRunner(SimRunner):
         if start is not None:  # what the step leaves in the persistent buffer
             self.persist[offset:offset + n] = received
         return Feed(schedule, rid, step, P, c, n, replay, rows, received, span_ids, start=start,
-                    all_ids=req.tokens if replay else None)
+                    all_ids=req.tokens if replay else None, counter=self.adapter.generated_count(self.model, rid))
 
 
 def _copy_payload(payload: dict[str, Any]) -> dict[str, Any]:

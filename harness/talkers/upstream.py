@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import hashlib
 import importlib
 import importlib.metadata
@@ -35,6 +36,8 @@ import linecache
 import logging
 import re
 import subprocess
+import sys
+import types
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -432,12 +435,29 @@ def _module_namespace(tree: ast.Module, source: UpstreamSource, nodes: list[ast.
         names = [st.name] if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else [
             t.id for t in (st.targets if isinstance(st, ast.Assign) else [st.target]) if isinstance(t, ast.Name)]
         try:
-            exec(compile(ast.Module(body=[st], type_ignores=[]), source.location, "exec"), namespace)  # noqa: S102
+            with _module_registered(module_name, namespace):  # a @dataclass looks its module up in sys.modules
+                exec(compile(ast.Module(body=[st], type_ignores=[]), source.location, "exec"), namespace)  # noqa: S102
         except Exception as exc:  # noqa: BLE001 -- a vLLM-dependent module-level value: fail only if it is used
             for n in names:
                 namespace[n] = _stub(n, f"module level, line {st.lineno}: {type(exc).__name__}: {exc}", where)
                 stubbed.append(n)
     return namespace, stubbed
+
+
+@contextlib.contextmanager
+def _module_registered(module_name: str, namespace: dict[str, Any]) -> Any:
+    """``sys.modules[module_name]`` while a module-level statement runs, when nothing is there: ``dataclasses``
+    reads the class's module (``sys.modules[cls.__module__].__dict__``) to resolve string annotations."""
+    if module_name in sys.modules:
+        yield
+        return
+    mod = types.ModuleType(module_name)
+    mod.__dict__.update(namespace)
+    sys.modules[module_name] = mod
+    try:
+        yield
+    finally:
+        sys.modules.pop(module_name, None)
 
 
 def build_functions(source: UpstreamSource, names: tuple[str, ...], *, module_name: str,

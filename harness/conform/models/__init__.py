@@ -50,6 +50,18 @@ def _moss_tts() -> Adapter:
     return MossTTSAdapter()
 
 
+def _fish_speech() -> Adapter:
+    from harness.conform.models.fish_speech import FishSpeechAdapter
+
+    return FishSpeechAdapter()
+
+
+def _gepard() -> Adapter:
+    from harness.conform.models.gepard import GepardAdapter
+
+    return GepardAdapter()
+
+
 MODELS: dict[str, Callable[[], Adapter]] = {
     "qwen2.5-omni": _qwen25("upstream"),
     "qwen3-omni": _qwen3_omni,
@@ -57,10 +69,13 @@ MODELS: dict[str, Callable[[], Adapter]] = {
     "minicpmo-4.5": _minicpmo,
     "glm-tts": _glm_tts,
     "moss-tts": _moss_tts,
+    "fish-speech": _fish_speech,
+    "gepard": _gepard,
     "qwen2.5-omni:main": _qwen25("main"),
     "qwen2.5-omni:pr": _qwen25("pr"),
 }
-UPSTREAM_MODELS = ("qwen2.5-omni", "qwen3-omni", "qwen3-tts", "minicpmo-4.5", "glm-tts", "moss-tts")
+UPSTREAM_MODELS = ("qwen2.5-omni", "qwen3-omni", "qwen3-tts", "minicpmo-4.5", "glm-tts", "moss-tts", "fish-speech",
+                   "gepard")
 
 
 def resolve_model(name: str) -> Callable[[], Adapter] | None:

@@ -19,6 +19,11 @@ from harness.conform.models import MODELS
 from harness.conform.reach import ModelDeploys, load_shipped, needs_of, resolve_deploy, targets
 
 DEPLOYS = {
+    "fish_qwen3_omni.yaml": "f040b6da8a2245e7f927e84469de4ffe23283a1365895f423fe6305f2841095e",
+    "fish_qwen3_omni_2gpu.yaml": "2f37919f02a7362ea7339b7374674c4b918d08b9af19fca7138ebcc5242ab1da",
+    "fish_qwen3_omni_high_concurrency_dual_gpu.yaml": "46336904b59fdc89c6afb28841b5ad108759b3a5e2058661b8cc57214bc8fa1c",
+    "fish_qwen3_omni_high_concurrency_single_gpu.yaml": "74af7323ebb7ad95ce7004e16bb55376ab96517376042fc244e02ff70e15b6ab",
+    "gepard.yaml": "361956ed9f78e8aa8704b2e1ccd71f4eabbf8a44d63bb72a6b708c5f451a09b4",
     "moss_tts.yaml": "d67c3dc4c43a3ed221fbd625d4e45f39360178fd551f9b9ea9324a551c7aca68",
     "moss_tts_80gb.yaml": "857bc4c86fc3570b78913ce545633e9eee63d8aed4b6ad02bb20a14305976ade",
     "moss_ttsd.yaml": "872bc25c1f49993268240ecbeaa18159dfb09ebcaf54afaea2ebd232616c9dea",

@@ -26,6 +26,24 @@ RC = "0.32.0rc1"
 RC_WHEEL_SHA256 = "93d3990d21bbbfd6c5d23a47d965dfde7aa95c3e9ac4a34e6bca58bc80c7444b"
 # every vendored 0.32.0rc1 file, as in the PyPI wheel (its RECORD agrees)
 RC_FILES = {
+    "vllm_omni/model_executor/models/fish_speech/fish_speech_slow_ar.py":
+        "97c48ba57c5e5fac6975bc9a065838c5c7d6482dbdaaa44befede97c30f1b5c4",
+    "vllm_omni/model_executor/models/fish_speech/prompt_utils.py":
+        "b4eb8597dcb48b7617f952f724905a553c0ed2a346b65748bc3c22b76b61e997",
+    "vllm_omni/model_executor/models/gepard/gepard_talker.py":
+        "a931bfb26754ab6995d104f44f3d4607a462735a6f3102163b8dd468a5d7c013",
+    "vllm_omni/model_executor/models/gepard/prompt.py":
+        "ef6effc20f7d4e71cf205d11de72f2e1b2f226cfd669a7ed441dd2b7f2d773d4",
+    "vllm_omni/deploy/fish_qwen3_omni.yaml":
+        "b48ac3fbd2ac3e3a8b37d643595eceb867b1a7c95bf176cdcc82ca0d1fd3825a",
+    "vllm_omni/deploy/fish_qwen3_omni_2gpu.yaml":
+        "2f37919f02a7362ea7339b7374674c4b918d08b9af19fca7138ebcc5242ab1da",
+    "vllm_omni/deploy/fish_qwen3_omni_high_concurrency_dual_gpu.yaml":
+        "46336904b59fdc89c6afb28841b5ad108759b3a5e2058661b8cc57214bc8fa1c",
+    "vllm_omni/deploy/fish_qwen3_omni_high_concurrency_single_gpu.yaml":
+        "74af7323ebb7ad95ce7004e16bb55376ab96517376042fc244e02ff70e15b6ab",
+    "vllm_omni/deploy/gepard.yaml":
+        "361956ed9f78e8aa8704b2e1ccd71f4eabbf8a44d63bb72a6b708c5f451a09b4",
     "vllm_omni/model_executor/models/moss_tts/modeling_moss_tts_talker.py":
         "19e8ddde8f225ebd50f40c37daabc200dec6478cca4f7b912aa4d58e53d865a2",
     "vllm_omni/deploy/moss_tts.yaml":
@@ -213,7 +231,8 @@ def _wheel(path: Path, tree: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("model", ["qwen2.5-omni", "qwen3-omni", "qwen3-tts", "minicpmo-4.5", "glm-tts", "moss-tts"])
+@pytest.mark.parametrize("model", ["qwen2.5-omni", "qwen3-omni", "qwen3-tts", "minicpmo-4.5", "glm-tts", "moss-tts",
+                                   "fish-speech", "gepard"])
 def test_each_model_checks_on_the_prerelease_as_wheel_and_tree(model: str, tmp_path: Path) -> None:
     """0.32.0rc1 changed what the hooks import (device copies, tool-call cuts, K-step state): the stand-ins
     follow, so every model checks, and a wheel of the same files gives the same row as the tree."""
@@ -241,10 +260,10 @@ def test_the_default_cli_checks_both_releases(tmp_path: Path) -> None:
     assert data["exit_code"] == 1 and len(data["releases"]) == 2
     old, new = ([m["model"] for m in rel["models"]] for rel in data["releases"])
     assert old == ["qwen2.5-omni", "qwen3-omni", "qwen3-omni@async", "qwen3-tts", "qwen3-tts@mrv2", "minicpmo-4.5",
-                   "glm-tts", "moss-tts"]
+                   "glm-tts", "moss-tts", "fish-speech", "gepard"]
     # 0.32.0rc1 ships MRV2 deploys for MiniCPM-o's Talker: a row (Qwen3-Omni's MRV2 deploys stream: not modelled)
     assert new == ["qwen2.5-omni", "qwen3-omni", "qwen3-omni@async", "qwen3-tts", "qwen3-tts@mrv2", "minicpmo-4.5",
-                   "minicpmo-4.5@mrv2", "glm-tts", "moss-tts"]
+                   "minicpmo-4.5@mrv2", "glm-tts", "moss-tts", "fish-speech", "gepard"]
     # the calibration runs once, with the first release
     assert list(data["releases"][0]["calibration"]) == ["qwen2.5-omni:main", "qwen2.5-omni:pr"]
     assert data["releases"][1]["calibration"] == {}

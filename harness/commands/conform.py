@@ -15,9 +15,9 @@ from harness.errors import UserError
 
 @click.command("conform")
 @click.option("--model", "models", multiple=True, metavar="NAME",
-              help="A model to check (repeatable): qwen2.5-omni, qwen3-omni, qwen3-tts, minicpmo-4.5, glm-tts, moss-tts (real upstream code), or "
+              help="A model to check (repeatable): qwen2.5-omni, qwen3-omni, qwen3-tts, minicpmo-4.5, glm-tts, moss-tts, fish-speech, gepard (real upstream code), or "
                    "the calibration arms qwen2.5-omni:main / qwen2.5-omni:pr, or MODEL:package.module:attr (a plugin arm: its "
-                   "methods replace the release's hook). Default: the six upstream models.")
+                   "methods replace the release's hook). Default: the eight upstream models.")
 @click.option("--source", "sources", multiple=True, metavar="vllm-omni:SOURCE",
               help="A release to check (repeatable): vllm-omni:SOURCE (a checkout, a site-packages folder, a wheel, "
                    "a version, 'installed') or vllm-omni==VERSION. A version is the installed one, a cached wheel, "

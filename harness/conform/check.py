@@ -29,6 +29,7 @@ from harness.conform.compare import (
 from harness.conform.driver import Feed, run_deploy, run_forced
 from harness.conform.reach import ModelReach, load_shipped, model_reach
 from harness.conform.schedules import SITUATIONS, Schedule, forced_schedules
+from harness.conform.upstream_report import findings
 from harness.config import Deploy, load_deploy
 
 DEFAULT_DEPLOYS = ("reference", "stress")
@@ -48,6 +49,7 @@ class ModelResult:
     stats: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     reach: ModelReach | None = None  # which shipped deploy reaches the failure (harness.conform.reach)
+    upstream: list[dict[str, Any]] = field(default_factory=list)  # the report for upstream (harness.conform.upstream_report)
 
     @property
     def reach_status(self) -> str:
@@ -92,7 +94,7 @@ class ModelResult:
             "provenance": None if self.provenance is None else {"what": self.provenance.what,
                                                                 "files": self.provenance.files},
             "verdict": self.verdict, "reach_status": self.reach_status, "restart_verdict": self.restart_verdict,
-            "reach": None if self.reach is None else self.reach.to_json(),
+            "reach": None if self.reach is None else self.reach.to_json(), "upstream": self.upstream,
             "cells": {k: v.to_json() for k, v in self.cells.items()}, "stats": self.stats,
             "seconds": round(self.seconds, 2),
         }
@@ -190,8 +192,20 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
     result.cells["restart"] = restart_cell(replay_runs, baselines, bare_of)
     _unavailable(result, all_feeds)
     _reach(result, adapter, source, base_dir, wheel_dir, runner)
+    if adapter.upstream and not adapter.plugin:
+        result.upstream = findings(result, lambda member: _release_text(source, member, base_dir, wheel_dir))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _release_text(source: str, member: str, base_dir: Path | None, wheel_dir: Path | None) -> str | None:
+    from harness.conform.adapter import read_model_source
+    from harness.errors import ConfigError
+
+    try:
+        return read_model_source(source, member, base_dir, wheel_dir).text
+    except ConfigError:
+        return None
 
 
 def _reach(result: ModelResult, adapter: Adapter, source: str, base_dir: Path | None,

@@ -203,7 +203,9 @@ def _html_one(m: Matrix) -> str:
                          f"title='{e(cell.detail, quote=True)}'>{e(cell.summary)}</td>")
         label = r.model + (" (calibration)" if r in m.calibration else "")
         out.append(f"<tr><th>{e(label)}</th>{''.join(cells)}<td>{e(r.verdict)}</td></tr>")
-    out.append("</table><h2>Details</h2><dl>")
+    out.append("</table>")
+    out.extend(_html_upstream(m))
+    out.append("<h2>Details</h2><dl>")
     for r in rows:
         what = r.provenance.what if r.provenance else ""
         out.append(f"<dt><b>{e(r.model)}</b> {e(what)}</dt>")
@@ -222,3 +224,22 @@ def _html_one(m: Matrix) -> str:
     out.append(f"</dl><p><b>Verdict</b>: {e(m.verdict())} (exit {m.exit_code}). Schedule invariance is necessary, "
                f"not sufficient: a model that is wrong the same way under every schedule conforms.</p></body></html>")
     return "\n".join(out) + "\n"
+
+
+def _html_upstream(m: Matrix) -> list[str]:
+    """The report for upstream: per failing cell of an upstream model, the line in this release that decides the
+    row, the smallest schedule that shows it, the shipped deploy that reaches it, the related upstream issue."""
+    e = html.escape
+    entries = [(r.model, f) for r in m.results for f in r.upstream]
+    if not entries:
+        return []
+    out = ["<h2>For upstream</h2><table><tr><th>model</th><th>column</th><th>cell</th><th>upstream line</th>"
+           "<th>what it does</th><th>smallest schedule</th><th>reach</th><th>upstream issue</th></tr>"]
+    for model, f in entries:
+        where = f"{f['file']}:{f['line']}" if f["file"] and f["line"] else "-"
+        issue = f"#{f['issue']}: {f['issue_why']}" if f["issue"] else "-"
+        out.append(f"<tr><td>{e(model)}</td><td>{e(f['column'])}</td><td class='c'>{e(f['cell'])}</td>"
+                   f"<td class='c'>{e(where)}</td><td>{e(f['why'] or '-')}</td><td class='c'>{e(f['schedule'] or '-')}"
+                   f"</td><td>{e(f['reach'] or '-')}</td><td>{e(issue)}</td></tr>")
+    out.append("</table>")
+    return out

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
-from harness.config import MAX_SEED, ArmSpec, Deploy, PromptSet, load_arms, load_deploy, load_prompts, resolve_arm
+from harness.config import ArmSpec, Deploy, PromptSet, load_arms, load_deploy, load_prompts, resolve_arm
 from harness.errors import ConfigError, UserError, out_of_memory
+from harness.cli_options import finite_seconds as _finite  # noqa: F401 - its old name
+from harness.cli_options import shared_run_options
 from harness.executors.options import executor_options
 from harness.pipeline import (
     DEFAULT_SIM_TALKER,
-    SIM_TALKERS,
     RunOptions,
     RunPlan,
     check_resume,
@@ -40,66 +42,8 @@ from harness.rundir import (
 from harness.sim import armcall
 
 
-def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    """A number of seconds: ``nan`` passes click's range checks (every comparison with it is false)
-    and would disable the limit, ``inf`` waits forever, a negative number means nothing."""
-    if value is not None and (math.isnan(value) or math.isinf(value) or value < 0):
-        raise click.BadParameter(f"{value!r} is not a number of seconds (a finite number >= 0)", ctx, param)
-    return value
-
-
 @click.command("run")
-@click.option("--arm", "arms", multiple=True, default=("main", "pr"), show_default=True,
-              help="Arm from deploy_configs/arms.yaml, or NAME=package.module:attr. Repeatable.")
-@click.option("--arms-file", type=click.Path(path_type=Path), default=None,
-              help="Arms YAML to resolve --arm names in (default deploy_configs/arms.yaml).")
-@click.option("--deploy", "deploys", multiple=True, default=("reference", "stress"), show_default=True,
-              help="Deploy name (deploy_configs/NAME.yaml) or a YAML path. Repeatable.")
-@click.option("--prompts", "prompt_set", default="default", show_default=True,
-              help="Prompt set name (prompts/NAME.yaml) or a YAML path.")
-@click.option("--repeat", type=click.IntRange(1, 100), default=1, show_default=True,
-              help="Run each cell N times (the seed's run 1 / run 2).")
-@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=42, show_default=True,
-              help="Talker sampling seed; repeat r of a sim cell uses seed + r - 1.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
-              help="Folder for run directories.")
-@click.option("--run-id", default=None,
-              help="Name of the run directory inside --out (letters, digits, '.', '_', '-'; default: timestamp, arms and a random suffix).")
-@click.option("--resume", "resume_dir", type=click.Path(path_type=Path), default=None,
-              help="Continue an interrupted run directory: completed requests are kept, the rest run.")
-@click.option("--backend", type=click.Choice(["sim", "vllm-omni"]), default="sim", show_default=True)
-@click.option("--sim-talker", type=click.Choice(list(SIM_TALKERS)), default=DEFAULT_SIM_TALKER, show_default=True,
-              help="sim: the simulated Talker. 'words': the sim's own (speaks words, R frames per text token); "
-                   "'speaking': the speaking tiny model's rules and byte tokenizer, as the real server runs them "
-                   "(compare the two with `omni-stress fidelity`).")
-@click.option("--asr", type=click.Choice(["faster-whisper", "openai-whisper", "none"]), default="faster-whisper",
-              show_default=True, help="'none' scores the oracle transcript only (no TTS, no Whisper).")
-@click.option("--asr-model", default="base", show_default=True, help="tiny.en, base, or a local model path.")
-@click.option("--beam-size", type=click.IntRange(1, 10), default=1, show_default=True)
-@click.option("--asr-workers", type=click.IntRange(0, 64), default=None,
-              help="Whisper worker processes (default: 2 on 2+ cores; 0: transcribe in the run's own process).")
-@click.option("--sim-workers", type=click.IntRange(0, 64), default=None,
-              help="Sim cells simulated at once in forked processes (default: 2 on 2+ cores; 0 or 1: one at a time, "
-                   "in the run's own process).")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
-              help="Transcript/model cache (default $OMNI_STRESS_CACHE_DIR or ~/.cache/omni-stress).")
-@click.option("--no-cache", is_flag=True, help="Do not read or write the transcript cache on disk.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
-@click.option("--dry-run", is_flag=True, help="vllm-omni backend: print the commands and files, run nothing.")
-@click.option("--model", default="Qwen/Qwen2.5-Omni-7B", show_default=True,
-              help="vllm-omni backend: model path or name given to `vllm serve`.")
-@click.option("--health-timeout", type=float, callback=_finite, default=1800.0, show_default=True,
-              help="vllm-omni backend: seconds to wait for /health.")
-@click.option("--request-timeout", type=float, callback=_finite, default=900.0, show_default=True,
-              help="vllm-omni backend: seconds per request.")
-@click.option("--platform", "serve_platform", type=click.Choice(["auto", "gpu", "cpu"]), default="auto",
-              show_default=True, help="vllm-omni backend: the server's platform profile (auto: gpu when this host "
-              "has a GPU device node).")
-@click.option("--serve-python", type=click.Path(path_type=Path), default=None,
-              help="vllm-omni backend: interpreter for arms whose arms.yaml entry has no serve: entry "
-              "(default $OMNI_STRESS_SERVE_PYTHON, else ./.venv-omni/bin/python).")
-@click.option("--arm-timeout", type=click.FloatRange(0, 86400), callback=_finite, default=armcall.DEFAULT_LIMIT_S, show_default=True,
-              help="sim: seconds one talker_preprocess call may take before it fails its request (0: no limit).")
+@shared_run_options("run")
 @executor_options
 def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, sim_talker, asr,
             asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout,
@@ -176,16 +120,26 @@ def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume
     _preflight(backend, arm_specs, deploy_specs, options, prompts)
     armcall.set_limit(arm_timeout)  # before any sim worker is forked: they inherit it
 
+    run_dir = open_run_dir(out, resume_dir, lambda: run_id or new_run_id(arm_specs, deploy_specs))
+    return in_run_dir(run_dir, lambda: _locked_run(run_dir, resume_dir is not None, arm_specs, deploy_specs, prompts,
+                                                    options, quiet))
+
+
+def open_run_dir(out: Path, resume_dir: Path | None, run_id: Callable[[], str]) -> Path:
+    """``--resume``'s run directory (checked), else a new one named ``run_id()`` inside ``out``."""
     if resume_dir is not None:
         if not (resume_dir / MANIFEST_FILE).is_file():
             raise UserError(f"--resume {resume_dir}: not a run directory (no {MANIFEST_FILE})")
         check_run_files(resume_dir)  # before the lock: .lock itself may be the planted link
-        run_dir = resume_dir
-    else:
-        run_dir = prepare_run_dir(out, run_id or new_run_id(arm_specs, deploy_specs))
+        return resume_dir
+    return prepare_run_dir(out, run_id())
+
+
+def in_run_dir(run_dir: Path, work: Callable[[], str]) -> str:
+    """``work()`` holding the run directory's lock; a full disk or exhausted memory is one line naming it."""
     with locked(run_dir):
         try:
-            return _locked_run(run_dir, resume_dir is not None, arm_specs, deploy_specs, prompts, options, quiet)
+            return work()
         except (OSError, MemoryError, ImportError) as exc:
             if isinstance(exc, OSError) and exc.errno in DISK_FULL:
                 raise disk_full_error(exc, run_dir) from None
@@ -195,20 +149,28 @@ def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume
             raise out_of_memory_error(exc, run_dir) from None
 
 
+def start_manifest(run_dir: Path, planned: dict[str, Any], resume: bool,
+                   check: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    """A new run writes its planned manifest; a resumed one checks the recorded manifest against it
+    (``check`` first: a command's own condition), notes the command line and returns what is done."""
+    if not resume:
+        write_manifest(run_dir, planned)
+        return None
+    manifest = read_resumable_manifest(run_dir)
+    if check is not None:
+        check(manifest)
+    check_same_scoring(run_dir, manifest, planned)
+    state = check_resume(run_dir, planned)
+    manifest.setdefault("resumed", []).append(" ".join(sys.argv))
+    manifest["finished"] = None
+    write_manifest(run_dir, manifest)
+    return state
+
+
 def _locked_run(run_dir: Path, resume: bool, arm_specs: list[ArmSpec], deploy_specs: list[Deploy], prompts,
                 options: RunOptions, quiet: bool) -> str:
     plan = RunPlan(run_dir, arm_specs, deploy_specs, prompts, options)
-    if resume:
-        manifest = read_resumable_manifest(run_dir)
-        planned = manifest_for(plan)
-        check_same_scoring(run_dir, manifest, planned)
-        state = check_resume(run_dir, planned)
-        manifest.setdefault("resumed", []).append(" ".join(sys.argv))
-        manifest["finished"] = None
-        write_manifest(run_dir, manifest)
-    else:
-        write_manifest(run_dir, manifest_for(plan))
-        state = None
+    state = start_manifest(run_dir, manifest_for(plan), resume)
     if not quiet:
         click.echo(f"run directory: {plan.run_dir}", err=True)
     times = execute(plan, state)

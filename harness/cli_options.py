@@ -1,0 +1,133 @@
+"""The options ``omni-stress run`` and ``omni-stress sweep`` share: one definition each, in the order
+``--help`` lists them. Where the two commands mean something different by an option (a sweep's
+repeat also redraws its arrivals, its ``--asr`` defaults to ``none``), the option carries one help
+text (or default) per command; an option only one command has names that command.
+
+``shared_run_options("run")`` / ``shared_run_options("sweep")`` add them to a Click command; the
+command adds its own options after them, then ``executor_options`` (``harness.executors.options``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from harness.config import MAX_SEED
+from harness.pipeline import DEFAULT_SIM_TALKER, SIM_TALKERS
+from harness.sim import armcall
+
+COMMANDS = ("run", "sweep")
+
+
+def finite_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """A number of seconds: ``nan`` passes click's range checks (every comparison with it is false)
+    and would disable the limit, ``inf`` waits forever, a negative number means nothing."""
+    if value is not None and (math.isnan(value) or math.isinf(value) or value < 0):
+        raise click.BadParameter(f"{value!r} is not a number of seconds (a finite number >= 0)", ctx, param)
+    return value
+
+
+class _Opt:
+    """One option: Click's declarations and keywords; ``per_command`` keywords that differ per command
+    (``{"help": {"run": ..., "sweep": ...}}``); ``only``: the one command that has it."""
+
+    def __init__(self, *decls: str, only: str | None = None, per_command: dict[str, dict[str, Any]] | None = None,
+                 **kwargs: Any) -> None:
+        self.decls, self.only, self.per_command, self.kwargs = decls, only, per_command or {}, kwargs
+
+    def decorator(self, command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        kwargs = dict(self.kwargs)
+        for key, by_command in self.per_command.items():
+            kwargs[key] = by_command[command]
+        return click.option(*self.decls, **kwargs)
+
+
+_OPTIONS: tuple[_Opt, ...] = (
+    _Opt("--arm", "arms", multiple=True, default=("main", "pr"), show_default=True,
+         help="Arm from deploy_configs/arms.yaml, or NAME=package.module:attr. Repeatable."),
+    _Opt("--arms-file", type=click.Path(path_type=Path), default=None,
+         help="Arms YAML to resolve --arm names in (default deploy_configs/arms.yaml)."),
+    _Opt("--deploy", "deploys", only="run", multiple=True, default=("reference", "stress"), show_default=True,
+         help="Deploy name (deploy_configs/NAME.yaml) or a YAML path. Repeatable."),
+    _Opt("--prompts", "prompt_set", default="default", show_default=True,
+         help="Prompt set name (prompts/NAME.yaml) or a YAML path."),
+    _Opt("--repeat", type=click.IntRange(1, 100), default=1, show_default=True, per_command={"help": {
+        "run": "Run each cell N times (the seed's run 1 / run 2).",
+        "sweep": "Run each point N times; sim repeat r uses seed + r - 1 (its sampling and arrival jitter)."}}),
+    _Opt("--seed", type=click.IntRange(0, MAX_SEED), default=42, show_default=True, per_command={"help": {
+        "run": "Talker sampling seed; repeat r of a sim cell uses seed + r - 1.",
+        "sweep": "Talker sampling seed, also the sim's arrival draws (jitter, Poisson gaps)."}}),
+    _Opt("--out", type=click.Path(path_type=Path), default=Path("results"), show_default=True,
+         help="Folder for run directories."),
+    _Opt("--run-id", default=None, per_command={"help": {
+        "run": "Name of the run directory inside --out (letters, digits, '.', '_', '-'; default: timestamp, arms "
+               "and a random suffix).",
+        "sweep": "Name of the run directory inside --out (default: timestamp, 'sweep', the sweep's name and a "
+                 "random suffix)."}}),
+    _Opt("--resume", "resume_dir", type=click.Path(path_type=Path), default=None, per_command={"help": {
+        "run": "Continue an interrupted run directory: completed requests are kept, the rest run.",
+        "sweep": "Continue an interrupted sweep: recorded requests are kept, the rest run (same sweep file)."}}),
+    _Opt("--backend", type=click.Choice(["sim", "vllm-omni"]), default="sim", show_default=True),
+    _Opt("--sim-talker", type=click.Choice(list(SIM_TALKERS)), default=DEFAULT_SIM_TALKER, show_default=True,
+         per_command={"help": {
+             "run": "sim: the simulated Talker. 'words': the sim's own (speaks words, R frames per text token); "
+                    "'speaking': the speaking tiny model's rules and byte tokenizer, as the real server runs them "
+                    "(compare the two with `omni-stress fidelity`).",
+             "sweep": "sim: the simulated Talker (see `omni-stress run --help`)."}}),
+    _Opt("--asr", type=click.Choice(["faster-whisper", "openai-whisper", "none"]), show_default=True, per_command={
+        "default": {"run": "faster-whisper", "sweep": "none"},
+        "help": {"run": "'none' scores the oracle transcript only (no TTS, no Whisper).",
+                 "sweep": "'none' scores the oracle transcript (a sweep has many cells; Whisper is available as "
+                          "for run)."}}),
+    _Opt("--asr-model", default="base", show_default=True, help="tiny.en, base, or a local model path."),
+    _Opt("--beam-size", type=click.IntRange(1, 10), default=1, show_default=True),
+    _Opt("--asr-workers", type=click.IntRange(0, 64), default=None, per_command={"help": {
+        "run": "Whisper worker processes (default: 2 on 2+ cores; 0: transcribe in the run's own process).",
+        "sweep": "Whisper worker processes (default: 2 on 2+ cores)."}}),
+    _Opt("--sim-workers", type=click.IntRange(0, 64), default=None, per_command={"help": {
+        "run": "Sim cells simulated at once in forked processes (default: 2 on 2+ cores; 0 or 1: one at a time, "
+               "in the run's own process).",
+        "sweep": "Sim cells simulated at once in forked processes (default: 2 on 2+ cores)."}}),
+    _Opt("--cache-dir", type=click.Path(path_type=Path), default=None,
+         help="Transcript/model cache (default $OMNI_STRESS_CACHE_DIR or ~/.cache/omni-stress)."),
+    _Opt("--no-cache", is_flag=True, help="Do not read or write the transcript cache on disk."),
+    _Opt("--quiet", "-q", is_flag=True, help="No progress output."),
+    _Opt("--dry-run", only="run", is_flag=True, help="vllm-omni backend: print the commands and files, run nothing."),
+    _Opt("--model", default="Qwen/Qwen2.5-Omni-7B", show_default=True,
+         help="vllm-omni backend: model path or name given to `vllm serve`."),
+    _Opt("--health-timeout", type=float, callback=finite_seconds, default=1800.0, show_default=True,
+         help="vllm-omni backend: seconds to wait for /health."),
+    _Opt("--request-timeout", type=float, callback=finite_seconds, default=900.0, show_default=True,
+         help="vllm-omni backend: seconds per request."),
+    _Opt("--platform", "serve_platform", type=click.Choice(["auto", "gpu", "cpu"]), default="auto",
+         show_default=True, per_command={"help": {
+             "run": "vllm-omni backend: the server's platform profile (auto: gpu when this host has a GPU device "
+                    "node).",
+             "sweep": "vllm-omni backend: the server's platform profile."}}),
+    _Opt("--serve-python", type=click.Path(path_type=Path), default=None, per_command={"help": {
+        "run": "vllm-omni backend: interpreter for arms whose arms.yaml entry has no serve: entry (default "
+               "$OMNI_STRESS_SERVE_PYTHON, else ./.venv-omni/bin/python).",
+        "sweep": "vllm-omni backend: interpreter for arms without a serve: entry."}}),
+    _Opt("--arm-timeout", type=click.FloatRange(0, 86400), callback=finite_seconds, default=armcall.DEFAULT_LIMIT_S,
+         show_default=True, per_command={"help": {
+             "run": "sim: seconds one talker_preprocess call may take before it fails its request (0: no limit).",
+             "sweep": "sim: seconds one talker_preprocess call may take (0: no limit)."}}),
+)
+
+
+def shared_run_options(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options of ``command`` (``run`` or ``sweep``) from the shared table, in ``--help`` order."""
+    if command not in COMMANDS:
+        raise ValueError(f"unknown command {command!r}")
+
+    def apply(func: Callable[..., Any]) -> Callable[..., Any]:
+        for opt in reversed(_OPTIONS):  # Click lists options in the reverse of the order they are applied
+            if opt.only in (None, command):
+                func = opt.decorator(command)(func)
+        return func
+
+    return apply

@@ -54,8 +54,8 @@ ANCHORS: dict[tuple[str, str], tuple[str, str, str]] = {
                                                  "row_count", "restart", "vllm:stress")},
     ("qwen3-omni", "multi_decode"): (QWEN3_OMNI, "    def talker_preprocess_decode(", "a decode span of n > 1 gets no "
                                      "text_step: the decode path and the runner's MTP are for one position"),
-    **{("qwen3-omni", k): _Q3O_PREFILL for k in ("chunk", "tail", "cross_replay", "repeated_replay", "row_count",
-                                                 "vllm:stress")},
+    # (qwen3-omni@async's chunk and tail cells come from cached_decode indexing on the streamed path: not mapped)
+    **{("qwen3-omni", k): _Q3O_PREFILL for k in ("cross_replay", "repeated_replay", "row_count", "vllm:stress")},
     ("qwen3-omni", "restart"): (QWEN3_OMNI, "# Queue trailing_text_hidden for decode", "the prefill queues "
                                 "trailing_text again from its head: decode restarts at Thinker text row 0"),
     **{("qwen3-tts", k): _Q3T_OFFSET for k in ("cross_replay", "repeated_replay", "restart", "vllm:stress")},

@@ -3,7 +3,10 @@
 Latency: the sim's records carry the steps their request was sent, reached the Talker, got its
 first codec token and finished (``omni-stress sweep``); end to end is finish - sent, time to first
 audio first token - sent, both in scheduler steps. The real backend's are seconds: ``wall_s`` end
-to end, ``ttfa_s`` where the API streams, ``rtf`` (end to end over the audio's duration).
+to end (send to the whole response), ``ttfa_s`` send to the Talker's first codec token (the server's
+trace; the chat API is asked for ``stream: false``, so no audio byte arrives before the response:
+this is the earliest a streaming API could send audio, not a streamed measurement), ``rtf`` (end to
+end over the audio's duration).
 
 Duration: each request's codec tokens (and audio seconds, where both have audio) against the same
 prompt's cell in the reference deploy (same arm, same repeat, else its only repeat): under
@@ -50,7 +53,7 @@ def e2e(record: RequestRecord) -> float | None:
 
 
 def ttfa(record: RequestRecord) -> float | None:
-    """Time to first audio: steps to the first codec token (sim) or seconds where streamed (real)."""
+    """Time to first audio: steps (sim) or seconds (real, not streamed: see the module) to the first codec token."""
     if record.backend == "sim":
         if record.first_token_step is None or record.sent_step is None:
             return None
@@ -77,6 +80,11 @@ def latency(records: list[RequestRecord]) -> Latency:
     f = [r.rtf for r in records if r.rtf is not None]
     return Latency(unit(records), {q: percentile(e, q) for q in PERCENTILES}, {q: percentile(t, q) for q in PERCENTILES},
                    {q: percentile(f, q) for q in PERCENTILES}, len(e))
+
+
+def audio_seconds(records: list[RequestRecord]) -> float | None:
+    """Median seconds of audio of the answered requests that have audio."""
+    return percentile([r.audio_seconds for r in records if r.error is None and r.audio_seconds], 50)
 
 
 @dataclass

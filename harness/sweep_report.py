@@ -23,7 +23,16 @@ from harness.gate import Rules
 from harness.records import MANIFEST_FILE
 from harness.summary import CellSummary, Run, load_run, run_problems, summarize_cells
 from harness.sweep_gate import MapVerdict, evaluate_map, stressed
-from harness.sweep_metrics import Duration, Latency, Schedules, duration, latency, schedules
+from harness.sweep_metrics import (
+    PERCENTILES,
+    Duration,
+    Latency,
+    Schedules,
+    audio_seconds,
+    duration,
+    latency,
+    schedules,
+)
 
 HEATMAP_DIR = "sweep_plots"
 METRICS = {  # heatmap metric -> (title, colour map, fixed range or None)
@@ -71,6 +80,10 @@ class Row:
     def stress_events(self) -> int:
         return sum(self.events(n) for n in ("nonzero_offset_chunks", "cross_boundary_replays",
                                             "multi_position_decode_spans"))
+
+    @property
+    def audio_seconds(self) -> float | None:
+        return audio_seconds([rec for c in self.cells for rec in c.records])
 
     @property
     def stressed(self) -> int:
@@ -208,29 +221,55 @@ def _fmt_num(value: float | None) -> str:
     return f"{value:.0f}" if float(value).is_integer() else f"{value:.2f}"
 
 
+def _unit(m: SweepMap) -> str:
+    return next((r.latency.unit for r in m.rows if r.latency.measured), "steps")
+
+
+def _percentiles(values: dict[int, float | None]) -> str:
+    return "/".join(_fmt_num(values[q]) for q in PERCENTILES)
+
+
 def table_rows(m: SweepMap) -> tuple[list[str], list[list[str]]]:
+    """The map's columns; RTF and the audio's seconds only where some row has them (the real backend,
+    or a sim run with TTS), so a sim sweep's table keeps its columns."""
     shorts = [a["short"] for a in m.axes]
-    unit = next((r.latency.unit for r in m.rows if r.latency.measured), "steps")
+    unit = _unit(m)
+    with_rtf = any(r.latency.rtf[50] is not None for r in m.rows)
+    with_audio = any(r.audio_seconds is not None for r in m.rows)
     head = (["Arm", "Point"] + shorts + ["WER (mean)", "WER > 0.5", "Misaligned (text)", "Chunks", "Replays",
                                           "Multi-decode", "Preempt.", f"E2E p50/p90/p99 ({unit})",
-                                          f"TTFA p50/p90/p99 ({unit})", "Dur. ratio (med)", "Truncated",
-                                          "Overrun", "Stressed", "Map gate"])
+                                          f"TTFA p50/p90/p99 ({unit})"]
+            + (["RTF p50/p90/p99"] if with_rtf else []) + (["Audio s (med)"] if with_audio else [])
+            + ["Dur. ratio (med)", "Truncated", "Overrun", "Stressed", "Map gate"])
     body = []
     for r in m.rows:
         lat = r.latency
-        e2e = "/".join(_fmt_num(lat.e2e[q]) for q in (50, 90, 99))
-        tta = "/".join(_fmt_num(lat.ttfa[q]) for q in (50, 90, 99))
         status = r.status + (" (knee)" if r.knee else "")
         body.append([r.arm, r.deploy if not r.coords else "@" + r.deploy.split("@", 1)[-1]]
                     + [r.coords.get(s, "·") for s in shorts]
                     + [_fmt(r.mean_wer), f"{r.over}/{r.scored}", str(r.events("misaligned_text_positions")),
                        str(r.events("nonzero_offset_chunks")), str(r.events("cross_boundary_replays")),
-                       str(r.events("multi_position_decode_spans")), str(r.preemptions), e2e, tta,
-                       _fmt(r.duration.median_ratio, 2) if r.coords else "1 (ref)",
+                       str(r.events("multi_position_decode_spans")), str(r.preemptions), _percentiles(lat.e2e),
+                       _percentiles(lat.ttfa)]
+                    + ([_percentiles(lat.rtf)] if with_rtf else [])
+                    + ([_fmt(r.audio_seconds, 2)] if with_audio else [])
+                    + [_fmt(r.duration.median_ratio, 2) if r.coords else "1 (ref)",
                        f"{r.duration.truncated}/{r.duration.compared}" if r.coords else "–",
                        f"{r.duration.overrun}/{r.duration.compared}" if r.coords else "–",
                        f"{r.stressed}/{len(r.cells)}" if r.coords else "–", status])
     return head, body
+
+
+def latency_note(m: SweepMap) -> str | None:
+    """What the latency columns mean on the real backend (None for a sim sweep: steps)."""
+    if _unit(m) != "s":
+        return None
+    return ("latency (real backend, wall seconds on this host): E2E from the request's send to its whole response; "
+            "TTFA is not streamed (the client asks for stream: false and the audio arrives whole with the "
+            "response, at E2E): it is the seconds from the send to the Talker's first codec token, read from the "
+            "server's trace (its first call at a generated position), the earliest a streaming API could send "
+            "audio; RTF = E2E / the audio's seconds; Dur. ratio, Truncated (< 90 %) and Overrun (> 110 %) compare "
+            "each request's codec tokens with the same prompt's reference cell.")
 
 
 def _render_text(head: list[str], body: list[list[str]]) -> str:
@@ -267,8 +306,10 @@ def terminal_map(m: SweepMap) -> str:
     from harness.sweep_gate import format_map_verdict
 
     head, body = table_rows(m)
+    note = latency_note(m)
     parts = [f"sweep {m.sweep.get('name')}: {len(m.sweep.get('points', []))} points, base {m.sweep.get('base')}, "
-             f"reference {m.sweep.get('reference')}", _render_text(head, body), "", schedules_line(m), ""]
+             f"reference {m.sweep.get('reference')}", _render_text(head, body), ""] + ([note, ""] if note else []) \
+        + [schedules_line(m), ""]
     parts.append(format_map_verdict(m.verdict).rstrip())
     if m.problems:
         parts.append("warning: incomplete run: " + "; ".join(m.problems))
@@ -286,7 +327,9 @@ def map_json(m: SweepMap) -> dict[str, Any]:
             "cross_boundary_replays": r.events("cross_boundary_replays"),
             "multi_position_decode_spans": r.events("multi_position_decode_spans"),
             "preemptions": r.preemptions, "errors": r.errors,
-            "latency": {"unit": r.latency.unit, "e2e": r.latency.e2e, "ttfa": r.latency.ttfa, "rtf": r.latency.rtf},
+            "latency": {"unit": r.latency.unit, "e2e": r.latency.e2e, "ttfa": r.latency.ttfa, "rtf": r.latency.rtf,
+                        "measured": r.latency.measured},
+            "audio_seconds_median": r.audio_seconds,
             "duration": {"compared": r.duration.compared, "truncated": r.duration.truncated,
                          "overrun": r.duration.overrun, "median_ratio": r.duration.median_ratio},
             "stressed_cells": r.stressed, "cells": len(r.cells), "status": r.status, "knee": r.knee,
@@ -310,7 +353,8 @@ def markdown(m: SweepMap, plots: dict[str, str]) -> str:
              f"Base deploy `{m.sweep.get('base')}`, reference `{m.sweep.get('reference')}`, "
              f"{len(m.sweep.get('points', []))} points; axes: "
              + "; ".join(f"`{a['key']}` ({a['short']}): {', '.join(map(str, a['values']))}" for a in m.axes), "",
-             _render_markdown(head, body), "", schedules_line(m), "", "## Quality knee", ""]
+             _render_markdown(head, body), ""] + ([note, ""] if (note := latency_note(m)) else []) \
+        + [schedules_line(m), "", "## Quality knee", ""]
     lines += [f"* {line}" for line in knee_lines(m)]
     lines += ["", "## Map gate", "", "```", format_map_verdict(m.verdict).rstrip(), "```"]
     if m.problems:
@@ -340,6 +384,7 @@ img{{max-width:900px}}</style></head><body>
 <h1>Sweep {html.escape(str(m.sweep.get('name')))}: {html.escape(m.run.run_id)}</h1>
 <p>Base deploy <code>{html.escape(str(m.sweep.get('base')))}</code>, reference <code>{html.escape(str(m.sweep.get('reference')))}</code>.</p>
 <table><tr>{''.join(f'<th>{html.escape(h)}</th>' for h in head)}</tr>{''.join(rows_html)}</table>
+{'<p>' + html.escape(note) + '</p>' if (note := latency_note(m)) else ''}
 <p>{html.escape(schedules_line(m))}</p>
 <h2>Quality knee</h2><ul>{''.join(f'<li>{html.escape(k)}</li>' for k in knee_lines(m))}</ul>
 <h2>Map gate</h2><pre>{html.escape(format_map_verdict(m.verdict))}</pre>
@@ -380,7 +425,7 @@ def heatmaps(m: SweepMap) -> dict[str, bytes]:
     for axis in panel_axes:
         panels = [p + ((axis, v),) for p in panels for v in values[axis]]
     out = {}
-    unit = next((r.latency.unit for r in m.rows if r.latency.measured), "steps")
+    unit = _unit(m)
     for arm in dict.fromkeys(r.arm for r in m.rows):
         rows = [r for r in m.rows if r.arm == arm and r.coords]
         for metric, (title, cmap, fixed) in METRICS.items():

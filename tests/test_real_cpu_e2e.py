@@ -33,12 +33,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The speaking tiny checkpoint, built once for the module (``omni-stress tiny-model``)."""
     if not REAL_PY.exists():
         if os.environ.get("OMNI_STRESS_REQUIRE_REAL") == "1":
             pytest.fail(f"OMNI_STRESS_REQUIRE_REAL=1 but {REAL_PY} is missing (scripts/install-real-cpu.sh)")
         pytest.skip("no real CPU environment (.venv-omni): run scripts/install-real-cpu.sh")
-    tmp = tmp_path_factory.mktemp("real")
+    tmp = tmp_path_factory.mktemp("model")
     model = tmp / "tiny"
     t0 = time.monotonic()
     built = subprocess.run([*CLI, "tiny-model", str(model), "--python", str(REAL_PY)], cwd=tmp,
@@ -47,6 +48,13 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     summary = json.loads(built.stdout.strip().splitlines()[-1])
     assert summary["vocab_size"] == 152064 and summary["hidden_size"] == 64 and summary["speaking"] is True
     sys.stderr.write(f"[real e2e] tiny model: {time.monotonic() - t0:.1f} s\n")
+    return model
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    tmp = tmp_path_factory.mktemp("real")
+    model = tiny_model
     t0 = time.monotonic()
     check = subprocess.run([str(REAL_PY), "-m", "harness.serve.speaking_check", str(model), "--dtype", "bfloat16"],
                            cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -203,11 +211,11 @@ def test_manifest_says_which_implementation_ran(real_run: Path) -> None:
         assert "talker_preprocess" in workers[0]["bound_methods"]
 
 
-def test_a_bound_subclass_arm_keeps_its_class_in_the_real_server(real_run: Path) -> None:
+def test_a_bound_subclass_arm_keeps_its_class_in_the_real_server(real_run: Path, tiny_model: Path) -> None:
     """Issue 24 case 21: an ordinary subclass of ``pr`` that calls ``super()`` (and reads a class
     attribute through a property) bound into the real Talker worker: the engine stays up, every
     request is answered, and it delivers the contract's rows and says each reply under stress."""
-    model = real_run.parent / "tiny"
+    model = tiny_model
     out = real_run.parent / "subclass"
     run = subprocess.run(
         [*CLI, "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
@@ -255,3 +263,59 @@ def test_the_sim_measured_against_the_real_server(real_run: Path) -> None:
             assert all(v["sim"] == v["real"] for v in m.values()), cell
         else:  # both stressed the Talker the same way (the counts themselves are in docs/fidelity.md)
             assert m["cross_boundary_replays"]["sim"] >= 1 and m["cross_boundary_replays"]["real"] >= 1, cell
+
+
+# ---------------------------------------------------------------------------- a real sweep (issue 20)
+
+
+@pytest.fixture(scope="module")
+def real_sweep(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[Path, str]:
+    """``omni-stress sweep cpu`` on the real server: arm pr, cpu-stress at two loads (all at once, two
+    in flight) beside cpu-reference, the four cpu_smoke prompts: three server starts."""
+    out = tmp_path_factory.mktemp("sweep")
+    t0 = time.monotonic()
+    run = subprocess.run(
+        [*CLI, "sweep", "cpu", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
+         "--model", str(tiny_model), "--arm", "pr", "--prompts", "cpu_smoke", "--out", str(out), "--run-id", "sweep",
+         "--quiet", "--no-plots", "--health-timeout", "900", "--request-timeout", "900"],
+        cwd=out, capture_output=True, text=True, timeout=2700)
+    sys.stderr.write(f"[real e2e] sweep: {time.monotonic() - t0:.1f} s\n{run.stdout}\n")
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
+    return out / "sweep", run.stdout
+
+
+def test_a_real_sweep_prints_latency_and_duration_per_cell(real_sweep: tuple[Path, str]) -> None:
+    """The map of a real-backend sweep: end-to-end latency, time to the first codec token (the API is
+    not streamed: said in the note), real-time factor, the audio's seconds and truncation/overrun
+    against the reference cell, per point. Structure and counts only: timings vary with the host."""
+    run_dir, stdout = real_sweep
+    lines = stdout.splitlines()
+    head = next(line for line in lines if line.startswith("Arm "))
+    for column in ("load", "E2E p50/p90/p99 (s)", "TTFA p50/p90/p99 (s)", "RTF p50/p90/p99", "Audio s (med)",
+                   "Dur. ratio (med)", "Truncated", "Overrun", "Stressed", "Map gate"):
+        assert column in head, (column, head)
+    assert any(line.startswith("latency (real backend") and "TTFA is not streamed" in line for line in lines)
+    rows = [line.split() for line in lines[lines.index(head) + 2:] if line.startswith("pr ")]
+    assert [r[1] for r in rows] == ["cpu-reference", "@load=all", "@load=c2"], rows
+
+    sweep = json.loads((run_dir / "sweep.json").read_text())
+    by_deploy = {r["deploy"]: r for r in sweep["rows"]}
+    assert sorted(by_deploy) == ["cpu-reference", "cpu-stress@load=all", "cpu-stress@load=c2"]
+    for deploy, row in by_deploy.items():
+        lat = row["latency"]
+        assert row["requests"] == 4 and row["errors"] == 0 and lat["unit"] == "s" and lat["measured"] == 4, deploy
+        for metric in ("e2e", "ttfa", "rtf"):
+            assert all(lat[metric][q] is not None and lat[metric][q] > 0 for q in ("50", "90", "99")), (deploy, metric)
+        assert row["audio_seconds_median"] > 0, deploy
+        if deploy != "cpu-reference":
+            dur = row["duration"]
+            assert dur["compared"] == 4 and 0 <= dur["truncated"] + dur["overrun"] <= 4, (deploy, dur)
+            assert row["cells"] == 1 and row["stressed_cells"] in (0, 1), deploy
+
+    records = read_requests(run_dir)
+    assert len(records) == 12
+    for r in records:
+        assert r.error is None and r.backend == "vllm-omni", (r.deploy, r.prompt_id, r.error)
+        assert r.ttfa_s is not None and 0 < r.ttfa_s <= r.wall_s, (r.deploy, r.prompt_id, r.ttfa_s, r.wall_s)
+        assert r.rtf == round(r.wall_s / r.audio_seconds, 4), (r.deploy, r.prompt_id)
+        assert r.schedule is not None and r.num_codec_tokens > 0

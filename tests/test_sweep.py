@@ -112,7 +112,7 @@ def test_bad_sweep_file_is_one_line_exit_2(tmp_path: Path, name: str, text: str,
 
 def test_unknown_sweep_name_lists_the_shipped_ones(tmp_path: Path) -> None:
     res = invoke_cli("sweep", "nope", "--out", str(tmp_path / "out"))
-    assert_one_line_error(res, "unknown sweep 'nope' (known: default; or give a .yaml path)")
+    assert_one_line_error(res, "unknown sweep 'nope' (known: cpu, default; or give a .yaml path)")
 
 
 def test_scheduler_rules_are_checked_per_point(tmp_path: Path) -> None:
@@ -380,9 +380,10 @@ def test_resume_with_another_sweep_is_refused(tiny_sweep: tuple[Path, str], tmp_
 def test_list_sweeps() -> None:
     res = invoke_cli("list", "sweeps")
     assert res.exit_code == 0, res.stderr
-    assert res.stdout.splitlines()[:2] == [
-        "Sweeps (deploy_configs/sweeps/; omni-stress sweep NAME):",
-        "  default    24 points around stress (reference reference)"]
+    lines = res.stdout.splitlines()
+    assert lines[0] == "Sweeps (deploy_configs/sweeps/; omni-stress sweep NAME):"
+    assert "  cpu        2 points around cpu-stress (reference cpu-reference)" in lines
+    assert "  default    24 points around stress (reference reference)" in lines
 
 
 def test_client_load_on_the_real_backend() -> None:
@@ -443,3 +444,83 @@ def test_specdec_cells_get_wer_rules(tmp_path: Path) -> None:
         ("max_requests_over", "fail")]
     assert case.checks[1].message == ("max_wer_delta: mean WER minus the reference deploy's mean WER = +0.478 > "
                                       "+0.030 (vs onerow/reference run 1: 0.000)")
+
+
+def test_real_backend_latency_columns_from_records(tiny_sweep: tuple[Path, str]) -> None:
+    """The map of a real-backend sweep, without a server: the tiny sweep's records as the real backend
+    writes them (seconds, a first-codec-token time, RTF, audio). The map adds RTF and the audio's
+    seconds, says that TTFA is not streamed, and keeps a sim sweep's columns as they were."""
+    import dataclasses
+
+    from harness.gate import DEFAULT_RULES, load_rules
+    from harness.summary import load_run
+    from harness.sweep_report import build_map, latency_note, map_json, table_rows, terminal_map
+
+    run_dir, stdout = tiny_sweep
+    sim_map = build_map(run_dir, load_rules(DEFAULT_RULES))
+    head, _ = table_rows(sim_map)
+    assert "RTF p50/p90/p99" not in head and "Audio s (med)" not in head and latency_note(sim_map) is None
+    assert "E2E p50/p90/p99 (steps)" in head and "latency (real backend" not in stdout
+
+    run = load_run(run_dir)
+    real = []
+    for i, r in enumerate(run.requests):
+        wall = 2.0 + i % 4
+        audio = r.num_codec_tokens / 50
+        real.append(dataclasses.replace(r, backend="vllm-omni", wall_s=wall, ttfa_s=round(wall / 2, 3),
+                                        rtf=round(wall / audio, 4), audio_seconds=audio, sent_step=None,
+                                        arrival_step=None, first_token_step=None, finish_step=None))
+    run.requests = real
+    real_map = build_map(run, load_rules(DEFAULT_RULES))
+    head, body = table_rows(real_map)
+    for column in ("E2E p50/p90/p99 (s)", "TTFA p50/p90/p99 (s)", "RTF p50/p90/p99", "Audio s (med)",
+                   "Dur. ratio (med)", "Truncated", "Overrun"):
+        assert column in head, column
+    assert head.index("TTFA p50/p90/p99 (s)") + 1 == head.index("RTF p50/p90/p99") == head.index("Audio s (med)") - 1
+    assert len(body) == 10 and all(len(row) == len(head) for row in body)
+    e2e = head.index("E2E p50/p90/p99 (s)")
+    assert [row[e2e] for row in body][:2] == ["3/4/4", "3/5/5"]
+    note = latency_note(real_map)
+    assert note is not None and "TTFA is not streamed" in note and "first codec token" in note
+    assert note in terminal_map(real_map)
+    rows = map_json(real_map)["rows"]
+    assert all(r["latency"]["unit"] == "s" and r["latency"]["measured"] == 3 and r["audio_seconds_median"] > 0
+               for r in rows)
+    assert [r["duration"]["truncated"] for r in rows if r["arm"] == "main"] == [0, 2, 2, 0, 0]
+
+
+def test_time_to_first_codec_reads_the_trace() -> None:
+    """Real backend: from the first send to the Talker's first call at a generated position (c >= P)
+    during the attempt that answered; none for a failed request or a trace without such a call."""
+    from harness.serve.backend import generated_position_time, time_to_first_codec
+    from harness.serve.client import ChatResult
+
+    lines = [{"_omni_prompt_len": 10, "_omni_num_computed_tokens": 0, "time": 100.5},
+             {"_omni_prompt_len": 10, "_omni_num_computed_tokens": 10, "time": 101.25},
+             {"_omni_prompt_len": 10, "_omni_num_computed_tokens": 11, "time": 101.5},
+             {"_omni_prompt_len": 10, "_omni_num_computed_tokens": 12, "time": float("nan")},
+             {"_omni_prompt_len": 10, "_omni_num_computed_tokens": 13, "time": True}]
+    times = [t for line in lines if (t := generated_position_time(line)) is not None]
+    assert times == [101.25, 101.5]
+    assert time_to_first_codec(ChatResult("p", "t", sent_at=100.0), times) == 1.25
+    # a retry: the first attempt's calls do not count
+    assert time_to_first_codec(ChatResult("p", "t", sent_at=99.0, answered_attempt_at=101.4), times) == 2.5
+    assert time_to_first_codec(ChatResult("p", "t", sent_at=100.0, error="boom"), times) is None
+    assert time_to_first_codec(ChatResult("p", "t", sent_at=100.0), []) is None
+    assert time_to_first_codec(ChatResult("p", "t"), times) is None
+
+
+def test_span_json_is_json_dumps_byte_for_byte() -> None:
+    import json
+
+    from harness.records import SpanRecord, span_json
+
+    spans = [SpanRecord(arm="main", deploy="stress@mnbt=16,kv=128,load=all", repeat=1, request="p01", step=3, P=80,
+                        c=32, n=16, rows=80, misaligned_text=2, misaligned_end=0),
+             SpanRecord(arm="a\u00e9\"b", deploy="d\\x", repeat=2, request="\u2603 q", step=0, P=5, c=0, n=5,
+                        rows=5, error="raised: \"x\"\n"),
+             SpanRecord(arm="m", deploy="d", repeat=1, request="r", step=1, P=5, c=6, n=1, rows=True)]
+    odd = SpanRecord(arm="m", deploy="d", repeat=1, request="r", step=1, P=5, c=6, n=1, rows=1)
+    odd.extra = 1.5
+    for span in [*spans, odd]:
+        assert span_json(span) == to_json(span) == json.dumps(dict(vars(span)), sort_keys=True)

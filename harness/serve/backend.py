@@ -23,12 +23,13 @@ import asyncio
 import dataclasses
 import functools
 import json
+import math
 import os
 import shlex
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -426,11 +427,14 @@ def run_cell(
     collector = TraceCollector(trace, token_to_prompt)
     emitted: list[RequestRecord] = []
     codecs: dict[str, dict[int, int]] = {}  # prompt id -> position -> codec id (the trace's codec_ids)
+    generated_at: dict[str, list[float]] = {}  # prompt id -> wall times of its Talker calls at generated positions
 
     def spans_for(prompt_id: str) -> list[SpanRecord]:
         out = []
         for line in collector.take(prompt_id):
             _collect_codec(codecs.setdefault(prompt_id, {}), line)
+            if (at := generated_position_time(line)) is not None:
+                generated_at.setdefault(prompt_id, []).append(at)
             span = span_from_line(line, arm.name, deploy.name, repeat, prompt_id)
             if span is None:
                 collector.unusable += 1
@@ -462,7 +466,7 @@ def run_cell(
             if spans:
                 on_spans(spans)
             record = _record(arm, deploy, repeat, run_dir, res, spans, codecs.get(res.prompt_id, {}),
-                             options.speaking)
+                             options.speaking, generated_at.get(res.prompt_id, ()))
             emitted.append(record)
             on_request(record)  # the caller shows per-request progress
 
@@ -511,8 +515,31 @@ def codec_stream(stream: dict[int, int], P: int | None) -> list[int]:
     return out
 
 
+def generated_position_time(line: dict[str, Any]) -> float | None:
+    """The trace line's wall time when the call fed a generated position (``c >= P``: the Talker had
+    sampled its first codec token by then), else None."""
+    P, c, at = line.get("_omni_prompt_len"), line.get("_omni_num_computed_tokens"), line.get("time")
+    if isinstance(P, int) and isinstance(c, int) and c >= P and isinstance(at, (int, float)) \
+            and not isinstance(at, bool) and math.isfinite(at):
+        return float(at)
+    return None
+
+
+def time_to_first_codec(res: chat.ChatResult, generated_at: Iterable[float]) -> float | None:
+    """Seconds from the request's first send to the Talker's first call at a generated position
+    during the attempt that answered (the client's and the worker's ``time.time()``, one host). The
+    API is not streamed (``stream: false``): the audio arrives whole with the response, so this is
+    the earliest a streaming API could have sent audio, not a measured time to first audio byte."""
+    if res.error is not None or res.sent_at is None:
+        return None
+    since = res.answered_attempt_at if res.answered_attempt_at is not None else res.sent_at
+    times = [t for t in generated_at if t >= since]
+    return round(max(0.0, min(times) - res.sent_at), 3) if times else None
+
+
 def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.ChatResult,
-            spans: list[SpanRecord], stream: dict[int, int] | None = None, speaking: bool = False) -> RequestRecord:
+            spans: list[SpanRecord], stream: dict[int, int] | None = None, speaking: bool = False,
+            generated_at: Iterable[float] = ()) -> RequestRecord:
     first = spans[0] if spans else None
     restarts = sum(1 for s in spans[1:] if s.c == 0)  # preemption by recompute resets c to 0
     audio = None
@@ -527,6 +554,7 @@ def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.
     )
     if res.error is None and res.audio_seconds:  # real-time factor: seconds of work per second of audio
         record.rtf = round(res.wall_s / res.audio_seconds, 4)
+    record.ttfa_s = time_to_first_codec(res, generated_at)
     if spans:
         record.schedule = schedule_digest(spans)
     codes = codec_stream(stream or {}, record.talker_prompt_len)

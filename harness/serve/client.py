@@ -185,6 +185,10 @@ class ChatResult:
     error: str | None = None
     wall_s: float = 0.0
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    # Wall-clock (``time.time()``, the clock the server's Talker trace stamps its calls with) at the
+    # request's first send and at the start of the attempt that answered: time to the first codec token.
+    sent_at: float | None = None
+    answered_attempt_at: float | None = None
 
 
 class ServerGone(Exception):
@@ -274,8 +278,10 @@ async def run_requests(
         async def _send(spec: RequestSpec) -> ChatResult:
             res = ChatResult(prompt_id=spec.prompt_id, tag=spec.tag)
             t0 = time.monotonic()
+            res.sent_at = time.time()
             for attempt in range(1, retries + 2):
                 a0 = time.monotonic()
+                a0_wall = time.time()
                 try:
                     parsed = await _one_attempt(client, url, spec, request_timeout_s, attempt)
                     seconds = wav_seconds(parsed.audio)
@@ -287,6 +293,7 @@ async def run_requests(
                     res.finish_reason = parsed.finish_reason
                     res.response_id = parsed.response_id
                     res.error = None
+                    res.answered_attempt_at = a0_wall
                     res.attempts.append({"attempt": attempt, "request_id": attempt_id(spec.tag, attempt), "ok": True,
                                          "wall_s": round(time.monotonic() - a0, 3)})
                     break

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from harness.sim.pool import SimPool
 
 
+_NO_DRAFTS: list[int] = []  # never appended to: the spans without drafts share it
+
+
 @dataclass
 class SimRequestResult:
     record: RequestRecord
@@ -179,7 +182,8 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
         for rid, n in sched_out.num_scheduled_tokens.items():
             req = live[rid]
             c = before[rid]
-            drafts = list(drafts_by_req.get(rid, ()))
+            drafts = drafts_by_req.get(rid)
+            drafts = list(drafts) if drafts else _NO_DRAFTS
             result = runner.call(req, c, n, step, drafts)
             spans_by_req[rid].append(result.span)
             stats.scheduled_tokens += n
@@ -221,6 +225,16 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
     return stats
 
 
+def _preload_report_modules() -> None:
+    import importlib
+
+    for name in ("harness.report", "harness.plots"):
+        try:
+            importlib.import_module(name)
+        except Exception:  # the report imports them again itself, and says what is wrong
+            return
+
+
 class SimBackend:
     """The sim behind ``harness.backends.Backend``: cells in forked workers when it can, else
     in this process; each finished request is spoken by the sim's Code2Wav before it is emitted.
@@ -257,6 +271,10 @@ class SimBackend:
         self.futures = {j.key: self.pool.submit(j.arm, j.deploy, j.prompts, j.repeat, j.seed, j.skip, self.talker_mode,
                                                 latency)
                         for j in jobs}
+        # The workers are forked (the first submit starts them all): while they simulate, this process only
+        # writes records, so it imports what the report at the end of the run needs (pandas, matplotlib)
+        # now, on the core the cells leave free, instead of after the last cell with one core idle.
+        threading.Thread(target=_preload_report_modules, name="omni-stress-preload", daemon=True).start()
 
     def run_cell(self, job: CellJob, emit: EmitRecord, emit_spans: EmitSpans,
                  idle: Callable[[], None]) -> CellOutcome:

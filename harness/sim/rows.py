@@ -31,6 +31,7 @@ NONE = -1  # no component (all zeros)
 UNKNOWN = -2  # a component that matches no row ever made
 
 _TOL = 1e-4
+_ONE_ROW = torch.Size((1, DIM))
 
 
 def _seed(*tag: object) -> int:
@@ -105,6 +106,10 @@ class RowSpace:
             idx = np.asarray(ids, dtype=np.int64)
         return torch.from_numpy(self._codec_np[idx])
 
+    def embed_numpy(self, ids: np.ndarray) -> torch.Tensor:
+        """``embed_codec`` of int64 ``ids`` already in a NumPy array (the runner's span ids)."""
+        return torch.from_numpy(self._codec_np[ids])
+
     def identify(self, rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(text ids, codec ids) per row: registry/codec index, ``NONE`` or ``UNKNOWN`` (int64 arrays)."""
         if rows.requires_grad:
@@ -123,13 +128,15 @@ class RowSpace:
         """``identify`` of a single row, as two ints (a decode step: most spans of a run).
 
         The usual row is a registered text row plus a codec row: both candidate ids are read from
-        the parts' first columns and the whole row is checked against their sum in one pass; any
-        other row takes ``_match_row`` part by part, as ``identify`` does."""
+        the parts' first columns; a row whose parts are those rows bit for bit is theirs (compared
+        as bytes: a difference of zero is within ``_TOL``), otherwise the whole row is checked
+        against their sum within ``_TOL`` in one pass; any other row takes ``_match_row`` part by
+        part, as ``identify`` does."""
         if rows.requires_grad:
             rows = rows.detach()
         if rows.dtype != torch.float32:
             rows = rows.to(torch.float32)
-        row = rows.reshape(DIM).numpy()
+        row = rows.numpy()[0] if rows.shape == _ONE_ROW else rows.reshape(DIM).numpy()
         if self._text_np is None:
             self._text_np = np.ascontiguousarray(self.text_matrix.numpy())
         text, codec = self._text_np, self._codec_parts_np
@@ -137,6 +144,9 @@ class RowSpace:
         if math.isfinite(first_t) and math.isfinite(first_c):
             t, k = round(first_t) - 1, round(first_c) - 1
             if -1 <= t < text.shape[0] and 0 <= k < codec.shape[0]:
+                if t >= 0 and row[:TEXT_DIMS].tobytes() == text[t].tobytes() \
+                        and row[TEXT_DIMS:].tobytes() == codec[k].tobytes():
+                    return t, k
                 want = self._pair
                 if t >= 0:
                     want[:TEXT_DIMS] = text[t]

@@ -18,14 +18,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from harness.contract import misaligned_regions
+from harness.contract import misaligned_regions, span_flags
 from harness.records import SpanRecord
 from harness.sim import armcall
 from harness.sim.codec import CODEC_BOS, CODEC_PAD
-from harness.sim.model import VOICE, SimTalkerModelBase
+from harness.sim.model import VOICE, SimTalkerModelBase, _TalkerModule
 from harness.sim.rows import NONE, RowSpace
 from harness.sim.talker import TalkerKV
 from harness.sim.thinker import ThinkerOutput
+
+
+_new_span = object.__new__
 
 
 @dataclass
@@ -46,6 +49,10 @@ class SimRunner:
         self._eos_id = int(space.identify(model.embed_text_eos_token)[0][0])
         self._pad_id = int(space.identify(model.embed_text_pad_token)[0][0])
         armcall.prepare()  # the per-call time limit's signal handler, once per cell
+        # The sim's own Talker module embeds ids as rows of the codec table: read them straight from
+        # the table (``RowSpace.embed_numpy``); any other module is called as the runner always did.
+        self._embed = space.embed_numpy if type(model.talker) is _TalkerModule else None
+        self._decode_flags = span_flags(1, 1, 1, 1)  # a decode span's flags (c >= P, n == rows == 1)
 
     def add_request(self, out: ThinkerOutput, payload: dict[str, Any], capacity: int) -> None:
         self.buffer[out.request_id] = payload
@@ -76,7 +83,10 @@ class SimRunner:
         if drafts and len(ids) < n:  # a verify span: the scheduled drafts follow the last token
             ids = list(ids) + list(drafts)[:n - len(ids)]
         # The arm gets this tensor itself (no copy): the runner reads the span's ids from ``ids`` after the call.
-        span_ids = torch.tensor(ids, dtype=torch.long)
+        # Made from NumPy (a third of torch.tensor's cost on a list); the same int64 values either way. The
+        # arm may write into it: after the call the runner reads ``ids``, never ``ids_np``.
+        ids_np = np.array(ids, dtype=np.int64)
+        span_ids = torch.from_numpy(ids_np)
         req_infos = self.buffer.setdefault(rid, {})
         req_infos["request_id"] = rid
         req_infos["_omni_prompt_len"] = P
@@ -85,7 +95,9 @@ class SimRunner:
         sp = request.sampling_params
         req_infos["_omni_max_tokens"] = sp.max_tokens
         req_infos["_omni_seed"] = sp.seed
-        inputs_embeds = self.model.talker.embed_input_ids(span_ids)
+        # the Talker's embeddings of the span's ids: the codec table's rows, a new tensor per call
+        inputs_embeds = (self._embed(ids_np) if self._embed is not None
+                         else self.model.talker.embed_input_ids(span_ids))
         try:  # the arm's failure (an exception, sys.exit, a hang, bad rows) is this request's, not the run's
             result = armcall.call(self.model.talker_preprocess, input_ids=span_ids,
                                   input_embeds=inputs_embeds, **req_infos)
@@ -103,8 +115,7 @@ class SimRunner:
             span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows=0, error=str(exc))
             return CallResult(span, span.error)
         if rows >= n and type(req_embeds) is torch.Tensor and req_embeds.dtype == inputs_embeds.dtype == torch.float32 \
-                and req_embeds.layout == torch.strided and not req_embeds.requires_grad \
-                and req_embeds.device.type == "cpu":
+                and req_embeds.layout == torch.strided and not req_embeds.requires_grad and req_embeds.is_cpu:
             # the span's rows are the arm's first n: identify those (copying them into the span's
             # rows first would give the same float32 values)
             final = req_embeds if rows == n else req_embeds[:n]
@@ -116,8 +127,10 @@ class SimRunner:
         out = self.thinker[rid]
         if n == 1:  # a decode step (or a one-token tail): scalar identification and check
             t_id, k_id = self.space.identify_one(final)
-            kv.write(c, np.array((t_id,), dtype=np.int64), np.array((k_id,), dtype=np.int64))
+            kv.write_one(c, t_id, k_id)
             text, end = self._misaligned_one(kv, out, int(ids[0]), c, t_id, k_id)
+            if rows == 1 and c >= P:  # a decode span: its event flags are the same for every one
+                return CallResult(self._decode_span(rid, step, P, c, text, end), None)
         else:
             text_ids, codec_ids = self.space.identify(final)
             kv.write(c, text_ids, codec_ids)
@@ -125,6 +138,17 @@ class SimRunner:
         arm, deploy, repeat = self.cell
         span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows, misaligned_text=text, misaligned_end=end)
         return CallResult(span, None)
+
+    def _decode_span(self, rid: str, step: int, P: int, c: int, text: int, end: int) -> SpanRecord:
+        """``SpanRecord(..., n=1, rows=1, ...)`` of a decode span (``c >= P``), without its
+        ``__post_init__``: the same fields and values, the flags being ``contract.span_flags``' decode
+        flags (one evaluation of the table for all such spans) and ``misaligned`` the regions' sum."""
+        span = _new_span(SpanRecord)
+        arm, deploy, repeat = self.cell
+        span.__dict__.update(arm=arm, deploy=deploy, repeat=repeat, request=rid, step=step, P=P, c=c, n=1, rows=1,
+                             misaligned_text=text, misaligned_end=end, misaligned=text + end, error=None,
+                             **self._decode_flags)
+        return span
 
     def _misaligned_one(self, kv: TalkerKV, out: ThinkerOutput, span_id: int, c: int, t_id: int,
                         k_id: int) -> tuple[int, int]:

@@ -56,6 +56,14 @@ class SpeakingKV(TalkerKV):
             hits = np.flatnonzero(codec == CODEC_BOS)
             self.first_bos = c + int(hits[0]) if hits.size else None
 
+    def write_one(self, c: int, text_id: int, codec_id: int) -> None:  # type: ignore[override]
+        """``write`` of a one-position span ``[c, c+1)``, from two ints."""
+        self._text_np[c] = text_id
+        self._codec_np[c] = codec_id
+        self.length = c + 1
+        if self.first_bos is None or self.first_bos >= c:
+            self.first_bos = c if codec_id == CODEC_BOS else None
+
     def started_at(self, m: int) -> bool:
         return self.first_bos is not None and self.first_bos <= m
 

@@ -85,6 +85,15 @@ class TalkerKV:
         if c < self.P or old < self.P:  # only then can the start rows (P-2, P-1) or length < P change
             self._started = self._check_started()
 
+    def write_one(self, c: int, text_id: int, codec_id: int) -> None:
+        """``write`` of a one-position span ``[c, c+1)``, from two ints."""
+        self._text_np[c] = text_id
+        self._codec_np[c] = codec_id
+        old = self.length
+        self.length = c + 1
+        if c < self.P or old < self.P:
+            self._started = self._check_started()
+
     def _check_started(self) -> bool:
         P, text, codec = self.P, self._text_np, self._codec_np
         return bool(self.length >= P and text[P - 2] == self.spk_id and codec[P - 2] == CODEC_PAD
@@ -117,6 +126,8 @@ class SimTalker:
         self.vocab_size = WORD_BASE + 4 * len(vocab.words)
         self._cls_np: np.ndarray | None = None  # speech class of each registered text row (freeze)
         self._word_np = np.zeros(0, dtype=np.int64)
+        self._cls: list[int] = []
+        self._word: list[int] = []
         self._dists: dict[tuple[int, int], _Dist] = {}
         self._draw_seeds: dict[str, int] = {}  # per request: the key of its sampling uniforms
         self._text_len: dict[str, int] = {}  # T per request: its Thinker output rows (freeze)
@@ -135,6 +146,7 @@ class SimTalker:
                 if w is not None:
                     cls[i], word[i] = WORD, w
         self._cls_np, self._word_np = cls.numpy(), word.numpy()
+        self._cls, self._word = cls.tolist(), word.tolist()  # next_token's per-token reads, as Python ints
         self._text_len = {}
         for m in meanings:
             if m.kind == "output" and m.request is not None:
@@ -165,13 +177,13 @@ class SimTalker:
         tid = int(kv._text_np[pos]) if pos < kv.length else UNKNOWN
         if tid == NONE:
             return CODEC_EOS
-        cls = self._cls_np
+        cls = self._cls
         if tid >= 0 and cls[tid] == END:
             return CODEC_EOS
         key = (_NOISE, 0)
         if tid != UNKNOWN:
             if cls[tid] == WORD:
-                key = (_ONSET if generated % self.R == 0 else _SUSTAIN, int(self._word_np[tid]))
+                key = (_ONSET if generated % self.R == 0 else _SUSTAIN, self._word[tid])
             else:
                 key = (_SILENCE, 0)
         return self._draw(self._dist(key), kv.request_id, kv.P + generated)

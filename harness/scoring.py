@@ -25,6 +25,7 @@ def normalize(text: str) -> str:
     return " ".join(_normalizer()(text).split())
 
 
+@lru_cache(maxsize=4096)  # a run asks once per request, of a few distinct replies (a sweep: 800 asks, 16 texts)
 def measurable(reference: str) -> bool:
     """Whether WER can judge speech against ``reference``: it keeps at least one word after
     normalisation. A reference of special tokens, symbols or emoji only normalises to nothing, and

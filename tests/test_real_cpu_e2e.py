@@ -317,5 +317,5 @@ def test_a_real_sweep_prints_latency_and_duration_per_cell(real_sweep: tuple[Pat
     for r in records:
         assert r.error is None and r.backend == "vllm-omni", (r.deploy, r.prompt_id, r.error)
         assert r.ttfa_s is not None and 0 < r.ttfa_s <= r.wall_s, (r.deploy, r.prompt_id, r.ttfa_s, r.wall_s)
-        assert r.rtf == round(r.wall_s / r.audio_seconds, 4), (r.deploy, r.prompt_id)
+        assert abs(r.rtf - r.wall_s / r.audio_seconds) < 0.01, (r.deploy, r.prompt_id)  # wall_s is rounded to ms
         assert r.schedule is not None and r.num_codec_tokens > 0

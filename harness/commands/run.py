@@ -54,10 +54,8 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
         check_run_id(run_id)
     # Every path once, now: a plugin arm may os.chdir() when it is imported or called, and a
     # relative --out (or cache, model, resume folder) must still mean what the user typed.
-    out, resume_dir, cache_dir, arms_file = absolute(out), absolute(resume_dir), absolute(cache_dir), absolute(arms_file)
-    serve_python = absolute(serve_python) if serve_python is not None and serve_python.exists() else serve_python
-    asr_model = _absolute_model(asr_model)
-    pin_path_env()
+    out, resume_dir, cache_dir, arms_file, serve_python, asr_model = absolute_paths(
+        out, resume_dir, cache_dir, arms_file, serve_python, asr_model)
     # Whatever an arm (or a library) prints while the run works goes to stderr: stdout is the table's.
     with stdout_to_stderr():
         printed = _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr,
@@ -65,6 +63,15 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
                        health_timeout, request_timeout, arm_timeout, serve_platform, serve_python, sim_talker,
                        executor, ray_address)
     click.echo(printed)
+
+
+def absolute_paths(out, resume_dir, cache_dir, arms_file, serve_python, asr_model):
+    """The path options of ``run`` and ``sweep`` made absolute, and the environment's cache folders
+    pinned, once as the command starts: a plugin arm may os.chdir() when imported or called."""
+    out, resume_dir, cache_dir, arms_file = absolute(out), absolute(resume_dir), absolute(cache_dir), absolute(arms_file)
+    serve_python = absolute(serve_python) if serve_python is not None and serve_python.exists() else serve_python
+    pin_path_env()
+    return out, resume_dir, cache_dir, arms_file, serve_python, _absolute_model(asr_model)
 
 
 def _absolute_model(model: str) -> str:

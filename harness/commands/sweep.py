@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from harness.cli_options import shared_run_options
-from harness.commands.run import _absolute_model, _preflight, in_run_dir, open_run_dir, start_manifest
+from harness.commands.run import _preflight, absolute_paths, in_run_dir, open_run_dir, start_manifest
 from harness.config import load_arms, load_prompts, resolve_arm
 from harness.errors import UserError
 from harness.executors.options import executor_options
@@ -21,7 +21,7 @@ from harness.pipeline import (
     new_run_id,
 )
 from harness.proc import printable_streams, stdout_to_stderr
-from harness.rundir import absolute, check_run_id, pin_path_env
+from harness.rundir import check_run_id
 from harness.sim import armcall
 
 
@@ -41,10 +41,8 @@ def command(sweep_file, arms, arms_file, prompt_set, repeat, seed, out, run_id, 
     if run_id is not None:
         check_run_id(run_id)
     # Every path once, now, as `run` does: a plugin arm may os.chdir() when it is imported or called.
-    out, resume_dir, cache_dir, arms_file = absolute(out), absolute(resume_dir), absolute(cache_dir), absolute(arms_file)
-    serve_python = absolute(serve_python) if serve_python is not None and serve_python.exists() else serve_python
-    asr_model = _absolute_model(asr_model)
-    pin_path_env()
+    out, resume_dir, cache_dir, arms_file, serve_python, asr_model = absolute_paths(
+        out, resume_dir, cache_dir, arms_file, serve_python, asr_model)
     with stdout_to_stderr():
         printed = _sweep(sweep_file, arms, arms_file, prompt_set, repeat, seed, out, run_id, resume_dir, backend,
                          sim_talker, asr, asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet,

@@ -23,6 +23,7 @@ from matplotlib.collections import PathCollection, PolyCollection
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.path import Path
+from matplotlib.ticker import FuncFormatter
 
 from harness.contract import span_regions
 from harness.records import SpanRecord
@@ -158,6 +159,9 @@ def _plot_misaligned(ax: Any, cells: list[CellSummary]) -> None:
             ax.annotate(text, (x, 0), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8,
                         color="#777")
     ax.set_yscale("symlog", linthresh=1)
+    # Plain numbers (1, 10, 100) instead of the symlog default's 10^k: those labels go through
+    # mathtext, whose first parse cost more than the rest of this figure (issue 23).
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
     ax.set_ylim(0, max(10, top) * 3)
     ax.set_xticks(range(len(cells)), [_cell_label(c) for c in cells], fontsize=8)
     ax.set_ylabel("misaligned positions")

@@ -304,6 +304,7 @@ def main() -> int:
             print("bench: Whisper's floor ...", file=sys.stderr, flush=True)
             manifest = json.loads((Path(cold["run_dir"]) / "manifest.json").read_text())
             cold["asr_s"] = manifest.get("stage_seconds", {}).get("asr")
+            cold["asr_cpu_s"] = manifest.get("stage_seconds", {}).get("asr_cpu")
             result["main_cold"] = cold
             result["whisper_floor"] = whisper_floor(Path(cold["run_dir"]), "faster-whisper", "base")
         print("bench: omni-stress report ...", file=sys.stderr, flush=True)
@@ -330,10 +331,15 @@ def main() -> int:
                 "cold_s": cold["wall_s"] if cold else None,
                 "whisper_over_floor": round(cold["asr_s"] / wf["workers"] / wf["floor_s"], 2)
                 if cold and cold.get("asr_s") and wf.get("floor_s") else None,
+                # Whisper's own work (the workers' CPU seconds) over the same floor: what is left of the
+                # ratio once the cores it shares with the sim are taken out
+                "whisper_cpu_over_floor": round(cold["asr_cpu_s"] / wf["workers"] / wf["floor_s"], 2)
+                if cold and cold.get("asr_cpu_s") and wf.get("floor_s") else None,
                 "quick_command_s": max(r["measured_s"] for r in result["quick_commands"])
                 if result.get("quick_commands") else None}
     result["measured"] = measured
-    result["meets_target"] = {k: None if v is None else v <= TARGETS[k] for k, v in measured.items()}
+    result["meets_target"] = {k: None if v is None else v <= TARGETS[k] for k, v in measured.items()
+                              if k in TARGETS}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
@@ -370,6 +376,9 @@ def main() -> int:
             rows.append(("Whisper (cold): decode s / workers", round(cold["asr_s"] / wf["workers"], 2),
                          f"{wf['floor_s']} ({wf['unique_audio_s']} s audio x RTF {wf['rtf_alone']} / {wf['workers']})",
                          "<= 1.5x floor"))
+            if cold.get("asr_cpu_s"):
+                rows.append(("  Whisper's CPU s / workers (its own work)", round(cold["asr_cpu_s"] / wf["workers"], 2),
+                             f"{wf['floor_s']}", ""))
     rows.append(("report (64 requests): wall s", r["report_wall_s"], f"{r['floor_wall_s']} (imports)", ""))
     rows.append(("report: cpu s (own = report - floor)", f"{r['report_cpu_s']} (own {r['own_cpu_s']})",
                  f"{r['floor_cpu_s']} (imports)", "own <= 1 s"))

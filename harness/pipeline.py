@@ -65,6 +65,7 @@ class StageTimes:
     sim_wall: float = 0.0  # seconds this process spent simulating or waiting for sim workers
     tts: float = 0.0
     asr: float = 0.0  # decode seconds summed over transcripts (workers run in parallel with the sim)
+    asr_cpu: float = 0.0  # the ASR workers' CPU seconds over the same transcripts (Whisper's own work)
     asr_wait: float = 0.0  # seconds the run waited for Whisper after everything else was done
     asr_cache_hits: int = 0
     asr_transcribed: int = 0
@@ -369,10 +370,11 @@ class AudioScorer:
         from harness.audio.pool import result_of
 
         assert self.cache is not None and self.transcriber is not None and self.pool is not None
-        text, seconds = result_of(pending.future, timeout=0)
+        text, seconds, cpu = result_of(pending.future, timeout=0)
         if pending.owner:
             self.cache.put(pending.digest, self.transcriber.cache_key, text)
             self.pool.forget(pending.digest)
+            self.times.asr_cpu += cpu
         self._fill(pending.record, self._scored(pending.record, text, seconds if pending.owner else 0.0,
                                                 cached=not pending.owner))
 

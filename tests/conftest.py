@@ -27,7 +27,7 @@ class CliResult:
     stderr: str
 
 
-def run_cli(*args: str, timeout: float = 300.0, env: dict[str, str] | None = None) -> CliResult:
+def run_cli(*args: str, timeout: float = 900.0, env: dict[str, str] | None = None) -> CliResult:
     """``omni-stress ARGS`` in a subprocess (``python -m harness.cli``), from the repository root."""
     proc = subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})}, check=False)

@@ -249,7 +249,7 @@ def test_plugin_module_in_the_working_directory_imports_with_the_installed_scrip
     repo = Path(__file__).resolve().parent.parent
     proc = subprocess.run([str(script), "run", "--arm", "fix=mytalker:Fix", "--deploy", "reference", "--asr", "none",
                            "--prompts", str(repo / "tests" / "fixtures" / "prompts_small.yaml"), "--out", "out",
-                           "--run-id", "r", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                           "--run-id", "r", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (tmp_path / "out" / "r" / "requests.jsonl").read_text().splitlines()]
     assert [r["arm"] for r in records] == ["fix"] * 4 and all(r["oracle_wer"] == 0.0 for r in records)

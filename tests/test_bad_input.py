@@ -215,7 +215,7 @@ def test_subprocess_cli_prints_one_line_too(tmp_path):
     from conftest import run_cli
 
     res = run_cli("run", "--asr", "none", "--quiet", "--out", str(tmp_path),
-                  "--deploy", _deploy(tmp_path, talker={"max_num_seq": 4}), timeout=120)
+                  "--deploy", _deploy(tmp_path, talker={"max_num_seq": 4}), timeout=900)
     assert_one_line_error(res, "bad.yaml", "talker.max_num_seq", "unknown key")
 
 

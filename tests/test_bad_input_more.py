@@ -261,7 +261,7 @@ def test_F5_F6_in_sim_workers_and_stdout_is_the_table_alone(tmp_path):
     res = run_cli("run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS), "--out", str(tmp_path),
                   "--run-id", "r", "--deploy", "stress", "--sim-workers", "2", "--arm-timeout", "1",
                   "--arm", f"hardexit={MIS}:HardExit", "--arm", f"hang={MIS}:NeverReturns",
-                  "--arm", f"noisy={MIS}:Prints", timeout=300)
+                  "--arm", f"noisy={MIS}:Prints", timeout=900)
     assert res.exit_code == 0, res.stderr[-3000:]
     _check_misbehaving_records(tmp_path / "r", ["hardexit", "hang"])
     assert all(r.error is None for r in read_requests(tmp_path / "r") if r.arm == "noisy")
@@ -494,7 +494,7 @@ def test_subprocess_one_line_for_a_latin1_deploy(tmp_path):
     path = tmp_path / "latin.yaml"
     path.write_bytes(b"name: caf\xe9\n")
     res = run_cli("run", "--asr", "none", "--quiet", "--out", str(tmp_path / "out"), "--deploy", str(path),
-                  timeout=120)
+                  timeout=900)
     assert_one_line_error(res, "latin.yaml", "not UTF-8")
     assert not (tmp_path / "out").exists()
     assert os.listdir(tmp_path) == ["latin.yaml"]

@@ -237,7 +237,7 @@ def _as_nobody(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subp
     mpl.mkdir(exist_ok=True)
     mpl.chmod(0o777)
     return subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
-                           "harness.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300, check=False,
+                           "harness.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=900, check=False,
                           env={**os.environ, "MPLCONFIGDIR": str(mpl), "PYTHONPATH": str(REPO), **(env or {})})
 
 
@@ -527,7 +527,7 @@ def test_7_an_arm_that_leaves_a_thread_running_does_not_keep_the_run_alive(tmp_p
     out = tmp_path / "out"
     res = run_cli("run", "--asr", "none", "--quiet", "--arm", "t=thread_plugin_round3:LeavesAThread", "--deploy",
                   "reference", "--sim-workers", workers, "--prompts", _one_prompt(tmp_path), "--out", str(out),
-                  "--run-id", "r", timeout=240, env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
+                  "--run-id", "r", timeout=900, env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
     assert res.exit_code == 0, res.stderr
     assert "omni-stress: warning: an arm left 1 thread running ('plugin-forever'); exiting without waiting for it" \
         in res.stderr

@@ -60,7 +60,7 @@ main()
 def _probe(tmp_path: Path, *args: str) -> tuple[int, set[str], str, str]:
     out = tmp_path / f"modules-{len(list(tmp_path.glob('modules-*')))}.json"
     proc = subprocess.run([sys.executable, "-c", PROBE, str(out), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "COLUMNS": "80"}, check=False)
+                          timeout=900, env={**os.environ, "COLUMNS": "80"}, check=False)
     data = json.loads(out.read_text())
     assert data["code"] == proc.returncode, proc.stderr
     return data["code"], set(data["modules"]), proc.stdout, proc.stderr
@@ -88,7 +88,7 @@ def test_help_is_what_the_imported_commands_would_print(tmp_path):
     """What cli.py reads from the source is current: --help in a fresh process equals --help with
     every command imported first (their own docstrings), byte for byte."""
     _, _, lazy, _ = _probe(tmp_path, "--help")
-    eager = subprocess.run([sys.executable, "-c", EAGER_HELP], cwd=REPO, capture_output=True, text=True, timeout=300,
+    eager = subprocess.run([sys.executable, "-c", EAGER_HELP], cwd=REPO, capture_output=True, text=True, timeout=900,
                            env={**os.environ, "COLUMNS": "80"}, check=False)
     assert (eager.returncode, eager.stderr) == (0, "")
     assert eager.stdout == lazy

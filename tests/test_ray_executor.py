@@ -333,7 +333,7 @@ def _runs_a_cell(args: str) -> bool:
 def _run_cli(*args: str, env: dict | None = None, pre: str = "") -> subprocess.CompletedProcess:
     code = f"import sys; {pre}sys.argv = ['omni-stress', *sys.argv[1:]]; from harness.cli import main; main()"
     return subprocess.run([PY, "-c", code, *args], cwd=REPO, env=env or ENV, capture_output=True, text=True,
-                          timeout=180)
+                          timeout=900)
 
 
 def test_ray_missing_is_one_line_exit_2(tmp_path):

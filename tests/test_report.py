@@ -483,7 +483,7 @@ def test_specdec_run_shows_accepted_tokens(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--asr", "none", "--deploy", "specdec",
                            "--arm", "main", "--arm", "pr", "--prompts", str(root / "tests/fixtures/prompts_small.yaml"),
                            "--out", str(tmp_path), "--run-id", "spec", "--quiet"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert "tokens/step" in proc.stdout and "Multi-position" in proc.stdout
     cells = json.loads((tmp_path / "spec" / "summary.json").read_text())["cells"]

@@ -130,7 +130,7 @@ def test_dry_run_shows_the_cpu_profile_and_the_bound_arm(tmp_path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "harness.cli", "run", "--backend", "vllm-omni", "--dry-run", "--platform", "cpu",
          "--serve-python", sys.executable, "--model", "/models/tiny", "--arm", "pr", "--deploy", "stress",
-         "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "platform cpu, arm harness.talkers.pr:FixedTalker bound onto the installed model" in text
@@ -149,7 +149,7 @@ def test_an_arm_without_serve_and_no_real_environment_is_one_line(tmp_path, monk
     out = subprocess.run(
         [sys.executable, "-m", "harness.cli", "run", "--backend", "vllm-omni", "--platform", "cpu",
          "--serve-python", str(tmp_path / "no-such-python"), "--arm", "pr", "--deploy", "reference",
-         "--asr", "none", "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120, env=env)
+         "--asr", "none", "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "no-such-python" in lines[0] and "arm 'pr'" in lines[0], out.stderr

@@ -52,15 +52,18 @@ def _init_worker(spec: PoolSpec, parent_pid: int) -> None:
     _WORKER = make_transcriber(spec.backend, spec.model, spec.beam_size, cpu_threads=spec.threads_per_worker)
 
 
-def _transcribe(wav_path: str) -> tuple[str, float]:
+def _transcribe(wav_path: str) -> tuple[str, float, float]:
+    """(transcript, wall seconds, CPU seconds of this worker): the wall stretches while the sim
+    shares the cores, the CPU time is Whisper's own work (``bench/sim_vs_vllm.py`` sets it beside
+    Whisper's floor)."""
     assert _WORKER is not None, "worker not initialised"
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     text = _WORKER.transcribe(Path(wav_path))
-    return text, time.perf_counter() - t0
+    return text, time.perf_counter() - t0, time.process_time() - c0
 
 
 class AsrPool:
-    """``submit(wav) -> Future[(transcript, seconds)]``; the same audio in flight is decoded once."""
+    """``submit(wav) -> Future[(transcript, seconds, cpu seconds)]``; the same audio in flight is decoded once."""
 
     def __init__(self, spec: PoolSpec) -> None:
         self.spec = spec
@@ -90,8 +93,8 @@ class AsrPool:
             self._executor = None
 
 
-def result_of(fut: Future, timeout: float) -> tuple[str, float]:
-    """The worker's (transcript, seconds); a worker that died or hangs is one clear error."""
+def result_of(fut: Future, timeout: float) -> tuple[str, float, float]:
+    """The worker's (transcript, seconds, cpu seconds); a worker that died or hangs is one clear error."""
     from concurrent.futures import TimeoutError as FutureTimeout
     from concurrent.futures.process import BrokenProcessPool
 

@@ -197,6 +197,7 @@ def _bench_module(name: str):
     spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
+    sys.modules[spec.name] = module  # dataclasses resolve their string annotations through it
     spec.loader.exec_module(module)
     return module
 

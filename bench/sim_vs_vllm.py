@@ -61,6 +61,22 @@ RUN_FLOOR = ("import click, yaml, torch, pandas; import harness.cli, harness.com
              "vllm.v1.outputs; import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot")
 
 
+def _timed(fn, clock: dict[str, float]):
+    """``fn`` adding its thread CPU time, wall time and one call to ``clock`` each time it runs."""
+
+    def timed(*a, **k):
+        c0, w0 = time.thread_time(), time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            clock["cpu"] += time.thread_time() - c0
+            clock["wall"] += time.perf_counter() - w0
+            clock["calls"] += 1
+
+    timed.__wrapped__ = fn  # type: ignore[attr-defined]
+    return timed
+
+
 def _time_vllm_scheduler() -> dict[str, float]:
     """Wraps vLLM's ``Scheduler.schedule`` and ``update_from_output`` with a timer (thread CPU and
     wall); returns the accumulator they add to."""
@@ -69,19 +85,7 @@ def _time_vllm_scheduler() -> dict[str, float]:
     clock = {"cpu": 0.0, "wall": 0.0, "calls": 0}
     for name in ("schedule", "update_from_output"):
         fn = getattr(Scheduler, name)
-        fn = getattr(fn, "__wrapped__", fn)
-
-        def timed(*a, _fn=fn, **k):
-            c0, w0 = time.thread_time(), time.perf_counter()
-            try:
-                return _fn(*a, **k)
-            finally:
-                clock["cpu"] += time.thread_time() - c0
-                clock["wall"] += time.perf_counter() - w0
-                clock["calls"] += 1
-
-        timed.__wrapped__ = fn  # type: ignore[attr-defined]
-        setattr(Scheduler, name, timed)
+        setattr(Scheduler, name, _timed(getattr(fn, "__wrapped__", fn), clock))
     return clock
 
 
@@ -95,16 +99,7 @@ def _time_arm() -> dict[str, float]:
     call = getattr(armcall.call, "__wrapped__", armcall.call)
 
     def timed_call(fn, /, **kwargs):
-        def timed_fn(**kw):
-            c0, w0 = time.thread_time(), time.perf_counter()
-            try:
-                return fn(**kw)
-            finally:
-                clock["cpu"] += time.thread_time() - c0
-                clock["wall"] += time.perf_counter() - w0
-                clock["calls"] += 1
-
-        return call(timed_fn, **kwargs)
+        return call(_timed(fn, clock), **kwargs)
 
     timed_call.__wrapped__ = call  # type: ignore[attr-defined]
     armcall.call = timed_call
@@ -125,9 +120,9 @@ def sim_cells(args: argparse.Namespace) -> list[dict]:
     rows = []
     for arm in arms:
         for dep in deploys:
-            for key in clock:
-                clock[key] = 0
-                arm_clock[key] = 0
+            for c in (clock, arm_clock):
+                for key in c:
+                    c[key] = 0
             c0, w0 = time.thread_time(), time.perf_counter()
             stats = run_cell(arm, dep, prompts, 1, args.seed, lambda r: None)
             cpu, wall = time.thread_time() - c0, time.perf_counter() - w0

@@ -42,6 +42,9 @@ def command(out: Path, seed: int, speaking: bool, python: Path | None) -> None:
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         raise UserError(f"tiny-model: the build did not finish in {BUILD_TIMEOUT_S} s") from None
+    except OSError as exc:  # not executable, no shebang, a folder: not an interpreter (issue 33, case 6)
+        raise UserError(f"tiny-model: --python {interpreter}: cannot run it ({exc.strerror or exc}); "
+                        "give a Python interpreter, e.g. .venv-omni/bin/python") from None
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
         raise UserError(f"tiny-model: the build failed with {interpreter}: {tail[0]}")

@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from harness.config import MAX_SEED
+from harness.families import family_names
 from harness.pipeline import DEFAULT_SIM_TALKER, SIM_TALKERS
 from harness.sim import armcall
 
@@ -55,6 +56,11 @@ _OPTIONS: tuple[_Opt, ...] = (
          help="Deploy name (deploy_configs/NAME.yaml) or a YAML path. Repeatable."),
     _Opt("--prompts", "prompt_set", default="default", show_default=True,
          help="Prompt set name (prompts/NAME.yaml) or a YAML path."),
+    _Opt("--family", type=click.Choice(list(family_names())), default=None, per_command={"help": {
+        "run": "Model family (harness/families/). Default: the deploys' (a deploy without family: is qwen2.5-omni's). "
+               "Given, --arm, --deploy and --prompts default to the family's own.",
+        "sweep": "Model family (default: the sweep's deploys'). Given, --arm and --prompts default to the "
+                 "family's own."}}),
     _Opt("--repeat", type=click.IntRange(1, 100), default=1, show_default=True, per_command={"help": {
         "run": "Run each cell N times (the seed's run 1 / run 2).",
         "sweep": "Run each point N times; sim repeat r uses seed + r - 1 (its sampling and arrival jitter)."}}),
@@ -131,3 +137,19 @@ def shared_run_options(command: str) -> Callable[[Callable[..., Any]], Callable[
         return func
 
     return apply
+
+
+def family_defaults(family: str | None, **values: Any) -> dict[str, Any]:
+    """``values`` (``arms``, ``deploys``, ``prompt_set``) with the ones the user left at Click's default
+    replaced by ``--family``'s own: ``--family X`` alone runs X's arms, deploys and prompts."""
+    if family is None:
+        return values
+    from harness.families import get_family
+
+    fam = get_family(family)
+    own = {"arms": fam.default_arms, "deploys": fam.default_deploys, "prompt_set": fam.default_prompts}
+    ctx = click.get_current_context(silent=True)
+    for name in values:
+        if ctx is not None and ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
+            values[name] = own[name]
+    return values

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from harness.errors import ConfigError, short_repr
+from harness.families import DEFAULT_FAMILY, FAMILY_PACKAGES
 from harness.sim.physics import FRAMES_PER_TEXT_TOKEN
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -315,6 +316,9 @@ class Deploy:
     # A sweep's grid point (harness/sweep.py): the (dotted key, value) pairs applied to ``path``'s
     # YAML. The config hash covers them, so --resume refuses a point whose values changed.
     overrides: tuple[tuple[str, Any], ...] = ()
+    # The model family whose stage this deploy configures (harness.families); a deploy without a
+    # ``family:`` key is Qwen2.5-Omni's, so the shipped deploys' files and hashes are unchanged.
+    family: str = DEFAULT_FAMILY
 
     @property
     def config_hash(self) -> str:
@@ -328,7 +332,15 @@ class Deploy:
 
 
 _DEPLOY_KEYS = {"name", "description", "talker", "thinker", "code2wav", "async_chunk", "sampling", "sim", "speculative",
-                "load"}
+                "load", "family"}
+
+
+def _family_field(f: _Fields) -> str:
+    """A ``family:`` key (deploy, prompt set or arm): one of the registered families' names."""
+    family = f.str_("family", default=DEFAULT_FAMILY) or DEFAULT_FAMILY
+    if family not in FAMILY_PACKAGES:
+        raise f.fail("family", f"unknown model family {short_repr(family)} (known: {', '.join(FAMILY_PACKAGES)})")
+    return family
 
 
 def _load_settings(top: _Fields) -> LoadSettings:
@@ -454,6 +466,7 @@ def parse_deploy(path: Path, data: Any, overrides: tuple[tuple[str, Any], ...] =
         speculative=spec,
         load=_load_settings(top),
         overrides=overrides,
+        family=_family_field(top),
     )
 
 
@@ -482,6 +495,7 @@ class ArmSpec:
     serve: ServeSettings | None = None
     source: str = "builtin"
     role: str = "candidate"  # ARM_ROLES: which gate rules apply (baseline: expected to show the bug)
+    family: str = DEFAULT_FAMILY  # the model family whose hook this arm implements (harness.families)
 
 
 ARM_ROLES = ("baseline", "candidate")
@@ -500,7 +514,7 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
         f = arms_f.sub(str(name))
         if (bad := check_name(str(name))) is not None:
             raise ConfigError(f"{path}: arms.{name}: {bad}")
-        f.reject_unknown({"talker", "description", "serve", "role"})
+        f.reject_unknown({"talker", "description", "serve", "role", "family"})
         role = f.data.get("role", "candidate")
         if role not in ARM_ROLES:
             raise f.fail("role", f"must be one of {', '.join(ARM_ROLES)}, got {short_repr(role)}")
@@ -526,7 +540,7 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
             serve = ServeSettings(python=s.str_("python"), command=tuple(command),
                                   env={str(k): str(v) for k, v in env.items()}, bind_arm=bind_arm)
         arms[str(name)] = ArmSpec(name=str(name), talker=talker, description=f.str_("description") or "",
-                                  serve=serve, source=str(path), role=role)
+                                  serve=serve, source=str(path), role=role, family=_family_field(f))
     return arms
 
 
@@ -578,6 +592,7 @@ class PromptSet:
     system_prompt: str
     prompts: tuple[Prompt, ...]
     path: Path
+    family: str = DEFAULT_FAMILY  # the model family these prompts are written for (harness.families)
 
     @property
     def config_hash(self) -> str:
@@ -589,7 +604,7 @@ def load_prompts(name_or_path: str) -> PromptSet:
 
     path = _resolve(name_or_path, PROMPT_DIR, "prompt set")
     top = _Fields(path, load_yaml(path))
-    top.reject_unknown({"name", "description", "system_prompt", "prompts"})
+    top.reject_unknown({"name", "description", "system_prompt", "prompts", "family"})
     system = top.str_("system_prompt", required=True)
     items = top.data.get("prompts")
     if not isinstance(items, list) or not items:
@@ -618,7 +633,7 @@ def load_prompts(name_or_path: str) -> PromptSet:
     assert system is not None
     return PromptSet(name=top.str_("name", default=path.stem) or path.stem,
                      description=top.str_("description", default="") or "",
-                     system_prompt=system, prompts=tuple(prompts), path=path)
+                     system_prompt=system, prompts=tuple(prompts), path=path, family=_family_field(top))
 
 
 # What the sim's tokenizer (harness.tokenizer: ASCII letters and digits make words, every other

@@ -1,4 +1,4 @@
-"""The runner-to-Talker phase contract: event classification and the expected-row oracle.
+"""The runner-to-stage phase contract every family shares: event classification and misaligned regions.
 
 Pure functions, no I/O. A *span* is the positions ``[c, c+n)`` the runner schedules for one
 request in one step; ``P`` is the Talker prompt length (``_omni_prompt_len``) and ``c`` the
@@ -179,53 +179,8 @@ def span_regions(span: SpanRecord) -> tuple[int, int]:
     return span.misaligned_text or 0, span.misaligned_end or 0
 
 
-# --------------------------------------------------------------------------- expected rows
-
-
-@dataclass(frozen=True)
-class RowRef:
-    """Names the row the fixed Talker must condition one position on.
-
-    ``source``: ``prompt`` (row ``index`` of the reconstructed Talker prompt: Thinker prompt
-    rows, then speaker + codec-PAD at P-2, then ``thinker_result[0]`` + codec-BOS at P-1),
-    ``reply`` (``thinker_result[1 + index]``), ``text_eos`` or ``text_pad``; the last three
-    are added to the codec embedding of the position's own input id.
-    """
-
-    source: str
-    index: int
-
-
 class ContractError(ValueError):
     """Missing metadata or a reconstructed prompt whose length differs from P."""
-
-
-def expected_rows(P: int, c: int, n: int, num_thinker_tokens: int) -> list[RowRef]:
-    """Which row each position of the span must receive.
-
-    ``p < P``: prompt row ``p``. ``p >= P``: ``reply[k]``, ``k = p - P``, where
-    ``reply = thinker_result[1:] ++ [text_eos] ++ [text_pad]`` and the final PAD row persists
-    for every ``k`` past the end. Stateless: the same span always gives the same rows.
-    """
-    if num_thinker_tokens < 1:
-        raise ContractError("empty Thinker output: the Talker prompt needs thinker_result[0]")
-    if P < 2:
-        raise ContractError(f"Talker prompt length {P} < 2 (needs speaker and codec-BOS rows)")
-    if c < 0 or n < 1:
-        raise ContractError(f"invalid span c={c} n={n}")
-    eos_k = num_thinker_tokens - 1  # len(thinker_result[1:])
-    out = []
-    for p in range(c, c + n):
-        k = p - P
-        if k < 0:
-            out.append(RowRef("prompt", p))
-        elif k < eos_k:
-            out.append(RowRef("reply", k))
-        elif k == eos_k:
-            out.append(RowRef("text_eos", k))
-        else:
-            out.append(RowRef("text_pad", k))
-    return out
 
 
 def require_metadata(info: dict, keys: Sequence[str] = ("_omni_prompt_len", "_omni_num_computed_tokens")) -> None:

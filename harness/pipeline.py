@@ -25,6 +25,7 @@ from harness import __version__
 from harness.backends import RunOptions
 from harness.config import ArmSpec, Deploy, PromptSet
 from harness.errors import UserError
+from harness.families import DEFAULT_FAMILY
 from harness.records import (
     MANIFEST_FILE,
     REQUESTS_FILE,
@@ -57,6 +58,12 @@ def manifest_sim_talker(manifest: dict[str, Any]) -> str | None:
         return None
     mode = manifest.get("sim_talker")
     return mode if isinstance(mode, str) else DEFAULT_SIM_TALKER
+
+
+def manifest_family(manifest: dict[str, Any]) -> str:
+    """The model family a run's manifest records (a run written before families: Qwen2.5-Omni)."""
+    family = manifest.get("family")
+    return family if isinstance(family, str) else DEFAULT_FAMILY
 
 
 @dataclass
@@ -106,6 +113,11 @@ class RunPlan:
     @property
     def cells(self) -> list[Cell]:
         return [Cell(a, d, r) for a in self.arms for d in self.deploys for r in range(1, self.options.repeat + 1)]
+
+    @property
+    def family(self) -> str:
+        """The model family of the run (``harness.families.choose_family`` checked that every deploy agrees)."""
+        return self.deploys[0].family if self.deploys else DEFAULT_FAMILY
 
 
 def new_run_id(arms: list[ArmSpec], deploys: list[Deploy]) -> str:
@@ -196,6 +208,7 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "run_id": plan.run_dir.name,
         "argv": plan.argv,
         "backend": o.backend,
+        "family": plan.family,
         "sim_talker": o.sim_talker if o.backend == "sim" else None,
         "asr": {"backend": o.asr, "model": o.asr_model, "beam_size": o.beam_size},
         "seed": o.seed,
@@ -227,8 +240,10 @@ def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
         old = read_manifest(run_dir)
     except ValueError as exc:
         raise UserError(f"{run_dir / MANIFEST_FILE}: unreadable manifest ({exc})") from None
-    for key in ("config_hashes", "cells", "seed", "backend", "sim_talker"):
+    for key in ("config_hashes", "cells", "seed", "backend", "family", "sim_talker"):
         was, now = old.get(key), plan_manifest.get(key)
+        if key == "family":  # a run written before families ran Qwen2.5-Omni
+            was, now = manifest_family(old), manifest_family(plan_manifest)
         if key == "cells":  # a finished run's cells also carry their wall_s
             was, now = _cell_keys(was), _cell_keys(now)
         if key == "sim_talker":

@@ -13,6 +13,7 @@ from harness.contract import ContractError
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD
 from harness.sim.model import bind_arm
 from harness.sim.rows import NONE, RowSpace
+from harness.families.qwen2_5_omni.sim import SimContract
 from harness.sim.runner import SimRunner
 from harness.sim.thinker import run_thinker, token_id_table
 from harness.talkers.main import MainTalker
@@ -29,7 +30,7 @@ class Harness:
             self.model.profile_run(profile_tokens)
         outputs = run_thinker(load_prompts(str(PROMPTS)), self.space, 1.0)
         self.out = outputs[0]
-        self.runner = SimRunner(self.model, self.space, ("arm", "deploy", 1))
+        self.runner = SimRunner(self.model, self.space, ("arm", "deploy", 1), SimContract(self.model, self.space))
         self.runner.add_request(self.out, self.out.payload(token_id_table(outputs)), 4000)
         # generated codec tokens 200, 201, ... follow the Talker prompt
         self.req = FakeRequest(self.out.request_id, self.out.talker_prompt_ids,
@@ -189,8 +190,8 @@ def test_pr_past_reply_end_gets_eos_then_persistent_pad():
     h.call(0, h.P)
     r = h.call(h.P + h.K - 3, 6)  # crosses the end of the reply
     assert r.span.misaligned == 0
-    eos = h.runner._eos_id
-    pad = h.runner._pad_id
+    eos = h.runner.contract.eos_id
+    pad = h.runner.contract.pad_id
     assert text(h, h.P + h.K - 3, h.P + h.K + 3) == [h.output(h.K - 2), h.output(h.K - 1), eos, pad, pad, pad]
 
 

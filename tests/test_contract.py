@@ -2,7 +2,8 @@
 
 import pytest
 
-from harness.contract import ContractError, RowRef, classify_span, count_events, expected_rows, require_metadata
+from harness.contract import ContractError, classify_span, count_events, require_metadata
+from harness.families.qwen2_5_omni.contract import RowRef, expected_rows
 from harness.records import SpanRecord
 
 

@@ -172,12 +172,12 @@ def test_runner_expected_ids_follow_the_contract_on_every_span():
 
     import numpy as np
 
-    from harness.contract import expected_rows
+    from harness.families.qwen2_5_omni.contract import expected_rows
+    from harness.families.qwen2_5_omni.sim import SimContract
     from harness.sim.codec import CODEC_BOS, CODEC_PAD
-    from harness.sim.runner import SimRunner
 
-    runner = SimRunner.__new__(SimRunner)
-    runner._eos_id, runner._pad_id = 900, 901
+    runner = SimContract.__new__(SimContract)
+    runner.eos_id, runner.pad_id = 900, 901
     P, T = 7, 4  # Talker prompt of 7 rows, 4 Thinker output tokens
     out = SimpleNamespace(P=P, output_rows=torch.zeros(T, 1), prompt_first_id=100, output_first_id=200)
     kv = SimpleNamespace(spk_id=50)

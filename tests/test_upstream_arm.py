@@ -23,6 +23,7 @@ from harness.errors import ConfigError
 from harness.records import read_requests
 from harness.sim.model import bind_arm
 from harness.sim.rows import DIM, NONE, RowSpace
+from harness.families.qwen2_5_omni.sim import SimContract
 from harness.sim.runner import SimRunner
 from harness.sim.thinker import run_thinker, token_id_table
 from harness.talkers import load_impl
@@ -111,7 +112,7 @@ class Rig:
         self.model.profile_run(32)  # the shared fallback pool: 32 zero rows
         outputs = run_thinker(load_prompts(str(PROMPTS)), self.space, 1.0)
         table = token_id_table(outputs)
-        self.runner = SimRunner(self.model, self.space, ("arm", "stress", 1))
+        self.runner = SimRunner(self.model, self.space, ("arm", "stress", 1), SimContract(self.model, self.space))
         self.reqs: dict[str, FakeRequest] = {}
         self.P: dict[str, int] = {}
         self.K: dict[str, int] = {}

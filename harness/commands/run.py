@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,9 @@ import click
 
 from harness.config import ArmSpec, Deploy, PromptSet, load_arms, load_deploy, load_prompts, resolve_arm
 from harness.errors import ConfigError, UserError, out_of_memory
+from harness.families import choose_family
 from harness.cli_options import finite_seconds as _finite  # noqa: F401 - its old name
-from harness.cli_options import shared_run_options
+from harness.cli_options import family_defaults, shared_run_options
 from harness.executors.options import executor_options
 from harness.pipeline import (
     DEFAULT_SIM_TALKER,
@@ -47,9 +49,11 @@ from harness.sim import armcall
 @executor_options
 def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, sim_talker, asr,
             asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout,
-            request_timeout, serve_platform, serve_python, arm_timeout, executor, ray_address) -> None:
+            request_timeout, serve_platform, serve_python, arm_timeout, executor, ray_address, family) -> None:
     """Run the prompts through every arm x deploy, transcribe the Talker audio, tabulate WER and events."""
     printable_streams()
+    picked = family_defaults(family, arms=arms, deploys=deploys, prompt_set=prompt_set)
+    arms, deploys, prompt_set = picked["arms"], picked["deploys"], picked["prompt_set"]
     if run_id is not None:
         check_run_id(run_id)
     # Every path once, now: a plugin arm may os.chdir() when it is imported or called, and a
@@ -61,7 +65,7 @@ def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, res
         printed = _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr,
                        asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model,
                        health_timeout, request_timeout, arm_timeout, serve_platform, serve_python, sim_talker,
-                       executor, ray_address)
+                       executor, ray_address, family)
     click.echo(printed)
 
 
@@ -90,7 +94,7 @@ def _absolute_model(model: str) -> str:
 def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
          asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout,
          arm_timeout, serve_platform="auto", serve_python=None, sim_talker=DEFAULT_SIM_TALKER, executor="local",
-         ray_address=None) -> str:
+         ray_address=None, family=None) -> str:
     """The run; returns what goes to stdout (the tables), printed once stdout is stdout again."""
     known = load_arms(arms_file) if arms_file else load_arms()
     arm_specs = [resolve_arm(a, known) for a in arms]
@@ -101,6 +105,8 @@ def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume
     if len({d.name for d in deploy_specs}) != len(deploy_specs):
         raise UserError(f"--deploy: deploy names must be unique, got {', '.join(d.name for d in deploy_specs)}")
     prompts = load_prompts(prompt_set)
+    fam = choose_family(family, deploy_specs, prompts, arm_specs)
+    arm_specs = [replace(a, family=fam.name) if a.source == "--arm" else a for a in arm_specs]
     options = RunOptions(backend=backend, repeat=repeat, seed=seed, asr=asr, asr_model=asr_model,
                          beam_size=beam_size, cache_dir=cache_dir, use_cache=not no_cache, quiet=quiet,
                          asr_workers=-1 if asr_workers is None else asr_workers,

@@ -3,14 +3,16 @@ of one run directory (resumable, reported, gated), then the map (``sweep.md``, `
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
-from harness.cli_options import shared_run_options
+from harness.cli_options import family_defaults, shared_run_options
 from harness.commands.run import _preflight, absolute_paths, in_run_dir, open_run_dir, start_manifest
 from harness.config import load_arms, load_prompts, resolve_arm
 from harness.errors import UserError
+from harness.families import choose_family
 from harness.executors.options import executor_options
 from harness.pipeline import (
     DEFAULT_SIM_TALKER,
@@ -35,9 +37,11 @@ from harness.sim import armcall
 def command(sweep_file, arms, arms_file, prompt_set, repeat, seed, out, run_id, resume_dir, backend, sim_talker, asr,
             asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, model, health_timeout,
             request_timeout, serve_platform, serve_python, arm_timeout, rules_path, no_plots, executor,
-            ray_address) -> None:
+            ray_address, family) -> None:
     """Run every grid point of SWEEP (a name in deploy_configs/sweeps/ or a YAML path) for each arm, and map it."""
     printable_streams()
+    picked = family_defaults(family, arms=arms, prompt_set=prompt_set)
+    arms, prompt_set = picked["arms"], picked["prompt_set"]
     if run_id is not None:
         check_run_id(run_id)
     # Every path once, now, as `run` does: a plugin arm may os.chdir() when it is imported or called.
@@ -47,14 +51,14 @@ def command(sweep_file, arms, arms_file, prompt_set, repeat, seed, out, run_id, 
         printed = _sweep(sweep_file, arms, arms_file, prompt_set, repeat, seed, out, run_id, resume_dir, backend,
                          sim_talker, asr, asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet,
                          model, health_timeout, request_timeout, serve_platform, serve_python, arm_timeout,
-                         rules_path, no_plots, executor, ray_address)
+                         rules_path, no_plots, executor, ray_address, family)
     click.echo(printed)
 
 
 def _sweep(sweep_file, arms, arms_file, prompt_set, repeat, seed, out, run_id, resume_dir, backend, sim_talker, asr,
            asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, model, health_timeout,
            request_timeout, serve_platform, serve_python, arm_timeout, rules_path, no_plots, executor="local",
-           ray_address=None) -> str:
+           ray_address=None, family=None) -> str:
     from harness.gate import load_rules, resolve_rules_path
     from harness.sweep import load_sweep
 
@@ -66,6 +70,8 @@ def _sweep(sweep_file, arms, arms_file, prompt_set, repeat, seed, out, run_id, r
     names = [a.name for a in arm_specs]
     if len(set(names)) != len(names):
         raise UserError(f"--arm: arm names must be unique, got {', '.join(names)}")
+    fam = choose_family(family, sweep.deploys, prompts, arm_specs)
+    arm_specs = [replace(a, family=fam.name) if a.source == "--arm" else a for a in arm_specs]
     options = RunOptions(backend=backend, repeat=repeat, seed=seed, asr=asr, asr_model=asr_model,
                          beam_size=beam_size, cache_dir=cache_dir, use_cache=not no_cache, quiet=quiet,
                          asr_workers=-1 if asr_workers is None else asr_workers,

@@ -38,13 +38,14 @@ from harness.backends import CellOutcome, safe_name, wav_rel_path
 from harness.config import ArmSpec, Deploy, Prompt, PromptSet, ServeSettings
 from harness.contract import count_events
 from harness.errors import UserError
+from harness.families import get_family
 from harness.records import RequestRecord, SpanRecord, schedule_digest
 from harness.scoring import wer
 from harness.speaking import decode as decode_codes
 from harness.serve import client as chat
 from harness.serve.deploy_args import DeployTranslation, detect_platform, translate_deploy
 from harness.serve.launcher import HOST, ServerLauncher, progress
-from harness.serve.trace_plugin import ENV_ARM, ENV_DIR, IMPLEMENTATION_GLOB, TRACE_GLOB
+from harness.serve.trace_plugin import DEFAULT_TARGET, ENV_ARM, ENV_DIR, ENV_TARGET, IMPLEMENTATION_GLOB, TRACE_GLOB
 
 BACKEND = "vllm-omni"
 CLI_MODULE = "vllm.entrypoints.cli.main"  # `vllm serve ... --omni` delegates to vllm_omni (maybe_run_omni)
@@ -202,6 +203,9 @@ def server_env_overrides(arm: ArmSpec, trace_dir: Path, options: ServeOptions | 
     env[ENV_DIR] = str(trace_dir)
     if binds_arm(arm, options):
         env[ENV_ARM] = arm.talker
+    target = get_family(arm.family).trace_target
+    if target != DEFAULT_TARGET:  # the plugin's default is Qwen2.5-Omni's Talker
+        env[ENV_TARGET] = target
     return env
 
 
@@ -473,7 +477,7 @@ def run_cell(
         asyncio.run(chat.run_requests(
             server.base_url, specs, request_timeout_s=options.request_timeout_s, retries=options.retries,
             on_result=on_result, server_alive=server.alive, server_gone_message=gone,
-            load=deploy.load, seed=seed,
+            load=deploy.load, seed=seed, path=get_family(deploy.family).request_api,
         ))
         times["requests_s"] = round(time.perf_counter() - t_healthy, 1)
         t_stop = time.perf_counter()

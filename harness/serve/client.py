@@ -252,6 +252,7 @@ async def run_requests(
     watch_interval_s: float = 0.5,
     load: LoadSettings | None = None,
     seed: int = 0,
+    path: str = "/v1/chat/completions",
 ) -> list[ChatResult]:
     """Send every spec at once (or as ``load`` says: at most ``concurrency`` in flight, or at seeded
     exponential gaps of mean ``1 / rate`` seconds; ``harness.serve.load``); ``on_result`` is called
@@ -260,7 +261,7 @@ async def run_requests(
     A request never raises out of here: its error is recorded in its result. If the server process
     dies, the requests still in flight are cancelled and get ``server_gone_message()``.
     """
-    url = base_url.rstrip("/") + "/v1/chat/completions"
+    url = base_url.rstrip("/") + path  # the family's request API (harness.families.Family.request_api)
     results: dict[str, ChatResult] = {}
     limits = httpx.Limits(max_connections=len(specs) + 4, max_keepalive_connections=len(specs) + 4)
     timeout = httpx.Timeout(request_timeout_s + 5.0, connect=10.0)

@@ -18,15 +18,11 @@ from harness.config import ArmSpec, Deploy, PromptSet, SamplingSettings
 from harness.contract import count_events
 from harness.errors import UserError
 from harness.records import RequestRecord, SpanRecord, schedule_digest
-from harness.sim.codec import CODEC_EOS, CodecVocab, collapse, oracle_transcript
+from harness.families import get_family
 from harness.sim.load import Arrivals
-from harness.sim.model import bind_arm
-from harness.sim.rows import RowSpace
 from harness.sim.runner import SimRunner
 from harness.sim.scheduler import _quiet_vllm, make_scheduler
 from harness.sim.specdec import Drafter, verify
-from harness.sim.talker import SimTalker, TalkerKV
-from harness.sim.thinker import run_thinker, token_id_table
 from harness.talkers import load_impl
 
 if TYPE_CHECKING:
@@ -78,36 +74,16 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
     # spin-waits would take the second core from the Whisper workers transcribing alongside.
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    impl = load_impl(arm)
-    space = RowSpace(seed)
-    model = bind_arm(impl, space)
-    speaks = talker_mode == "speaking"
-    if speaks:
-        from harness.sim.speaking_talker import SpeakingKV, SpeakingTalker, speech_units, spoken_codes
-        from harness.speaking import decode as decode_codes
-        from harness.tokenizer import byte_tokenize
-
-        outputs = run_thinker(prompts, space, deploy.sim.thinker_steps_per_token, byte_tokenize,
-                              deploy.thinker.max_num_seqs)
-        vocab = CodecVocab(())
-        talker = SpeakingTalker(space)
-    elif talker_mode == "words":
-        outputs = run_thinker(prompts, space, deploy.sim.thinker_steps_per_token,
-                              thinker_seqs=deploy.thinker.max_num_seqs)
-        vocab = CodecVocab.build(t for o in outputs for t in o.prompt_tokens + o.reply_tokens)
-    else:
-        raise UserError(f"--sim-talker {talker_mode!r}: unknown sim Talker (choose words or speaking)")
-    token_ids = token_id_table(outputs)
+    family = get_family(deploy.family, f"{deploy.path}: family")
+    cell = family.hook_fn("sim_cell")(load_impl(arm), deploy, prompts, seed, talker_mode)
+    outputs, talker, token_ids = cell.requests, cell.talker, cell.token_ids
     sampling = SamplingSettings(**{**deploy.sampling.__dict__, "seed": seed})
-    if not speaks:
-        talker = SimTalker(space, vocab, sampling, deploy.sim.frames_per_text_token)
-    talker.freeze()
     spec = deploy.speculative
     scheduler, resolved = make_scheduler(deploy, spec.num_speculative_tokens if spec else 0)
     drafter = Drafter(talker, spec.num_speculative_tokens, spec.acceptance_rate, seed) if spec else None
     verify_steps: dict[str, list[int]] = {o.request_id: [] for o in outputs}
-    model.profile_run(resolved.max_num_batched_tokens)
-    runner = SimRunner(model, space, (arm.name, deploy.name, repeat), SpeakingKV if speaks else TalkerKV)
+    cell.model.profile_run(resolved.max_num_batched_tokens)
+    runner = SimRunner(cell.model, cell.space, (arm.name, deploy.name, repeat), cell.contract)
 
     arrivals = Arrivals(outputs, deploy.load, deploy.sim.thinker_steps_per_token, deploy.thinker.max_num_seqs, seed)
     first_token: dict[str, int] = {}
@@ -120,19 +96,12 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
 
     def finish(req: Request) -> None:
         rid = req.request_id
-        codes = list(req.output_token_ids)
-        if speaks:  # the speaking model's oracle: its codec stream read back through the table
-            codes = spoken_codes(codes)
-            transcript = decode_codes(codes).text
-            units = speech_units(transcript, deploy.sim.frames_per_text_token)
-        else:
-            units = collapse(codes, vocab, deploy.sim.frames_per_text_token)
-            transcript = oracle_transcript(units)
+        codes, transcript, units = cell.speak(list(req.output_token_ids))
         out = by_id[rid]
         reason = req.get_finished_reason()
         record = RequestRecord(
             arm=arm.name, deploy=deploy.name, repeat=repeat, prompt_id=rid, backend="sim",
-            reference_text=out.prompt.reply, thinker_text=out.prompt.reply, talker_prompt_len=out.P,
+            reference_text=out.reference_text, thinker_text=out.reference_text, talker_prompt_len=out.P,
             codec_tokens=codes, num_codec_tokens=len(codes),
             finish_reason=str(reason) if reason is not None else None,
             oracle_transcript=transcript, preemptions=req.num_preemptions,
@@ -159,7 +128,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
         for out in arrivals.due(step):
             sp = SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                                 top_p=sampling.top_p, top_k=sampling.top_k, seed=seed,
-                                stop_token_ids=[CODEC_EOS])
+                                stop_token_ids=cell.stop_token_ids)
             req = Request(request_id=out.request_id, prompt_token_ids=out.talker_prompt_ids,
                           sampling_params=sp, pooling_params=None)
             if out.P > resolved.max_model_len:

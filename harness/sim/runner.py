@@ -18,14 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from harness.contract import misaligned_regions, span_flags
+from harness.contract import span_flags
 from harness.records import SpanRecord
 from harness.sim import armcall
-from harness.sim.codec import CODEC_BOS, CODEC_PAD
-from harness.sim.model import VOICE, SimTalkerModelBase, _TalkerModule
-from harness.sim.rows import NONE, RowSpace
-from harness.sim.talker import TalkerKV
-from harness.sim.thinker import ThinkerOutput
+from harness.sim.cell import SimContract
+from harness.sim.model import _TalkerModule
+from harness.sim.rows import RowSpace
 
 
 _new_span = object.__new__
@@ -38,26 +36,23 @@ class CallResult:
 
 
 class SimRunner:
-    def __init__(self, model: SimTalkerModelBase, space: RowSpace, cell: tuple[str, str, int],
-                 kv_class: type[TalkerKV] = TalkerKV) -> None:
-        """``kv_class``: the per-request KV the Talker reads (``speaking_talker.SpeakingKV`` for that mode)."""
-        self.model, self.space, self.cell, self.kv_class = model, space, cell, kv_class
+    def __init__(self, model: Any, space: RowSpace, cell: tuple[str, str, int], contract: SimContract) -> None:
+        """``contract``: the family's (``harness.sim.cell.SimContract``): the per-request KV the Talker
+        reads and the misaligned positions of each span."""
+        self.model, self.space, self.cell, self.contract = model, space, cell, contract
         self.buffer: dict[str, dict[str, Any]] = {}
-        self.kv: dict[str, TalkerKV] = {}
-        self.thinker: dict[str, ThinkerOutput] = {}
-        self._spk_id = int(space.identify(model.embed_text_spk_tokens[VOICE])[0][0])
-        self._eos_id = int(space.identify(model.embed_text_eos_token)[0][0])
-        self._pad_id = int(space.identify(model.embed_text_pad_token)[0][0])
+        self.kv: dict[str, Any] = {}
+        self.thinker: dict[str, Any] = {}
         armcall.prepare()  # the per-call time limit's signal handler, once per cell
         # The sim's own Talker module embeds ids as rows of the codec table: read them straight from
         # the table (``RowSpace.embed_numpy``); any other module is called as the runner always did.
         self._embed = space.embed_numpy if type(model.talker) is _TalkerModule else None
         self._decode_flags = span_flags(1, 1, 1, 1)  # a decode span's flags (c >= P, n == rows == 1)
 
-    def add_request(self, out: ThinkerOutput, payload: dict[str, Any], capacity: int) -> None:
+    def add_request(self, out: Any, payload: dict[str, Any], capacity: int) -> None:
         self.buffer[out.request_id] = payload
         self.thinker[out.request_id] = out
-        self.kv[out.request_id] = self.kv_class(out.request_id, out.P, self._spk_id, out.output_first_id, capacity)
+        self.kv[out.request_id] = self.contract.new_kv(out, capacity)
 
     def remove_request(self, request_id: str) -> None:
         self.buffer.pop(request_id, None)
@@ -128,13 +123,13 @@ class SimRunner:
         if n == 1:  # a decode step (or a one-token tail): scalar identification and check
             t_id, k_id = self.space.identify_one(final)
             kv.write_one(c, t_id, k_id)
-            text, end = self._misaligned_one(kv, out, int(ids[0]), c, t_id, k_id)
+            text, end = self.contract.misaligned_one(kv, out, int(ids[0]), c, t_id, k_id)
             if rows == 1 and c >= P:  # a decode span: its event flags are the same for every one
                 return CallResult(self._decode_span(rid, step, P, c, text, end), None)
         else:
             text_ids, codec_ids = self.space.identify(final)
             kv.write(c, text_ids, codec_ids)
-            text, end = self._misaligned(kv, out, np.asarray(ids, dtype=np.int64), c, n, text_ids, codec_ids)
+            text, end = self.contract.misaligned(kv, out, np.asarray(ids, dtype=np.int64), c, n, text_ids, codec_ids)
         arm, deploy, repeat = self.cell
         span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows, misaligned_text=text, misaligned_end=end)
         return CallResult(span, None)
@@ -149,45 +144,3 @@ class SimRunner:
                              misaligned_text=text, misaligned_end=end, misaligned=text + end, error=None,
                              **self._decode_flags)
         return span
-
-    def _misaligned_one(self, kv: TalkerKV, out: ThinkerOutput, span_id: int, c: int, t_id: int,
-                        k_id: int) -> tuple[int, int]:
-        """``_misaligned`` of a one-position span, in scalars (``expected_ids`` of that position)."""
-        eos_k = out.output_rows.shape[0] - 1  # len(thinker_result[1:])
-        P = out.P
-        if c >= P:  # a decode position
-            k = c - P
-            want = out.output_first_id + 1 + k if k < eos_k else self._eos_id if k == eos_k else self._pad_id
-            bad = int(t_id != want or k_id != span_id)
-            return (bad, 0) if k <= eos_k else (0, bad)
-        exp_text, exp_codec = self.expected_ids(kv, out, np.array((span_id,), dtype=np.int64), c, 1)
-        bad = int(int(exp_text[0]) != t_id or int(exp_codec[0]) != k_id)
-        return (bad, 0) if c < P + eos_k + 1 else (0, bad)
-
-    def _misaligned(self, kv: TalkerKV, out: ThinkerOutput, span_ids: np.ndarray, c: int, n: int,
-                    text_ids: np.ndarray, codec_ids: np.ndarray) -> tuple[int, int]:
-        """Positions whose row differs from the contract's expected row (exact, by identity), as
-        (text region, end region) counts (``contract.misaligned_regions``)."""
-        eos_k = out.output_rows.shape[0] - 1  # len(thinker_result[1:])
-        exp_text, exp_codec = self.expected_ids(kv, out, span_ids, c, n)
-        wrong = (exp_text != text_ids) | (exp_codec != codec_ids)
-        return misaligned_regions(np.flatnonzero(wrong) + c, out.P, eos_k)
-
-    def expected_ids(self, kv: TalkerKV, out: ThinkerOutput, span_ids: np.ndarray, c: int,
-                     n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(text id, codec id) the contract names for each position of the span.
-
-        ``contract.expected_rows`` written as array arithmetic (a Python loop over RowRefs cost
-        more than the arm itself): prompt rows ``p < P-2``, speaker + codec-PAD at ``P-2``,
-        ``thinker_result[0]`` + codec-BOS at ``P-1``, then ``reply[k]`` / text-EOS / text-PAD on
-        the position's own codec id.
-        """
-        P, Pt, eos_k = out.P, out.P - 2, out.output_rows.shape[0] - 1
-        p = np.arange(c, c + n)
-        k = p - P
-        exp_text = np.select(
-            [p < Pt, p == Pt, k < 0, k < eos_k, k == eos_k],
-            [out.prompt_first_id + p, kv.spk_id, out.output_first_id, out.output_first_id + 1 + k, self._eos_id],
-            self._pad_id)
-        exp_codec = np.where(p < Pt, NONE, np.where(p == Pt, CODEC_PAD, CODEC_BOS))
-        return exp_text, np.where(k >= 0, span_ids, exp_codec)

@@ -45,6 +45,11 @@ class ThinkerOutput:
     def P(self) -> int:
         return len(self.prompt_tokens) + 2
 
+    @property
+    def reference_text(self) -> str:
+        """What the Talker must say (the WER reference): the Thinker's scripted reply."""
+        return self.prompt.reply
+
     def payload(self, token_ids: dict[str, int]) -> dict:
         """What ``thinker2talker_full_payload`` ships: embed.prefill, hidden_states.output, ids."""
         return {

@@ -25,7 +25,8 @@ from typing import Any
 
 from harness.errors import UserError
 
-# family name -> package under harness.families (imported only when the family is used)
+# family name -> package under harness.families, or a full dotted module path for a family kept
+# elsewhere (imported only when the family is used)
 FAMILY_PACKAGES: dict[str, str] = {
     "qwen2.5-omni": "qwen2_5_omni",
 }
@@ -70,7 +71,8 @@ def get_family(name: str, where: str = "--family") -> Family:
     package = FAMILY_PACKAGES.get(name)
     if package is None:
         raise UserError(f"{where}: unknown model family {name!r} (known: {', '.join(FAMILY_PACKAGES)})")
-    family = importlib.import_module(f"harness.families.{package}").FAMILY
+    module = package if "." in package else f"harness.families.{package}"
+    family = importlib.import_module(module).FAMILY
     assert family.name == name, (family.name, name)
     return family
 

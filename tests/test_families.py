@@ -1,0 +1,154 @@
+"""The model-family seam (issue 29): the registry, a run's family from its deploys or --family, the
+checks that keep one family's arms, deploys and prompts together, and a second family driving the
+sim's step loop through its own hook."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, invoke_cli
+from harness.config import ArmSpec, ConfigError, load_arms, load_deploy, load_prompts, parse_deploy
+from harness.errors import UserError
+from harness.families import DEFAULT_FAMILY, FAMILY_PACKAGES, choose_family, get_family
+
+E2E_PROMPTS = REPO / "tests" / "data" / "prompts_e2e.yaml"
+
+
+def test_qwen2_5_omni_is_the_default_family_and_names_its_parts():
+    fam = get_family("qwen2.5-omni")
+    assert DEFAULT_FAMILY == "qwen2.5-omni"
+    assert fam.stages == ("thinker", "talker", "code2wav") and fam.stage == "talker"
+    assert fam.hook == "talker_preprocess"
+    assert fam.trace_target.endswith("qwen2_5_omni:Qwen2_5OmniForConditionalGeneration")
+    assert fam.request_api == "/v1/chat/completions"
+    assert (fam.default_arms, fam.default_deploys, fam.default_prompts) == (("main", "pr"), ("reference", "stress"),
+                                                                           "default")
+    from harness.families.qwen2_5_omni.sim import build_cell
+
+    assert fam.hook_fn("sim_cell") is build_cell
+
+
+def test_unknown_family_is_one_line_naming_where():
+    with pytest.raises(UserError) as exc:
+        get_family("qwen9", "deploy_configs/x.yaml: family")
+    assert str(exc.value) == "deploy_configs/x.yaml: family: unknown model family 'qwen9' (known: qwen2.5-omni)"
+
+
+def test_shipped_configs_belong_to_the_default_family():
+    for name in ("reference", "stress", "specdec", "cpu-reference", "cpu-stress"):
+        assert load_deploy(name).family == "qwen2.5-omni"
+    assert load_prompts("default").family == "qwen2.5-omni"
+    assert {a.family for a in load_arms().values()} == {"qwen2.5-omni"}
+
+
+def _deploy(tmp_path: Path, name: str, family: str | None):
+    text = (REPO / "deploy_configs" / "stress.yaml").read_text().replace("name: stress", f"name: {name}")
+    if family is not None:
+        text += f"family: {family}\n"
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_deploys_family_field_is_checked_against_the_registry(tmp_path):
+    path = _deploy(tmp_path, "odd", "qwen9")
+    with pytest.raises(ConfigError) as exc:
+        load_deploy(str(path))
+    assert str(exc.value) == f"{path}: family: unknown model family 'qwen9' (known: qwen2.5-omni)"
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """The test family ``toy`` (tests/fixtures/toy_family.py) registered for this test."""
+    monkeypatch.setitem(FAMILY_PACKAGES, "toy", "tests.fixtures.toy_family")
+    from tests.fixtures import toy_family
+
+    toy_family.CALLS.clear()
+    return toy_family
+
+
+def test_choose_family_takes_the_deploys_and_refuses_a_mix(tmp_path, toy):
+    qwen, toy_d = load_deploy("stress"), load_deploy(str(_deploy(tmp_path, "toy-stress", "toy")))
+    prompts = load_prompts(str(E2E_PROMPTS))
+    assert choose_family(None, [qwen], prompts, []).name == "qwen2.5-omni"
+    assert choose_family(None, [], None, []).name == "qwen2.5-omni"
+    with pytest.raises(UserError) as exc:
+        choose_family(None, [qwen, toy_d], prompts, [])
+    assert str(exc.value) == (f"{toy_d.path}: family: 'toy', but {qwen.path} is 'qwen2.5-omni'; one run drives one "
+                              "model family (give --family to choose)")
+    with pytest.raises(UserError) as exc:
+        choose_family("toy", [qwen], prompts, [])
+    assert str(exc.value) == f"{qwen.path}: family: 'qwen2.5-omni', but the run's family is 'toy' (--family)"
+    with pytest.raises(UserError) as exc:
+        choose_family(None, [toy_d], prompts, [])
+    assert str(exc.value) == (f"{E2E_PROMPTS}: family: 'qwen2.5-omni', but the run's family is 'toy' (its deploys'); "
+                              "give a prompt set of toy (e.g. --prompts toy)")
+    pr = load_arms()["pr"]
+    toy_prompts = load_prompts(str(_toy_prompts(tmp_path)))
+    with pytest.raises(UserError) as exc:
+        choose_family(None, [toy_d], toy_prompts, [pr])
+    assert str(exc.value) == (f"arm 'pr' ({pr.source}): family 'qwen2.5-omni', but the run's family is 'toy' "
+                              "(its deploys')")
+    plugin = ArmSpec(name="x", talker="harness.talkers.pr:FixedTalker", source="--arm")
+    assert choose_family(None, [toy_d], toy_prompts, [plugin]).name == "toy"
+
+
+def _toy_prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "toy-prompts.yaml"
+    path.write_text(E2E_PROMPTS.read_text() + "family: toy\n")
+    return path
+
+
+def test_a_second_family_drives_the_sim_through_its_own_hook(tmp_path, toy):
+    """``run`` with the toy family's deploy and prompts: every cell is built by the toy family's
+    ``sim_cell`` hook, the manifest names the family, and the plugin arm (which takes the run's
+    family) runs as it does under Qwen2.5-Omni: the same records as the default family's run."""
+    deploy = _deploy(tmp_path, "toy-stress", "toy")
+    prompts = _toy_prompts(tmp_path)
+    common = ("run", "--asr", "none", "--quiet", "--sim-workers", "0", "--arm", "fix=harness.talkers.pr:FixedTalker",
+              "--out", str(tmp_path / "out"))
+    res = invoke_cli(*common, "--run-id", "toy", "--deploy", str(deploy), "--prompts", str(prompts))
+    assert res.exit_code == 0, res.stderr
+    assert toy.CALLS == [("toy-stress", "words")]
+    manifest = json.loads((tmp_path / "out" / "toy" / "manifest.json").read_text())
+    assert manifest["family"] == "toy"
+    res = invoke_cli(*common, "--run-id", "qwen", "--deploy", "stress", "--prompts", str(E2E_PROMPTS))
+    assert res.exit_code == 0, res.stderr
+    assert json.loads((tmp_path / "out" / "qwen" / "manifest.json").read_text())["family"] == "qwen2.5-omni"
+    assert toy.CALLS == [("toy-stress", "words")]  # the default family's cell did not go through the toy hook
+
+    def records(run: str) -> list[dict]:
+        out = []
+        for line in (tmp_path / "out" / run / "requests.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            out.append({k: v for k, v in rec.items() if k not in ("wall_s", "deploy")})
+        return out
+
+    assert records("toy") == records("qwen")
+
+
+def test_family_option_picks_the_familys_defaults_and_checks_the_rest(tmp_path, toy):
+    res = invoke_cli("run", "--family", "qwen2.5-omni", "--asr", "none", "--quiet", "--sim-workers", "0",
+                     "--deploy", str(_deploy(tmp_path, "toy-stress", "toy")), "--out", str(tmp_path / "out"))
+    assert res.exit_code == 2
+    assert res.stderr.strip().splitlines() == [
+        f"omni-stress: error: {tmp_path / 'toy-stress.yaml'}: family: 'toy', but the run's family is "
+        "'qwen2.5-omni' (--family)"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_refuses_a_run_of_another_family(tmp_path):
+    from harness.pipeline import check_resume
+
+    run = tmp_path / "run"
+    run.mkdir()
+    manifest = {"config_hashes": {}, "cells": [], "seed": 42, "backend": "sim", "sim_talker": "words"}
+    (run / "manifest.json").write_text(json.dumps(manifest))  # written before families: Qwen2.5-Omni's
+    check_resume(run, {**manifest, "family": "qwen2.5-omni"})
+    with pytest.raises(UserError) as exc:
+        check_resume(run, {**manifest, "family": "toy"})
+    assert str(exc.value) == (f"--resume {run}: family differ from the manifest (was 'qwen2.5-omni', now 'toy'); "
+                              "start a new run instead")

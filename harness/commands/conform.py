@@ -12,6 +12,11 @@ import click
 from harness.errors import UserError
 
 
+def _finite_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    from harness.cli_options import finite_seconds
+
+    return finite_seconds(ctx, param, value)
+
 
 @click.command("conform")
 @click.option("--model", "models", multiple=True, metavar="NAME",
@@ -37,12 +42,16 @@ from harness.errors import UserError
                    "also one that needs changed settings (any).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the matrix as JSON.")
 @click.option("--html", "html_path", type=click.Path(path_type=Path), default=None, help="Also write an HTML page.")
+@click.option("--arm-timeout", type=click.FloatRange(0, 86400), callback=_finite_seconds, default=10.0,
+              show_default=True, help="Seconds one preprocess call may take before it fails its schedule (the cell "
+                                      "says raised; 0: no limit).")
 def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[str, ...], num_requests: int, generated: int,
-            deploy_generated: int, fail_on: str, json_path: Path | None, html_path: Path | None) -> None:
+            deploy_generated: int, fail_on: str, json_path: Path | None, html_path: Path | None,
+            arm_timeout: float) -> None:
     """Check each model's preprocess for schedule invariance: model x situation."""
     from harness.conform.check import DEFAULT_DEPLOYS, check_model, modes_for
     from harness.conform.models import CALIBRATION, MODELS, UPSTREAM_MODELS, resolve_model
-    from harness.conform.release import DEFAULT_SOURCES, resolve, split_source
+    from harness.conform.release import DEFAULT_SOURCES, check_release, resolve, split_source
     from harness.conform.report import Matrix, Report, format_html, format_json, format_text
     from harness.config import load_deploy
 
@@ -53,12 +62,17 @@ def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[st
     sources = tuple(dict.fromkeys(sources)) or DEFAULT_SOURCES
     for source in sources:
         split_source(source)
+    releases = [check_release(resolve(source)) for source in sources]  # a file that is no release: refused now
     names = tuple(dict.fromkeys(deploys)) if deploys else DEFAULT_DEPLOYS
     deploy_objs = tuple(load_deploy(d) for d in names if d != "none")
     selected = list(dict.fromkeys(models)) if models else list(UPSTREAM_MODELS)
     calibration = [m for m in CALIBRATION if m not in selected]
     logging.getLogger("vllm_omni").setLevel(logging.ERROR)  # upstream's warnings about missing GPU-side state
     import torch
+
+    from harness.sim import armcall
+
+    armcall.set_limit(arm_timeout)  # every preprocess call is fenced: a hang or a KeyboardInterrupt fails its schedule
 
     # the check's tensors are a few rows wide: one thread is fastest (on 2 busy cores a 2-thread matmul of
     # 80 x 48 took 15 ms against 0.02 ms on one), and it keeps the rows bit-identical between runs
@@ -78,8 +92,7 @@ def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[st
         return out
 
     matrices = []
-    for i, source in enumerate(sources):
-        release = resolve(source)
+    for i, (source, release) in enumerate(zip(sources, releases)):
         say(f"[conform] {source}: {release.label}")
         matrices.append(Matrix(f"{source} = {release.label}", tuple(d.name for d in deploy_objs),
                                [r for n in selected for r in run(n, release.spec)],

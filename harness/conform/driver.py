@@ -21,6 +21,7 @@ from harness.conform.adapter import Adapter, ConformRequest
 from harness.conform.schedules import PREEMPT, Schedule
 from harness.config import Deploy
 from harness.errors import UserError
+from harness.sim import armcall
 from harness.sim.runner import SimRunner
 
 
@@ -99,9 +100,14 @@ class ConformRunner(SimRunner):
         if start is not None:
             received = start.clone()
         try:
-            out = self.adapter.preprocess(self.model, span_ids.clone(), received.clone(), req_infos, c < P)
+            # fenced as the sim fences an arm's call (harness.sim.armcall): a call past --arm-timeout, a
+            # KeyboardInterrupt or sys.exit the hook raises itself fail this schedule, not the command
+            out = armcall.call(self.adapter.preprocess, model=self.model, ids=span_ids.clone(),
+                               embeds=received.clone(), info=req_infos, is_prefill=c < P)
             rows = int(out.rows.shape[0])
             self._update_buffer(rid, out.update)
+        except armcall.ArmFailure as exc:
+            return Feed(schedule, rid, step, P, c, n, replay, None, None, span_ids, str(exc)[:300])
         except Exception as exc:  # the model's failure is this schedule's result
             return Feed(schedule, rid, step, P, c, n, replay, None, None, span_ids,
                         f"{type(exc).__name__}: {exc}"[:300])

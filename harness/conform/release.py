@@ -113,6 +113,41 @@ def _resolve(source: str, spec: str, base_dir: str | None, wheel_dir: str | None
     return Release(source, str(wheel), "downloaded", _wheel_version(wheel.name) or spec, str(wheel))
 
 
+_NOT_A_RELEASE = ("give a vLLM-Omni checkout or site-packages folder, a vllm_omni wheel, one model file (.py), "
+                  "a version or 'installed'")
+
+
+def check_release(release: Release) -> Release:
+    """``release`` when its file can be a release; a ``UserError`` naming ``--source`` for a file that cannot
+    (a text file, a wheel of another package, a file that is no zip), before anything is checked against it
+    (issue 33, case 9). Folders and versions are read as they are (what they lack is said per model)."""
+    path = Path(release.spec)
+    where = f"--source {release.source}"
+    if release.kind in ("wheel", "wheel-cache", "downloaded"):
+        try:
+            with zipfile.ZipFile(path) as zf:
+                names = zf.namelist()
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise UserError(f"{where}: {path} is not a wheel ({exc}); {_NOT_A_RELEASE}") from None
+        if not any(n.startswith("vllm_omni/") for n in names):
+            raise UserError(f"{where}: wheel {path} holds no vllm_omni package, so it is not a vLLM-Omni "
+                            f"release; {_NOT_A_RELEASE}") from None
+    elif release.kind == "file":
+        import ast
+
+        why = None
+        if path.suffix != ".py":
+            why = f"{path.name} is not a Python file (.py)"
+        else:
+            try:
+                ast.parse(path.read_bytes(), str(path))
+            except (SyntaxError, ValueError, OSError, UnicodeDecodeError) as exc:
+                why = f"{path.name} is not Python source ({type(exc).__name__}: {getattr(exc, 'msg', None) or exc})"
+        if why is not None:
+            raise UserError(f"{where}: {why}, so it is not a vLLM-Omni release or model file; {_NOT_A_RELEASE}")
+    return release
+
+
 def _installed() -> str | None:
     try:
         return importlib.metadata.version("vllm-omni")

@@ -152,3 +152,16 @@ def test_resume_refuses_a_run_of_another_family(tmp_path):
         check_resume(run, {**manifest, "family": "toy"})
     assert str(exc.value) == (f"--resume {run}: family differ from the manifest (was 'qwen2.5-omni', now 'toy'); "
                               "start a new run instead")
+
+
+def test_list_families_shows_each_familys_chain_hook_and_defaults():
+    res = invoke_cli("list", "families")
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.splitlines() == [
+        "Model families (harness/families/; a deploy's family:, or --family):",
+        "  qwen2.5-omni thinker -> talker -> code2wav; talker's talker_preprocess under test",
+        "               real server: /v1/chat/completions, trace "
+        "vllm_omni.model_executor.models.qwen2_5_omni.qwen2_5_omni:Qwen2_5OmniForConditionalGeneration",
+        "               defaults: --arm main --arm pr --deploy reference --deploy stress --prompts default; "
+        "sim Talkers words, speaking",
+    ]

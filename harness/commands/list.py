@@ -16,16 +16,27 @@ def _settings(obj: object) -> str:
 
 
 @click.command("list")
-@click.argument("what", type=click.Choice(["all", "arms", "deploys", "prompts", "sweeps"]), default="all")
+@click.argument("what", type=click.Choice(["all", "families", "arms", "deploys", "prompts", "sweeps"]), default="all")
 def command(what: str) -> None:
-    """Show arms, deploys, prompt sets and sweeps."""
+    """Show model families, arms, deploys, prompt sets and sweeps."""
+    if what in ("all", "families"):
+        from harness.families import family_names, get_family
+
+        click.echo("Model families (harness/families/; a deploy's family:, or --family):")
+        for name in family_names():
+            fam = get_family(name)
+            click.echo(f"  {fam.name:<12} {' -> '.join(fam.stages)}; {fam.stage}'s {fam.hook} under test\n"
+                       f"  {'':<12} real server: {fam.request_api}, trace {fam.trace_target}\n"
+                       f"  {'':<12} defaults: --arm {' --arm '.join(fam.default_arms)} --deploy "
+                       f"{' --deploy '.join(fam.default_deploys)} --prompts {fam.default_prompts}; sim Talkers "
+                       f"{', '.join(fam.sim_talkers)}")
     if what in ("all", "arms"):
         click.echo("Arms (deploy_configs/arms.yaml; or --arm NAME=package.module:attr):")
         for arm in load_arms().values():
             serve = "no real-backend entry"
             if arm.serve:
                 serve = f"serve: {arm.serve.python or ' '.join(arm.serve.command)}"
-            click.echo(f"  {arm.name:<10} {arm.talker} (role: {arm.role})\n  {'':<10} {arm.description}\n"
+            click.echo(f"  {arm.name:<10} {arm.talker} (role: {arm.role}, family: {arm.family})\n  {'':<10} {arm.description}\n"
                        f"  {'':<10} {serve}")
     if what in ("all", "deploys"):
         from harness.sim.scheduler import resolve_talker  # local: keeps the CLI's start-up light

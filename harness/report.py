@@ -19,6 +19,7 @@ import json
 import math
 import statistics
 import textwrap
+import urllib.parse
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -491,45 +492,85 @@ def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 _CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em;color:#222;max-width:1400px}
-table{border-collapse:collapse;margin:1em 0;font-size:14px}
-th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}
+*{box-sizing:border-box}
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;padding:.8em 1.5em 2em;color:#222;
+max-width:1400px;line-height:1.35}
+h1{margin:.3em 0 .2em;font-size:1.6em}
+h2{margin:1.3em 0 .3em;padding-top:.4em;border-top:1px solid #e3e3e3;font-size:1.25em}
+p{margin:.3em 0}
+nav.toc{position:sticky;top:0;z-index:2;background:#fff;border-bottom:1px solid #ddd;padding:.35em 0;margin:.4em 0 .6em;
+font-size:14px}
+nav.toc a{margin-right:1.1em;text-decoration:none;color:#0645ad;white-space:nowrap}
+nav.toc a:hover{text-decoration:underline}
+.scroll{max-width:100%;overflow-x:auto;margin:.5em 0}
+table{border-collapse:collapse;font-size:13px}
+th,td{border:1px solid #d4d4d4;padding:3px 6px;text-align:right;vertical-align:top}
+thead th{background:#f0f0f0;vertical-align:bottom;font-weight:600}
 th:first-child,td:first-child{text-align:left}
-th{background:#f2f2f2}
-tr:nth-child(even) td{background:#fafafa}
+tbody tr:nth-child(even) td{background:#fafafa}
+table.extended td,table.paired td,table.requests td{white-space:nowrap}
+table.extended,table.requests,table.paired{font-size:12px}
+table.extended th,table.extended td{padding:3px 4px}
+table.paired thead th:last-child{text-align:left}
+table.requests{width:100%}
+table.requests tr.group th{background:#e8eef7;text-align:left;font-size:13px;padding:4px 6px}
+table.requests td.text{white-space:normal;text-align:left;min-width:36em;width:55%;color:#333}
+td.text .empty{color:#999;font-style:italic}
+td.bad{color:#b00;font-weight:600}
 .note{color:#555}
 .warn{color:#a00;font-weight:bold}
-tr.worst td{background:#fff1f0}
-audio{height:28px;vertical-align:middle}
-img{max-width:100%;border:1px solid #ddd;margin:0.5em 0}
+tr.worst td{background:#fff1f0 !important}
+td.audio{white-space:normal !important;text-align:left}
+td.audio .player{display:inline-flex;align-items:center;gap:4px;margin:1px 6px 1px 0;font-size:12px}
+audio{height:30px;width:230px;vertical-align:middle}
+a.wav{font-size:12px}
+img{max-width:100%;height:auto;border:1px solid #ddd;margin:.4em 0}
 code{background:#f4f4f4;padding:1px 4px}
 """
 
+SECTIONS = {  # id -> heading, in page order (plots between the summary and the extended table)
+    "summary": "Summary (the seed's table)", "wer": "WER per request", "events": "Scheduler events per cell",
+    "timeline": "Span timeline of one stressed request", "extended": "Extended table",
+    "paired": "Paired per-prompt table", "requests": "Per-request rows",
+}
+
 
 def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> str:
-    """A self-contained page: tables as HTML, PNG plots inlined as base64 data URIs."""
+    """One page: tables as HTML, PNG plots inlined as base64 data URIs, each request's WAV linked (relative
+    to report.html, from the run directory's ``audio/``), never inlined. Wide tables scroll inside their
+    own box, so the page itself never scrolls sideways."""
     def table(df: pd.DataFrame, cls: str) -> str:
-        return df.to_html(index=False, escape=True, classes=cls, border=0, na_rep=NA)
+        return _scroll(df.to_html(index=False, escape=True, classes=cls, border=0, na_rep=NA))
 
+    def h2(key: str, title: str | None = None) -> str:
+        return f"<h2 id=\"{key}\">{html.escape(title or SECTIONS[key])}</h2>"
+
+    paired = html_paired(run, cells)
+    shown = ["summary", *plots, "extended", *(["paired"] if paired else []), "requests"]
+    toc = " ".join(f"<a href=\"#{html.escape(k)}\">{html.escape(SECTIONS.get(k, k))}</a>" for k in shown)
     parts = [
         "<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">",
         f"<title>omni-stress {html.escape(run.run_id)}</title>", f"<style>{_CSS}</style></head><body>",
         f"<h1>omni-stress run <code>{html.escape(run.run_id)}</code></h1>",
         "".join(f"<p class=\"{'warn' if line.startswith('WARNING') else 'note'}\">{html.escape(line)}</p>"
                 for line in run_header(run)),
-        "<h2>Summary (the seed's table)</h2>", table(seed_table(cells), "seed"),
+        f"<nav class=\"toc\">{toc}</nav>",
+        h2("summary"), table(seed_table(cells), "seed"),
         f"<p class=\"note\">{html.escape(wer_source_note(run, cells))}</p>",
     ]
-    titles = {"wer": "WER per request", "events": "Scheduler events per cell",
-              "timeline": "Span timeline of one stressed request"}
     for name, png in plots.items():
         data = base64.b64encode(png).decode("ascii")
-        parts.append(f"<h2>{html.escape(titles.get(name, name))}</h2>")
+        parts.append(h2(name, SECTIONS.get(name, name)))
         parts.append(f"<img alt=\"{html.escape(name)}\" src=\"data:image/png;base64,{data}\">")
-    parts += ["<h2>Extended table</h2>", table(extended_table(cells), "extended"),
-              "<h2>Paired per-prompt table</h2>", html_paired(run, cells),
-              f"<p class=\"note\">{html.escape(paired_note(cells))}</p>",
-              "<h2>Per-request rows</h2>", table(requests_table(run, cells), "requests")]
+    parts += [h2("extended"), _html_table(extended_table(cells), "extended", _EXTENDED_SHORT)]
+    if paired:
+        parts += [h2("paired"), paired, f"<p class=\"note\">{html.escape(paired_note(cells))} The worst request of "
+                                        "each cell plays here next to the reference deploy's audio for the same "
+                                        "prompt.</p>"]
+    else:
+        parts.append(f"<p class=\"note\">{html.escape(paired_note(cells))}</p>")
+    parts += [h2("requests"), html_requests(run, cells)]
     argv = run.manifest.get("argv")
     if argv:
         command = " ".join(argv) if isinstance(argv, list) else str(argv)
@@ -538,33 +579,61 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> 
     return "\n".join(parts) + "\n"
 
 
-MAX_INLINE_AUDIO = 2_000_000  # bytes: a larger WAV is linked (relative to report.html), not inlined
-MAX_INLINE_AUDIO_TOTAL = 16_000_000  # bytes of WAV inlined into one page; the rest are linked
+_EXTENDED_SHORT = {  # the extended table's long headings, shortened in the page (the full one is the tooltip)
+    "Requests": "Req.", f"Requests with WER > {WER_THRESHOLD}": f"WER > {WER_THRESHOLD}",
+    "Non-zero-offset chunks": "Chunks", "Cross-boundary replays": "Replays",
+    "Multi-position decode spans": "Multi-pos. decode", "Accepted tokens/step": "Acc. tok/step",
+    "Row-count mismatches / prefill calls": "Row-count mism. / prefill", "Misaligned (text)": "Misal. (text)",
+    "Misaligned (end)": "Misal. (end)", "Preemptions": "Pre\u00adempt.", "Wall time (s)": "Wall (s)",
+    "Not measurable": "Not meas\u00adurable",
+}
 
 
-def audio_tag(run: Run, record: RequestRecord | None, label: str, budget: list[int] | None = None) -> str:
-    """An inline ``<audio>`` player for a request's WAV (a data URI, so the page stays self-contained,
-    while ``budget[0]`` bytes are left; else linked relative to report.html); a note when the request
-    has no audio (``--asr none`` writes none)."""
+def _html_table(df: pd.DataFrame, cls: str, short: dict[str, str]) -> str:
+    """A table whose long headings are shortened (``short``), each with its full name as a tooltip."""
+    def th(name: str) -> str:
+        label = short.get(name)
+        if label is None:
+            return f"<th>{html.escape(name)}</th>"
+        return f"<th title=\"{html.escape(name)}\">{html.escape(label)}</th>"
+
+    head = "".join(th(str(c)) for c in df.columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>"
+                   for row in df.itertuples(index=False))
+    return _scroll(f"<table class=\"{cls}\"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+
+def _scroll(table_html: str) -> str:
+    """A wide table scrolls inside its own box, never the page."""
+    return f"<div class=\"scroll\">{table_html}</div>"
+
+
+def audio_src(run: Run, record: RequestRecord | None) -> tuple[str | None, str]:
+    """(the request's WAV as a URL relative to report.html, or None; a note when there is none): the
+    file must be a relative path inside the run directory that exists (``--asr none`` writes no audio)."""
     if record is None or not record.audio_path:
-        return f"<span class=\"note\">{html.escape(label)}: no audio</span>"
-    path = run.run_dir / record.audio_path
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return f"<span class=\"note\">{html.escape(label)}: {html.escape(record.audio_path)} missing</span>"
-    budget = budget if budget is not None else [MAX_INLINE_AUDIO_TOTAL]
-    if size <= min(MAX_INLINE_AUDIO, budget[0]):
-        budget[0] -= size
-        src = "data:audio/wav;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
-    else:
-        src = html.escape(record.audio_path)
-    return (f"<span>{html.escape(label)}: <audio controls preload=\"none\" "
-            f"title=\"{html.escape(record.audio_path)}\" src=\"{src}\"></audio></span>")
+        return None, "no audio"
+    rel = Path(record.audio_path)
+    if rel.is_absolute() or ".." in rel.parts:
+        return None, f"{record.audio_path} is outside the run directory"
+    if not (run.run_dir / rel).is_file():
+        return None, f"{record.audio_path} missing"
+    return urllib.parse.quote(rel.as_posix()), ""
+
+
+def audio_tag(run: Run, record: RequestRecord | None, label: str) -> str:
+    """An ``<audio>`` player for a request's WAV, linked relative to report.html (the run directory's
+    ``audio/`` sits beside it); a note when the request has no audio."""
+    src, note = audio_src(run, record)
+    if src is None:
+        return f"<span class=\"note\">{html.escape(label)}: {html.escape(note)}</span>"
+    assert record is not None and record.audio_path
+    return (f"<span class=\"player\">{html.escape(label)} <audio controls preload=\"metadata\" "
+            f"title=\"{html.escape(record.audio_path)}\" src=\"{html.escape(src)}\"></audio></span>")
 
 
 def html_paired(run: Run, cells: list[CellSummary]) -> str:
-    """The paired table as HTML; each cell's worst request carries its audio and the reference's, inline."""
+    """The paired table as HTML; each cell's worst request carries its audio and the reference's."""
     reference_deploy = reference_deploy_of(cells)
     df = paired_table(run, cells, reference_deploy)
     if not len(df):
@@ -573,19 +642,76 @@ def html_paired(run: Run, cells: list[CellSummary]) -> str:
                for pr in paired_rows(cell, cells, reference_deploy)]  # type: ignore[arg-type]
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in list(df.columns) + ["Audio (worst request)"])
     body = []
-    budget = [MAX_INLINE_AUDIO_TOTAL]
     for pr, row in zip(records, df.itertuples(index=False)):
         worst = row[-1] == "worst"
         cells_html = "".join(f"<td>{html.escape(str(v))}</td>" for v in row)
         audio = ""
         if worst:
             ref_rec = next((r for r in pr.reference.records if r.prompt_id == pr.prompt_id), None)
-            audio = (audio_tag(run, pr.record, pr.cell.deploy, budget) + " "
-                     + audio_tag(run, ref_rec, pr.reference.deploy, budget))
+            audio = audio_tag(run, pr.record, pr.cell.deploy) + " " + audio_tag(run, ref_rec, pr.reference.deploy)
         tr = '<tr class="worst">' if worst else "<tr>"
-        body.append(f"{tr}{cells_html}<td>{audio}</td></tr>")
-    return (f"<table class=\"paired\"><thead><tr>{head}</tr></thead><tbody>" + "".join(body)
-            + "</tbody></table>")
+        body.append(f"{tr}{cells_html}<td class=\"audio\">{audio}</td></tr>")
+    return _scroll(f"<table class=\"paired\"><thead><tr>{head}</tr></thead><tbody>" + "".join(body)
+                   + "</tbody></table>")
+
+
+# the per-request table's HTML columns: (heading, the requests_table column it shows, tooltip)
+_REQUEST_HTML = [
+    ("Prompt", "Prompt", None), ("WER", "WER", None), ("Oracle WER", "Oracle WER", None),
+    ("Codec tokens", "Codec tokens", None), ("Finish", "Finish", None), ("Preempt.", "Preemptions", None),
+    ("Chunks", "Non-zero-offset chunks", "non-zero-offset prefill chunks"),
+    ("Replays", "Cross-boundary replays", "replays crossing the prompt boundary"),
+    ("Multi-pos. decode", "Multi-position decode spans", "multi-position decode spans"),
+    ("Acc. tok/step", "Accepted tokens/step", "accepted tokens per verify step (speculative decoding)"),
+    ("Row-count mism. / prefill", "Row-count mismatches / prefill calls", "row-count mismatches / prefill calls"),
+    ("Misal. (text)", "Misaligned (text)", "misaligned positions up to and including text-EOS"),
+    ("Misal. (end)", "Misaligned (end)", "misaligned positions after text-EOS"),
+]
+MAX_HTML_TEXT = 400  # transcript characters shown per request (requests.csv has them whole)
+
+
+def html_requests(run: Run, cells: list[CellSummary]) -> str:
+    """Per-request rows, one block per cell under a header row (the arm, deploy and run are said once),
+    each request's WAV linked and its transcript (or its error) in a wrapping column."""
+    df = requests_table(run, cells, max_text=MAX_HTML_TEXT)
+    rank = {c.key: i for i, c in enumerate(cells)}
+    by_key = {c.key: c for c in cells}
+    records = sorted(run.requests, key=lambda r: (rank[(r.arm, r.deploy, r.repeat)], r.prompt_id))
+    ncols = len(_REQUEST_HTML) + 2
+    head = "".join(f"<th title=\"{html.escape(tip)}\">{html.escape(h)}</th>" if tip else f"<th>{html.escape(h)}</th>"
+                   for h, _, tip in _REQUEST_HTML) + "<th>Audio</th><th>Transcript</th>"
+    body = []
+    current = None
+    for rec, (_, row) in zip(records, df.iterrows()):
+        key = (rec.arm, rec.deploy, rec.repeat)
+        if key != current:
+            current = key
+            c = by_key[key]
+            body.append(f"<tr class=\"group\"><th colspan=\"{ncols}\">{html.escape(c.arm)} ({html.escape(c.role)}), "
+                        f"{html.escape(c.deploy)} deploy, run {c.run_number}: {c.requests} requests, mean WER "
+                        f"{html.escape(fmt_wer(c.mean_wer))}</th></tr>")
+        tds = []
+        for _, column, _ in _REQUEST_HTML:
+            value = str(row[column])
+            bad = column == "WER" and _over(value)
+            tds.append(f"<td class=\"bad\">{html.escape(value)}</td>" if bad else f"<td>{html.escape(value)}</td>")
+        src, note = audio_src(run, rec)
+        tds.append(f"<td><a class=\"wav\" href=\"{html.escape(src)}\">wav</a></td>" if src
+                   else f"<td class=\"note\">{'–' if note == 'no audio' else html.escape(note)}</td>")
+        text = html.escape(str(row["Transcript"])) or "<span class=\"empty\">(no words)</span>"
+        if row["Error"]:
+            text = f"<span class=\"warn\">error: {html.escape(str(row['Error']))}</span> " + text
+        tds.append(f"<td class=\"text\">{text}</td>")
+        body.append("<tr>" + "".join(tds) + "</tr>")
+    return _scroll(f"<table class=\"requests\"><thead><tr>{head}</tr></thead><tbody>" + "".join(body)
+                   + "</tbody></table>")
+
+
+def _over(wer: str) -> bool:
+    try:
+        return float(wer) > WER_THRESHOLD
+    except ValueError:
+        return False
 
 
 # --------------------------------------------------------------------------- entry points (I/O)

@@ -279,8 +279,9 @@ def test_write_reports_files(written: dict[str, Path], seed_run: Path) -> None:
         assert base64.b64decode(src.split(",", 1)[1]).startswith(b"\x89PNG\r\n\x1a\n")
 
 
-def test_html_plays_the_worst_requests_inline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The paired table's worst request of each cell carries its audio and the reference's, inline."""
+def test_html_plays_the_worst_requests_linked(tmp_path: Path) -> None:
+    """The paired table's worst request of each cell carries its audio and the reference's, linked
+    relative to report.html (the run directory's audio/), never inlined as base64."""
     run_dir = write_run(tmp_path, "audio", with_spans=False)
     lines = []
     for line in (run_dir / "requests.jsonl").read_text().splitlines():
@@ -295,15 +296,11 @@ def test_html_plays_the_worst_requests_inline(tmp_path: Path, monkeypatch: pytes
     paired = page.split('<table class="paired">')[1].split("</table>")[0]
     assert paired.count('<tr class="worst">') == 4  # main and pr, stress runs 1 and 2
     assert paired.count("<audio controls") == 8  # each with the same prompt's reference audio
-    wav = base64.b64encode(b"RIFFaudio/main-stress-1-p02.wav").decode()
-    assert f'src="data:audio/wav;base64,{wav}"' in paired
-    ref = base64.b64encode(b"RIFFaudio/main-reference-1-p02.wav").decode()
-    assert f'src="data:audio/wav;base64,{ref}"' in paired
-    first_two = len(b"RIFFaudio/main-stress-1-p02.wav") + len(b"RIFFaudio/main-reference-1-p02.wav")
-    monkeypatch.setattr(report, "MAX_INLINE_AUDIO_TOTAL", first_two)
-    linked = report.html_report(run, cells, {}).split('<table class="paired">')[1]
-    assert linked.count("data:audio/wav;base64,") == 2  # the page budget spent: the rest are linked
-    assert 'src="audio/main-stress-2-p02.wav"' in linked and 'src="audio/pr-reference-1-p16.wav"' in linked
+    assert 'src="audio/main-stress-1-p02.wav"' in paired and 'src="audio/main-reference-1-p02.wav"' in paired
+    assert 'src="audio/main-stress-2-p02.wav"' in paired and 'src="audio/pr-reference-1-p16.wav"' in paired
+    assert "base64" not in page.replace("data:image/png;base64", "")
+    (run_dir / "audio" / "main-stress-2-p02.wav").unlink()
+    assert "stress: audio/main-stress-2-p02.wav missing" in report.html_report(run, cells, {})
     no_audio = report.html_report(*_cells(write_run(tmp_path, "noaudio", with_spans=False)), {})
     assert no_audio.count("stress: no audio") == 4 and no_audio.count("reference: no audio") == 4
 

@@ -308,8 +308,9 @@ def test_sim_talker_refused_on_the_real_backend(tmp_path):
 
 def test_fidelity_of_a_run_against_itself_is_all_ones(speaking_run, tmp_path):
     out = tmp_path / "f.json"
-    res = invoke_cli("fidelity", str(speaking_run), str(speaking_run), "--json", str(out))
+    res = invoke_cli("fidelity", str(speaking_run), str(speaking_run), "--json", str(out), "--same-backend")
     assert res.exit_code == 0, res.stderr
+    assert res.stdout.startswith("self-check, not a fidelity measurement: the same run twice (backend sim")
     assert "16 requests in both runs, 16 identical" in res.stdout
     assert "Every request is in both runs." in res.stdout
     data = json.loads(out.read_text())
@@ -343,7 +344,7 @@ def test_fidelity_shows_the_exact_differences_of_a_hand_edited_copy(speaking_run
     _write(real / "spans.jsonl", spans)
 
     out = tmp_path / "f.json"
-    res = invoke_cli("fidelity", str(speaking_run), str(real), "--json", str(out))
+    res = invoke_cli("fidelity", str(speaking_run), str(real), "--json", str(out), "--same-backend")
     assert res.exit_code == 0, res.stderr
     data = json.loads(out.read_text())
     reqs = {(r["arm"], r["deploy"], r["prompt_id"]): r for r in data["requests"]}
@@ -385,14 +386,15 @@ def test_fidelity_bad_input_is_one_line_and_exit_2(speaking_run, tmp_path):
     for name in ("requests.jsonl", "spans.jsonl", "manifest.json"):
         path = other / name
         path.write_text(path.read_text().replace("cpu-reference", "x-reference").replace("cpu-stress", "x-stress"))
-    line = refused(str(speaking_run), str(other))
+    line = refused(str(speaking_run), str(other), "--same-backend")
     assert "no common cells" in line and "x-stress" in line
-    assert "cannot write" in refused(str(speaking_run), str(speaking_run), "--json", str(tmp_path / "no" / "f.json"))
+    assert "cannot write" in refused(str(speaking_run), str(speaking_run), "--same-backend", "--json",
+                                     str(tmp_path / "no" / "f.json"))
     assert "Missing argument" in refused(str(speaking_run))
 
 
 def test_fidelity_imports_no_heavy_library(speaking_run, tmp_path):
-    probe = ("import json, sys\nsys.argv = ['omni-stress', 'fidelity', sys.argv[1], sys.argv[1]]\ncode = 0\n"
+    probe = ("import json, sys\nsys.argv = ['omni-stress', 'fidelity', sys.argv[1], sys.argv[1], '--same-backend']\ncode = 0\n"
              "try:\n    from harness.cli import main\n    main()\nexcept SystemExit as exc:\n    code = exc.code\n"
              "print(json.dumps({'code': code, 'mods': sorted({m.split('.')[0] for m in sys.modules})}))\n")
     proc = subprocess.run([sys.executable, "-c", probe, str(speaking_run)], cwd=REPO, capture_output=True,

@@ -34,6 +34,12 @@ def wav_rel_path(arm: str, deploy: str, repeat: int | str, prompt_id: str) -> st
     return f"audio/{safe_name(arm)}-{safe_name(deploy)}-r{repeat}-{safe_name(prompt_id)}.wav"
 
 
+# The sim's Talker modes (``--sim-talker``): ``words``, the sim's own Talker (harness/sim/talker.py);
+# ``speaking``, the speaking tiny model's rules and tokenizer (harness/sim/speaking_talker.py).
+SIM_TALKERS = ("words", "speaking")
+DEFAULT_SIM_TALKER = "words"
+
+
 @dataclass
 class RunOptions:
     """How a run runs, beside the interface every backend and executor implements (so neither needs
@@ -51,7 +57,7 @@ class RunOptions:
     asr_workers: int = -1  # -1: two worker processes on two or more cores; 0: in this process
     sim_workers: int = -1  # -1: up to two forked processes when there are cells and cores for them
     serve: Any = None  # harness.serve.backend.ServeOptions for the real backend
-    sim_talker: str = "words"  # sim: pipeline.SIM_TALKERS (the manifest records it; --resume refuses another)
+    sim_talker: str = "words"  # sim: SIM_TALKERS (the manifest records it; --resume refuses another)
     executor: str = "local"  # harness.executors.EXECUTORS
     ray_address: str | None = None  # --ray-address (None: Ray's own default, RAY_ADDRESS or a local cluster)
     latency: bool = False  # sim: records carry their sent/arrival/first-token/finish steps (omni-stress sweep)

@@ -1,24 +1,28 @@
 """The options ``omni-stress run`` and ``omni-stress sweep`` share: one definition each, in the order
-``--help`` lists them. Where the two commands mean something different by an option (a sweep's
-repeat also redraws its arrivals, its ``--asr`` defaults to ``none``), the option carries one help
-text (or default) per command; an option only one command has names that command.
+``--help`` lists them, and ``RunArgs``, the same values typed once. Where the two commands mean
+something different by an option (a sweep's repeat also redraws its arrivals, its ``--asr``
+defaults to ``none``), the option carries one help text (or default) per command; an option only
+one command has names that command.
 
-``shared_run_options("run")`` / ``shared_run_options("sweep")`` add them to a Click command; the
-command adds its own options after them, then ``executor_options`` (``harness.executors.options``).
+``shared_run_options("run")`` / ``shared_run_options("sweep")`` add them to a Click command (the
+executor's ``--executor`` / ``--ray-address`` included); the command adds its own options after
+them and turns Click's values into ``RunArgs.from_click(values)`` first thing.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import click
 
 from harness.config import MAX_SEED
+from harness.executors import EXECUTORS
 from harness.families import family_names
-from harness.pipeline import DEFAULT_SIM_TALKER, SIM_TALKERS
+from harness.backends import DEFAULT_SIM_TALKER, SIM_TALKERS
 from harness.sim import armcall
 
 COMMANDS = ("run", "sweep")
@@ -29,6 +33,15 @@ def finite_seconds(ctx: click.Context, param: click.Parameter, value: float | No
     and would disable the limit, ``inf`` waits forever, a negative number means nothing."""
     if value is not None and (math.isnan(value) or math.isinf(value) or value < 0):
         raise click.BadParameter(f"{value!r} is not a number of seconds (a finite number >= 0)", ctx, param)
+    return value
+
+
+def _address(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    value = value.strip()
+    if not value:
+        raise click.BadParameter("an address (HOST:PORT, ray://HOST:PORT) or 'auto'", ctx, param)
     return value
 
 
@@ -122,6 +135,13 @@ _OPTIONS: tuple[_Opt, ...] = (
          show_default=True, per_command={"help": {
              "run": "sim: seconds one talker_preprocess call may take before it fails its request (0: no limit).",
              "sweep": "sim: seconds one talker_preprocess call may take (0: no limit)."}}),
+    _Opt("--executor", "executor", type=click.Choice(list(EXECUTORS)), default="local", show_default=True,
+         help="Where cells run: 'local' (this machine) or 'ray' (one Ray task per cell on a cluster; records, "
+              "spans and audio come back here). Needs the ray extra: pip install omni-stress[ray]."),
+    _Opt("--ray-address", "ray_address", default=None, metavar="ADDR", callback=_address,
+         help="--executor ray: the cluster to use (HOST:PORT of the head's GCS, ray://HOST:PORT, or 'auto': "
+              "the cluster `ray start` left on this machine; default $RAY_ADDRESS, else a one-machine Ray "
+              "started for the run)."),
 )
 
 
@@ -153,3 +173,76 @@ def family_defaults(family: str | None, **values: Any) -> dict[str, Any]:
         if ctx is not None and ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
             values[name] = own[name]
     return values
+
+
+@dataclass
+class RunArgs:
+    """The shared options of ``run`` and ``sweep``, typed once (``from_click``): the commands and the
+    run-directory code read fields, never Click's positional values."""
+
+    arms: tuple[str, ...]
+    arms_file: Path | None
+    prompt_set: str
+    family: str | None
+    repeat: int
+    seed: int
+    out: Path
+    run_id: str | None
+    resume_dir: Path | None
+    backend: str
+    sim_talker: str
+    asr: str
+    asr_model: str
+    beam_size: int
+    asr_workers: int | None
+    sim_workers: int | None
+    cache_dir: Path | None
+    no_cache: bool
+    quiet: bool
+    model: str
+    health_timeout: float
+    request_timeout: float
+    serve_platform: str
+    serve_python: Path | None
+    arm_timeout: float
+    executor: str
+    ray_address: str | None
+    deploys: tuple[str, ...] = ()  # run only (a sweep's deploys are its grid)
+    dry_run: bool = False  # run only
+
+    @classmethod
+    def from_click(cls, values: dict[str, Any]) -> RunArgs:
+        """Click's values as typed options, checked once as the command starts: ``--family``'s
+        defaults, a safe ``--run-id``, every path made absolute (a plugin arm may os.chdir() when it
+        is imported or called, and a relative --out must still mean what the user typed), and, for
+        ``--executor ray``, a cluster that answers (before any run directory exists)."""
+        from harness.errors import UserError
+        from harness.rundir import absolute_paths, check_run_id
+
+        names = {f.name for f in fields(cls)}
+        args = cls(**{k: v for k, v in values.items() if k in names})
+        picked = family_defaults(args.family, arms=args.arms, deploys=args.deploys, prompt_set=args.prompt_set)
+        args.arms, args.deploys, args.prompt_set = picked["arms"], picked["deploys"], picked["prompt_set"]
+        if args.run_id is not None:
+            check_run_id(args.run_id)
+        (args.out, args.resume_dir, args.cache_dir, args.arms_file, args.serve_python,
+         args.asr_model) = absolute_paths(args.out, args.resume_dir, args.cache_dir, args.arms_file,
+                                          args.serve_python, args.asr_model)
+        if args.executor == "ray" and not args.dry_run:
+            from harness.executors.ray import preflight
+
+            preflight(args.ray_address)
+        elif args.executor != "ray" and args.ray_address is not None:
+            raise UserError(f"--ray-address {args.ray_address}: applies to --executor ray")
+        return args
+
+    def run_options(self, **extra: Any) -> Any:
+        """The ``RunOptions`` every backend and executor reads (``harness.backends``)."""
+        from harness.backends import RunOptions
+
+        return RunOptions(backend=self.backend, repeat=self.repeat, seed=self.seed, asr=self.asr,
+                          asr_model=self.asr_model, beam_size=self.beam_size, cache_dir=self.cache_dir,
+                          use_cache=not self.no_cache, quiet=self.quiet,
+                          asr_workers=-1 if self.asr_workers is None else self.asr_workers,
+                          sim_workers=-1 if self.sim_workers is None else self.sim_workers,
+                          sim_talker=self.sim_talker, executor=self.executor, ray_address=self.ray_address, **extra)

@@ -26,16 +26,13 @@ from harness.backends import RunOptions
 from harness.config import ArmSpec, Deploy, PromptSet
 from harness.errors import UserError
 from harness.families import DEFAULT_FAMILY
+from harness.rundir import ResumeState
 from harness.records import (
-    MANIFEST_FILE,
     REQUESTS_FILE,
     SPANS_FILE,
     JsonlWriter,
     RequestRecord,
     read_manifest,
-    read_requests,
-    read_spans,
-    truncate_torn_tail,
     write_file_atomic,
     write_manifest,
 )
@@ -43,27 +40,6 @@ from harness.records import (
 if TYPE_CHECKING:
     from harness.audio.pipeline import AsrResult
     from harness.backends import CellOutcome
-
-
-# The sim's Talker modes (``--sim-talker``): ``words``, the sim's own Talker (harness/sim/talker.py);
-# ``speaking``, the speaking tiny model's rules and tokenizer (harness/sim/speaking_talker.py).
-SIM_TALKERS = ("words", "speaking")
-DEFAULT_SIM_TALKER = "words"
-
-
-def manifest_sim_talker(manifest: dict[str, Any]) -> str | None:
-    """The sim Talker mode a run's manifest records: a sim run written before the modes ran ``words``;
-    None for a real-backend run."""
-    if manifest.get("backend", "sim") != "sim":
-        return None
-    mode = manifest.get("sim_talker")
-    return mode if isinstance(mode, str) else DEFAULT_SIM_TALKER
-
-
-def manifest_family(manifest: dict[str, Any]) -> str:
-    """The model family a run's manifest records (a run written before families: Qwen2.5-Omni)."""
-    family = manifest.get("family")
-    return family if isinstance(family, str) else DEFAULT_FAMILY
 
 
 @dataclass
@@ -186,22 +162,6 @@ def _versions() -> dict[str, str]:
     return found
 
 
-def prepare_run_dir(out: Path, run_id: str) -> Path:
-    run_dir = out / run_id
-    try:
-        run_dir.mkdir(parents=True, exist_ok=False)
-        (run_dir / "audio").mkdir()
-        probe = run_dir / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except FileExistsError:
-        raise UserError(f"{run_dir}: run directory exists already (use --resume {run_dir} or another --run-id)") \
-            from None
-    except OSError as exc:
-        raise UserError(f"--out {out}: output directory not writable ({exc.strerror})") from None
-    return run_dir
-
-
 def manifest_for(plan: RunPlan) -> dict[str, Any]:
     o = plan.options
     return {
@@ -224,53 +184,6 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "finished": None,
     }
-
-
-@dataclass
-class ResumeState:
-    done: set[tuple] = field(default_factory=set)  # (arm, deploy, repeat, prompt) recorded
-    span_cells: set[tuple] = field(default_factory=set)  # (arm, deploy, repeat) whose spans are written
-
-
-def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
-    """What is already recorded; refuses a run dir made with a different configuration."""
-    if not (run_dir / MANIFEST_FILE).is_file():
-        raise UserError(f"--resume {run_dir}: not a run directory (no {MANIFEST_FILE})")
-    try:
-        old = read_manifest(run_dir)
-    except ValueError as exc:
-        raise UserError(f"{run_dir / MANIFEST_FILE}: unreadable manifest ({exc})") from None
-    for key in ("config_hashes", "cells", "seed", "backend", "family", "sim_talker"):
-        was, now = old.get(key), plan_manifest.get(key)
-        if key == "family":  # a run written before families ran Qwen2.5-Omni
-            was, now = manifest_family(old), manifest_family(plan_manifest)
-        if key == "cells":  # a finished run's cells also carry their wall_s
-            was, now = _cell_keys(was), _cell_keys(now)
-        if key == "sim_talker":
-            was, now = manifest_sim_talker(old), manifest_sim_talker(plan_manifest)
-        if key == "config_hashes" and isinstance(was, dict) and isinstance(now, dict):
-            arm = next((k for k in now if k.startswith("arm:") and k in was and was[k] != now[k]), None)
-            if arm is not None:
-                raise UserError(f"--resume {run_dir}: arm {arm[4:]!r}: its code changed since the run started "
-                                f"(was {was[arm]}, now {now[arm]}); resuming would mix records of two "
-                                "implementations; start a new run instead")
-        if was != now:
-            raise UserError(f"--resume {run_dir}: {key} differ from the manifest "
-                            f"(was {was!r}, now {now!r}); start a new run instead")
-    truncate_torn_tail(run_dir / REQUESTS_FILE)
-    truncate_torn_tail(run_dir / SPANS_FILE)
-    try:
-        done = {r.key for r in read_requests(run_dir)}
-        span_cells = {(s.arm, s.deploy, s.repeat) for s in read_spans(run_dir)}
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    return ResumeState(done, span_cells)
-
-
-def _cell_keys(cells: Any) -> list[tuple]:
-    if not isinstance(cells, list):
-        return []
-    return [(c.get("arm"), c.get("deploy"), c.get("repeat")) if isinstance(c, dict) else c for c in cells]
 
 
 class Progress:

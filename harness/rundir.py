@@ -1,5 +1,7 @@
-"""Guards around a run directory: a safe ``--run-id``, one run at a time in a directory (a lock),
-a manifest and records that ``--resume`` can trust, and a full disk said in one line.
+"""The run directory, below the commands: opening a new one or a ``--resume``d one, its lock, its
+manifest (written first, checked on resume), and the guards around it: a safe ``--run-id``, records
+that ``--resume`` can trust, a full disk or exhausted memory said in one line. ``run`` and
+``sweep`` both use it (``open_run_dir``, ``in_run_dir``, ``start_manifest``).
 
 Each check fails with a ``UserError`` naming the file (and line, or field), so the CLI prints one
 line and exits 2 (docs/robustness.md).
@@ -10,14 +12,27 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.backends import DEFAULT_SIM_TALKER
 from harness.config import check_name
-from harness.errors import UserError, WorkerOutOfMemory
-from harness.records import MANIFEST_FILE, REQUESTS_FILE, SPANS_FILE
+from harness.errors import UserError, WorkerOutOfMemory, out_of_memory
+from harness.families import DEFAULT_FAMILY
+from harness.records import (
+    MANIFEST_FILE,
+    REQUESTS_FILE,
+    SPANS_FILE,
+    read_manifest,
+    read_requests,
+    read_spans,
+    truncate_torn_tail,
+    write_manifest,
+)
 
 LOCK_FILE = ".lock"
 _held: set[int] = set()  # lock fds this process holds
@@ -245,3 +260,148 @@ def out_of_memory_error(exc: BaseException, run_dir: Path) -> UserError:
                      f"{run_dir}; an arm may be holding memory it allocated (its failed requests are recorded), or "
                      f"the memory limit (ulimit -v) is too low: raise it, then --resume {run_dir} completes the run "
                      "and writes its report")
+
+
+# --------------------------------------------------------------------------- opening and resuming
+
+
+def manifest_sim_talker(manifest: dict[str, Any]) -> str | None:
+    """The sim Talker mode a run's manifest records: a sim run written before the modes ran ``words``;
+    None for a real-backend run."""
+    if manifest.get("backend", "sim") != "sim":
+        return None
+    mode = manifest.get("sim_talker")
+    return mode if isinstance(mode, str) else DEFAULT_SIM_TALKER
+
+
+def manifest_family(manifest: dict[str, Any]) -> str:
+    """The model family a run's manifest records (a run written before families: Qwen2.5-Omni)."""
+    family = manifest.get("family")
+    return family if isinstance(family, str) else DEFAULT_FAMILY
+
+
+def prepare_run_dir(out: Path, run_id: str) -> Path:
+    run_dir = out / run_id
+    try:
+        run_dir.mkdir(parents=True, exist_ok=False)
+        (run_dir / "audio").mkdir()
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except FileExistsError:
+        raise UserError(f"{run_dir}: run directory exists already (use --resume {run_dir} or another --run-id)") \
+            from None
+    except OSError as exc:
+        raise UserError(f"--out {out}: output directory not writable ({exc.strerror})") from None
+    return run_dir
+
+
+@dataclass
+class ResumeState:
+    done: set[tuple] = field(default_factory=set)  # (arm, deploy, repeat, prompt) recorded
+    span_cells: set[tuple] = field(default_factory=set)  # (arm, deploy, repeat) whose spans are written
+
+
+def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
+    """What is already recorded; refuses a run dir made with a different configuration."""
+    if not (run_dir / MANIFEST_FILE).is_file():
+        raise UserError(f"--resume {run_dir}: not a run directory (no {MANIFEST_FILE})")
+    try:
+        old = read_manifest(run_dir)
+    except ValueError as exc:
+        raise UserError(f"{run_dir / MANIFEST_FILE}: unreadable manifest ({exc})") from None
+    for key in ("config_hashes", "cells", "seed", "backend", "family", "sim_talker"):
+        was, now = old.get(key), plan_manifest.get(key)
+        if key == "family":  # a run written before families ran Qwen2.5-Omni
+            was, now = manifest_family(old), manifest_family(plan_manifest)
+        if key == "cells":  # a finished run's cells also carry their wall_s
+            was, now = _cell_keys(was), _cell_keys(now)
+        if key == "sim_talker":
+            was, now = manifest_sim_talker(old), manifest_sim_talker(plan_manifest)
+        if key == "config_hashes" and isinstance(was, dict) and isinstance(now, dict):
+            arm = next((k for k in now if k.startswith("arm:") and k in was and was[k] != now[k]), None)
+            if arm is not None:
+                raise UserError(f"--resume {run_dir}: arm {arm[4:]!r}: its code changed since the run started "
+                                f"(was {was[arm]}, now {now[arm]}); resuming would mix records of two "
+                                "implementations; start a new run instead")
+        if was != now:
+            raise UserError(f"--resume {run_dir}: {key} differ from the manifest "
+                            f"(was {was!r}, now {now!r}); start a new run instead")
+    truncate_torn_tail(run_dir / REQUESTS_FILE)
+    truncate_torn_tail(run_dir / SPANS_FILE)
+    try:
+        done = {r.key for r in read_requests(run_dir)}
+        span_cells = {(s.arm, s.deploy, s.repeat) for s in read_spans(run_dir)}
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return ResumeState(done, span_cells)
+
+
+def _cell_keys(cells: Any) -> list[tuple]:
+    if not isinstance(cells, list):
+        return []
+    return [(c.get("arm"), c.get("deploy"), c.get("repeat")) if isinstance(c, dict) else c for c in cells]
+
+
+def open_run_dir(out: Path, resume_dir: Path | None, run_id: Callable[[], str]) -> Path:
+    """``--resume``'s run directory (checked), else a new one named ``run_id()`` inside ``out``."""
+    if resume_dir is not None:
+        if not (resume_dir / MANIFEST_FILE).is_file():
+            raise UserError(f"--resume {resume_dir}: not a run directory (no {MANIFEST_FILE})")
+        check_run_files(resume_dir)  # before the lock: .lock itself may be the planted link
+        return resume_dir
+    return prepare_run_dir(out, run_id())
+
+
+def in_run_dir(run_dir: Path, work: Callable[[], str]) -> str:
+    """``work()`` holding the run directory's lock; a full disk or exhausted memory is one line naming it."""
+    with locked(run_dir):
+        try:
+            return work()
+        except (OSError, MemoryError, ImportError) as exc:
+            if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+                raise disk_full_error(exc, run_dir) from None
+            if not out_of_memory(exc):
+                raise
+            exc.__traceback__ = None  # free what the failed frames held before the message is built
+            raise out_of_memory_error(exc, run_dir) from None
+
+
+def start_manifest(run_dir: Path, planned: dict[str, Any], resume: bool,
+                   check: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    """A new run writes its planned manifest; a resumed one checks the recorded manifest against it
+    (``check`` first: a command's own condition), notes the command line and returns what is done."""
+    if not resume:
+        write_manifest(run_dir, planned)
+        return None
+    manifest = read_resumable_manifest(run_dir)
+    if check is not None:
+        check(manifest)
+    check_same_scoring(run_dir, manifest, planned)
+    state = check_resume(run_dir, planned)
+    manifest.setdefault("resumed", []).append(" ".join(sys.argv))
+    manifest["finished"] = None
+    write_manifest(run_dir, manifest)
+    return state
+
+
+def absolute_paths(out, resume_dir, cache_dir, arms_file, serve_python, asr_model):
+    """The path options of ``run`` and ``sweep`` made absolute, and the environment's cache folders
+    pinned, once as the command starts: a plugin arm may os.chdir() when imported or called."""
+    out, resume_dir, cache_dir, arms_file = absolute(out), absolute(resume_dir), absolute(cache_dir), absolute(arms_file)
+    serve_python = absolute(serve_python) if serve_python is not None and serve_python.exists() else serve_python
+    pin_path_env()
+    return out, resume_dir, cache_dir, arms_file, serve_python, _absolute_model(asr_model)
+
+
+def _absolute_model(model: str) -> str:
+    """``--asr-model``: a path (one that exists, or is written as a path) made absolute; a model name
+    (``base``, ``tiny.en``, an openai-whisper name) kept."""
+    from harness.audio.asr import PACKAGED_MODELS
+
+    if model in PACKAGED_MODELS:
+        return model
+    looks_like_path = os.sep in model or model.startswith(("~", ".")) or model.endswith(".pt")
+    if looks_like_path or os.path.exists(model):
+        return str(absolute(model))
+    return model

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, invoke_cli
-from harness.config import ArmSpec, ConfigError, load_arms, load_deploy, load_prompts, parse_deploy
+from harness.config import ArmSpec, ConfigError, load_arms, load_deploy, load_prompts
 from harness.errors import UserError
 from harness.families import DEFAULT_FAMILY, FAMILY_PACKAGES, choose_family, get_family
 
@@ -141,7 +141,7 @@ def test_family_option_picks_the_familys_defaults_and_checks_the_rest(tmp_path, 
 
 
 def test_resume_refuses_a_run_of_another_family(tmp_path):
-    from harness.pipeline import check_resume
+    from harness.rundir import check_resume
 
     run = tmp_path / "run"
     run.mkdir()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -12,172 +9,82 @@ from typing import Any
 import click
 
 from harness.config import ArmSpec, Deploy, PromptSet, load_arms, load_deploy, load_prompts, resolve_arm
-from harness.errors import ConfigError, UserError, out_of_memory
+from harness.errors import ConfigError, UserError
 from harness.families import choose_family
 from harness.cli_options import finite_seconds as _finite  # noqa: F401 - its old name
-from harness.cli_options import family_defaults, shared_run_options
-from harness.executors.options import executor_options
-from harness.pipeline import (
-    DEFAULT_SIM_TALKER,
-    RunOptions,
-    RunPlan,
-    check_resume,
-    execute,
-    manifest_for,
-    new_run_id,
-    prepare_run_dir,
-)
+from harness.cli_options import RunArgs, shared_run_options
+from harness.backends import DEFAULT_SIM_TALKER, RunOptions
+from harness.pipeline import RunPlan, execute, manifest_for, new_run_id
 from harness.proc import printable_streams, stdout_to_stderr
-from harness.records import MANIFEST_FILE, write_manifest
-from harness.rundir import (
-    DISK_FULL,
-    absolute,
-    check_run_files,
-    check_run_id,
-    check_same_scoring,
-    disk_full_error,
-    locked,
-    out_of_memory_error,
-    pin_path_env,
-    read_resumable_manifest,
-)
+from harness.rundir import in_run_dir, open_run_dir, start_manifest
 from harness.sim import armcall
 
 
 @click.command("run")
 @shared_run_options("run")
-@executor_options
-def command(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, sim_talker, asr,
-            asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout,
-            request_timeout, serve_platform, serve_python, arm_timeout, executor, ray_address, family) -> None:
+def command(**values: Any) -> None:
     """Run the prompts through every arm x deploy, transcribe the Talker audio, tabulate WER and events."""
     printable_streams()
-    picked = family_defaults(family, arms=arms, deploys=deploys, prompt_set=prompt_set)
-    arms, deploys, prompt_set = picked["arms"], picked["deploys"], picked["prompt_set"]
-    if run_id is not None:
-        check_run_id(run_id)
-    # Every path once, now: a plugin arm may os.chdir() when it is imported or called, and a
-    # relative --out (or cache, model, resume folder) must still mean what the user typed.
-    out, resume_dir, cache_dir, arms_file, serve_python, asr_model = absolute_paths(
-        out, resume_dir, cache_dir, arms_file, serve_python, asr_model)
+    args = RunArgs.from_click(values)
     # Whatever an arm (or a library) prints while the run works goes to stderr: stdout is the table's.
     with stdout_to_stderr():
-        printed = _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr,
-                       asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model,
-                       health_timeout, request_timeout, arm_timeout, serve_platform, serve_python, sim_talker,
-                       executor, ray_address, family)
+        printed = _run(args)
     click.echo(printed)
 
 
-def absolute_paths(out, resume_dir, cache_dir, arms_file, serve_python, asr_model):
-    """The path options of ``run`` and ``sweep`` made absolute, and the environment's cache folders
-    pinned, once as the command starts: a plugin arm may os.chdir() when imported or called."""
-    out, resume_dir, cache_dir, arms_file = absolute(out), absolute(resume_dir), absolute(cache_dir), absolute(arms_file)
-    serve_python = absolute(serve_python) if serve_python is not None and serve_python.exists() else serve_python
-    pin_path_env()
-    return out, resume_dir, cache_dir, arms_file, serve_python, _absolute_model(asr_model)
-
-
-def _absolute_model(model: str) -> str:
-    """``--asr-model``: a path (one that exists, or is written as a path) made absolute; a model name
-    (``base``, ``tiny.en``, an openai-whisper name) kept."""
-    from harness.audio.asr import PACKAGED_MODELS
-
-    if model in PACKAGED_MODELS:
-        return model
-    looks_like_path = os.sep in model or model.startswith(("~", ".")) or model.endswith(".pt")
-    if looks_like_path or os.path.exists(model):
-        return str(absolute(model))
-    return model
-
-
-def _run(arms, arms_file, deploys, prompt_set, repeat, seed, out, run_id, resume_dir, backend, asr, asr_model, beam_size,
-         asr_workers, sim_workers, cache_dir, no_cache, quiet, dry_run, model, health_timeout, request_timeout,
-         arm_timeout, serve_platform="auto", serve_python=None, sim_talker=DEFAULT_SIM_TALKER, executor="local",
-         ray_address=None, family=None) -> str:
+def _run(args: RunArgs) -> str:
     """The run; returns what goes to stdout (the tables), printed once stdout is stdout again."""
-    known = load_arms(arms_file) if arms_file else load_arms()
-    arm_specs = [resolve_arm(a, known) for a in arms]
-    names = [a.name for a in arm_specs]
-    if len(set(names)) != len(names):
-        raise UserError(f"--arm: arm names must be unique, got {', '.join(names)}")
-    deploy_specs = [load_deploy(d) for d in deploys]
+    deploy_specs = [load_deploy(d) for d in args.deploys]  # files first: importing a plugin arm may change directory
     if len({d.name for d in deploy_specs}) != len(deploy_specs):
         raise UserError(f"--deploy: deploy names must be unique, got {', '.join(d.name for d in deploy_specs)}")
-    prompts = load_prompts(prompt_set)
-    fam = choose_family(family, deploy_specs, prompts, arm_specs)
-    arm_specs = [replace(a, family=fam.name) if a.source == "--arm" else a for a in arm_specs]
-    options = RunOptions(backend=backend, repeat=repeat, seed=seed, asr=asr, asr_model=asr_model,
-                         beam_size=beam_size, cache_dir=cache_dir, use_cache=not no_cache, quiet=quiet,
-                         asr_workers=-1 if asr_workers is None else asr_workers,
-                         sim_workers=-1 if sim_workers is None else sim_workers, sim_talker=sim_talker)
-    options.executor, options.ray_address = executor, ray_address
-    if backend != "sim" and sim_talker != DEFAULT_SIM_TALKER:
-        raise UserError(f"--sim-talker {sim_talker} applies to --backend sim (the real server runs its own Talker: "
-                        "the speaking tiny checkpoint speaks by the same rules)")
+    prompts = load_prompts(args.prompt_set)
+    arm_specs = resolve_arm_specs(args, deploy_specs, prompts)
+    options = args.run_options()
+    backend = args.backend
+    if backend != "sim" and args.sim_talker != DEFAULT_SIM_TALKER:
+        raise UserError(f"--sim-talker {args.sim_talker} applies to --backend sim (the real server runs its own "
+                        "Talker: the speaking tiny checkpoint speaks by the same rules)")
     if backend == "vllm-omni":
-        from harness.serve.backend import ServeOptions, describe_cell
+        from harness.serve.backend import describe_cell
 
         with_audio = [p.id for p in prompts.prompts if p.audio_seconds]
         if with_audio:
             raise UserError(f"{prompts.path}: prompt {with_audio[0]!r}: audio_seconds inputs are simulated only; "
                             "the vllm-omni backend sends text prompts")
 
-        options.serve = ServeOptions(model=model, health_timeout_s=health_timeout, request_timeout_s=request_timeout,
-                                     platform=serve_platform, default_python=str(serve_python) if serve_python else None)
-        if dry_run:
-            run_dir = (resume_dir or out / (run_id or new_run_id(arm_specs, deploy_specs)))
+        options.serve = serve_options(args)
+        if args.dry_run:
+            run_dir = (args.resume_dir or args.out / (args.run_id or new_run_id(arm_specs, deploy_specs)))
             return "\n".join(describe_cell(a, d, run_dir, options.serve) for a in arm_specs for d in deploy_specs)
-    elif dry_run:
+    elif args.dry_run:
         raise UserError("--dry-run applies to --backend vllm-omni (the sim has no commands to print)")
     _preflight(backend, arm_specs, deploy_specs, options, prompts)
-    armcall.set_limit(arm_timeout)  # before any sim worker is forked: they inherit it
+    armcall.set_limit(args.arm_timeout)  # before any sim worker is forked: they inherit it
 
-    run_dir = open_run_dir(out, resume_dir, lambda: run_id or new_run_id(arm_specs, deploy_specs))
-    return in_run_dir(run_dir, lambda: _locked_run(run_dir, resume_dir is not None, arm_specs, deploy_specs, prompts,
-                                                    options, quiet))
-
-
-def open_run_dir(out: Path, resume_dir: Path | None, run_id: Callable[[], str]) -> Path:
-    """``--resume``'s run directory (checked), else a new one named ``run_id()`` inside ``out``."""
-    if resume_dir is not None:
-        if not (resume_dir / MANIFEST_FILE).is_file():
-            raise UserError(f"--resume {resume_dir}: not a run directory (no {MANIFEST_FILE})")
-        check_run_files(resume_dir)  # before the lock: .lock itself may be the planted link
-        return resume_dir
-    return prepare_run_dir(out, run_id())
+    run_dir = open_run_dir(args.out, args.resume_dir, lambda: args.run_id or new_run_id(arm_specs, deploy_specs))
+    return in_run_dir(run_dir, lambda: _locked_run(run_dir, args.resume_dir is not None, arm_specs, deploy_specs,
+                                                    prompts, options, args.quiet))
 
 
-def in_run_dir(run_dir: Path, work: Callable[[], str]) -> str:
-    """``work()`` holding the run directory's lock; a full disk or exhausted memory is one line naming it."""
-    with locked(run_dir):
-        try:
-            return work()
-        except (OSError, MemoryError, ImportError) as exc:
-            if isinstance(exc, OSError) and exc.errno in DISK_FULL:
-                raise disk_full_error(exc, run_dir) from None
-            if not out_of_memory(exc):
-                raise
-            exc.__traceback__ = None  # free what the failed frames held before the message is built
-            raise out_of_memory_error(exc, run_dir) from None
+def resolve_arm_specs(args: RunArgs, deploys: list[Deploy], prompts: PromptSet) -> list[ArmSpec]:
+    """``--arm`` resolved in the arms file, names unique, every arm of the run's model family
+    (``harness.families.choose_family``); a command-line arm takes the run's family."""
+    known = load_arms(args.arms_file) if args.arms_file else load_arms()
+    arm_specs = [resolve_arm(a, known) for a in args.arms]
+    names = [a.name for a in arm_specs]
+    if len(set(names)) != len(names):
+        raise UserError(f"--arm: arm names must be unique, got {', '.join(names)}")
+    fam = choose_family(args.family, deploys, prompts, arm_specs)
+    return [replace(a, family=fam.name) if a.source == "--arm" else a for a in arm_specs]
 
 
-def start_manifest(run_dir: Path, planned: dict[str, Any], resume: bool,
-                   check: Callable[[dict[str, Any]], None] | None = None) -> Any:
-    """A new run writes its planned manifest; a resumed one checks the recorded manifest against it
-    (``check`` first: a command's own condition), notes the command line and returns what is done."""
-    if not resume:
-        write_manifest(run_dir, planned)
-        return None
-    manifest = read_resumable_manifest(run_dir)
-    if check is not None:
-        check(manifest)
-    check_same_scoring(run_dir, manifest, planned)
-    state = check_resume(run_dir, planned)
-    manifest.setdefault("resumed", []).append(" ".join(sys.argv))
-    manifest["finished"] = None
-    write_manifest(run_dir, manifest)
-    return state
+def serve_options(args: RunArgs) -> Any:
+    """The real backend's options (``harness.serve.backend.ServeOptions``) from the run's."""
+    from harness.serve.backend import ServeOptions
+
+    return ServeOptions(model=args.model, health_timeout_s=args.health_timeout,
+                        request_timeout_s=args.request_timeout, platform=args.serve_platform,
+                        default_python=str(args.serve_python) if args.serve_python else None)
 
 
 def _locked_run(run_dir: Path, resume: bool, arm_specs: list[ArmSpec], deploy_specs: list[Deploy], prompts,

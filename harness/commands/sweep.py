@@ -3,27 +3,19 @@ of one run directory (resumable, reported, gated), then the map (``sweep.md``, `
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import click
 
-from harness.cli_options import family_defaults, shared_run_options
-from harness.commands.run import _preflight, absolute_paths, in_run_dir, open_run_dir, start_manifest
-from harness.config import load_arms, load_prompts, resolve_arm
+from harness.cli_options import RunArgs, shared_run_options
+from harness.commands.run import _preflight, resolve_arm_specs, serve_options
+from harness.config import load_prompts
 from harness.errors import UserError
-from harness.families import choose_family
-from harness.executors.options import executor_options
-from harness.pipeline import (
-    DEFAULT_SIM_TALKER,
-    RunOptions,
-    RunPlan,
-    execute,
-    manifest_for,
-    new_run_id,
-)
+from harness.backends import DEFAULT_SIM_TALKER, RunOptions
+from harness.pipeline import RunPlan, execute, manifest_for, new_run_id
 from harness.proc import printable_streams, stdout_to_stderr
-from harness.rundir import check_run_id
+from harness.rundir import in_run_dir, open_run_dir, start_manifest
 from harness.sim import armcall
 
 
@@ -33,58 +25,30 @@ from harness.sim import armcall
 @click.option("--rules", "rules_path", default=None, metavar="PATH",
               help="Gate rules for the map's verdict and quality knee (default deploy_configs/gates.yaml).")
 @click.option("--no-plots", is_flag=True, help="Write sweep.md and sweep.html without the heatmap PNGs.")
-@executor_options
-def command(sweep_file, arms, arms_file, prompt_set, repeat, seed, out, run_id, resume_dir, backend, sim_talker, asr,
-            asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, model, health_timeout,
-            request_timeout, serve_platform, serve_python, arm_timeout, rules_path, no_plots, executor,
-            ray_address, family) -> None:
+def command(sweep_file: str, rules_path: str | None, no_plots: bool, **values: Any) -> None:
     """Run every grid point of SWEEP (a name in deploy_configs/sweeps/ or a YAML path) for each arm, and map it."""
     printable_streams()
-    picked = family_defaults(family, arms=arms, prompt_set=prompt_set)
-    arms, prompt_set = picked["arms"], picked["prompt_set"]
-    if run_id is not None:
-        check_run_id(run_id)
-    # Every path once, now, as `run` does: a plugin arm may os.chdir() when it is imported or called.
-    out, resume_dir, cache_dir, arms_file, serve_python, asr_model = absolute_paths(
-        out, resume_dir, cache_dir, arms_file, serve_python, asr_model)
+    args = RunArgs.from_click(values)
     with stdout_to_stderr():
-        printed = _sweep(sweep_file, arms, arms_file, prompt_set, repeat, seed, out, run_id, resume_dir, backend,
-                         sim_talker, asr, asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet,
-                         model, health_timeout, request_timeout, serve_platform, serve_python, arm_timeout,
-                         rules_path, no_plots, executor, ray_address, family)
+        printed = _sweep(sweep_file, args, rules_path, no_plots)
     click.echo(printed)
 
 
-def _sweep(sweep_file, arms, arms_file, prompt_set, repeat, seed, out, run_id, resume_dir, backend, sim_talker, asr,
-           asr_model, beam_size, asr_workers, sim_workers, cache_dir, no_cache, quiet, model, health_timeout,
-           request_timeout, serve_platform, serve_python, arm_timeout, rules_path, no_plots, executor="local",
-           ray_address=None, family=None) -> str:
+def _sweep(sweep_file: str, args: RunArgs, rules_path: str | None, no_plots: bool) -> str:
     from harness.gate import load_rules, resolve_rules_path
     from harness.sweep import load_sweep
 
     sweep = load_sweep(sweep_file)
     rules = load_rules(resolve_rules_path(rules_path))  # a bad rules file is refused before anything runs
-    prompts = load_prompts(prompt_set)  # files first: importing a plugin arm may change directory
-    known = load_arms(arms_file) if arms_file else load_arms()
-    arm_specs = [resolve_arm(a, known) for a in arms]
-    names = [a.name for a in arm_specs]
-    if len(set(names)) != len(names):
-        raise UserError(f"--arm: arm names must be unique, got {', '.join(names)}")
-    fam = choose_family(family, sweep.deploys, prompts, arm_specs)
-    arm_specs = [replace(a, family=fam.name) if a.source == "--arm" else a for a in arm_specs]
-    options = RunOptions(backend=backend, repeat=repeat, seed=seed, asr=asr, asr_model=asr_model,
-                         beam_size=beam_size, cache_dir=cache_dir, use_cache=not no_cache, quiet=quiet,
-                         asr_workers=-1 if asr_workers is None else asr_workers,
-                         sim_workers=-1 if sim_workers is None else sim_workers, sim_talker=sim_talker,
-                         executor=executor, ray_address=ray_address, latency=True)
-    if backend != "sim" and sim_talker != DEFAULT_SIM_TALKER:
-        raise UserError(f"--sim-talker {sim_talker} applies to --backend sim")
+    prompts = load_prompts(args.prompt_set)  # files first: importing a plugin arm may change directory
+    arm_specs = resolve_arm_specs(args, sweep.deploys, prompts)
+    options = args.run_options(latency=True)
+    backend = args.backend
+    if backend != "sim" and args.sim_talker != DEFAULT_SIM_TALKER:
+        raise UserError(f"--sim-talker {args.sim_talker} applies to --backend sim")
     deploys = sweep.deploys
     if backend == "vllm-omni":
-        from harness.serve.backend import ServeOptions
-
-        options.serve = ServeOptions(model=model, health_timeout_s=health_timeout, request_timeout_s=request_timeout,
-                                     platform=serve_platform, default_python=str(serve_python) if serve_python else None)
+        options.serve = serve_options(args)
     for deploy in deploys:  # vLLM's scheduler rules, per point: the error names the sweep file and the point
         try:
             _preflight(backend, [], [deploy], RunOptions(backend=backend, asr="none", serve=options.serve))
@@ -94,11 +58,12 @@ def _sweep(sweep_file, arms, arms_file, prompt_set, repeat, seed, out, run_id, r
             raise UserError(f"{sweep.path}: point {deploy.name}: {text[len(prefix):] if text.startswith(prefix) else text}") \
                 from None
     _preflight(backend, arm_specs, [], options)
-    armcall.set_limit(arm_timeout)
+    armcall.set_limit(args.arm_timeout)
 
-    run_dir = open_run_dir(out, resume_dir, lambda: run_id or _sweep_run_id(sweep.name, arm_specs, deploys))
-    return in_run_dir(run_dir, lambda: _locked_sweep(run_dir, resume_dir is not None, sweep, arm_specs, prompts,
-                                                     options, quiet, rules, no_plots))
+    run_dir = open_run_dir(args.out, args.resume_dir,
+                           lambda: args.run_id or _sweep_run_id(sweep.name, arm_specs, deploys))
+    return in_run_dir(run_dir, lambda: _locked_sweep(run_dir, args.resume_dir is not None, sweep, arm_specs, prompts,
+                                                     options, args.quiet, rules, no_plots))
 
 
 def _sweep_run_id(name: str, arm_specs, deploys) -> str:

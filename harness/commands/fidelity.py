@@ -32,10 +32,7 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
     printable_streams()
     from harness import fidelity, summary
     from harness.errors import UserError
-    try:
-        from harness.rundir import manifest_sim_talker
-    except ImportError:  # before it moved from harness.pipeline
-        from harness.pipeline import manifest_sim_talker  # type: ignore[attr-defined,no-redef]
+    from harness.rundir import manifest_sim_talker
     from harness.records import write_file_atomic
 
     runs = [summary.load_run(sim_run), summary.load_run(real_run)]

@@ -130,6 +130,9 @@ class _Group(click.Group):
 @click.version_option(package_name="omni-stress")
 def main() -> None:
     """Stress-test the Qwen2.5-Omni Talker and score its speech with Whisper."""
+    from harness.cachedirs import redirect_unwritable
+
+    redirect_unwritable()  # before any library writes its cache (issue 33, case 8)
 
 
 if __name__ == "__main__":

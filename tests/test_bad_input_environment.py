@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from clikit import assert_one_line_error
-from conftest import run_cli
+from conftest import SMALL_PROMPTS, run_cli
 
 
 # ----------------------------------------------------------------------------- tiny-model --python: not an interpreter
@@ -25,3 +25,29 @@ def test_tiny_model_python_that_is_not_an_interpreter(tmp_path: Path, kind: str)
     reason = "Permission denied" if kind == "not-executable" else "Exec format error"
     assert_one_line_error(res, f"tiny-model: --python {fake}: cannot run it ({reason})")
     assert not (tmp_path / "model").exists()
+
+
+# ----------------------------------------------------------------------------- a cache folder that cannot be written
+
+
+def test_unwritable_cache_folder_is_one_line_and_the_run_succeeds(tmp_path: Path) -> None:
+    """Issue 33, case 8: with ``XDG_CACHE_HOME`` unwritable a run succeeded but printed 36 lines despite
+    ``--quiet`` (four vLLM tracebacks from the sim workers, matplotlib's warning)."""
+    (tmp_path / "a-file").write_text("not a folder\n")
+    xdg = tmp_path / "a-file" / "cache"  # unwritable even for root: under a file
+    own = tmp_path / "own-cache"
+    res = run_cli("run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS), "--arm", "main", "--deploy",
+                  "reference", "--deploy", "stress", "--sim-workers", "2", "--out", str(tmp_path / "out"),
+                  "--run-id", "r", env={"XDG_CACHE_HOME": str(xdg), "OMNI_STRESS_CACHE_DIR": str(own),
+                                        "VLLM_CACHE_ROOT": "", "MPLCONFIGDIR": ""})
+    assert res.exit_code == 0, res.stderr
+    assert res.stderr.splitlines() == [
+        f"omni-stress: warning: cache folder {xdg}/vllm cannot be written ({tmp_path / 'a-file'} is not a folder); "
+        f"vLLM's and matplotlib's caches go to {own}/libraries for this command"], res.stderr
+    assert (tmp_path / "out" / "r" / "report.html").is_file()
+    # omni-stress's own cache cannot be written either: a temporary folder, said so
+    tmp = run_cli("list", env={"XDG_CACHE_HOME": str(xdg), "OMNI_STRESS_CACHE_DIR": "", "VLLM_CACHE_ROOT": "",
+                               "MPLCONFIGDIR": ""})
+    assert tmp.exit_code == 0, tmp.stderr
+    [line] = tmp.stderr.splitlines()
+    assert "caches go to " in line and "(a temporary folder, removed at exit) for this command" in line

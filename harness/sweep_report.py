@@ -364,32 +364,180 @@ def markdown(m: SweepMap, plots: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# what each point's status means in the page, and the class (colour) it gets: a baseline arm is kept because it
+# shows the bug, so its "bug" is expected (blue), neither a pass (green) nor a failure (red)
+STATUS_CLASS = {"pass": "pass", "fail": "fail", "error": "fail", "unstressed": "unstressed", "bug": "expected",
+                "no-bug": "note", "reference": "reference", "missing": "unstressed"}
+LEGEND = [
+    ("pass", "pass", "a candidate holds its rules at this stressed point"),
+    ("expected", "bug (expected)", "a baseline shows the bug it is kept for (the map gate needs it at one point "
+                                   "at least)"),
+    ("note", "no-bug", "a baseline did not show the bug here (a note: it must show it somewhere, not everywhere)"),
+    ("fail", "fail / error", "a candidate broke a rule, or the point could not be judged"),
+    ("unstressed", "unstressed", "no cell stressed (no non-zero-offset chunk, crossing replay or multi-position "
+                                 "decode span): reported, not counted"),
+    ("reference", "reference", "the arm's reference cell, what the points are compared with"),
+]
+
+_SWEEP_CSS = """
+*{box-sizing:border-box}
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;padding:.8em 1.5em 2em;color:#222;
+max-width:1400px;line-height:1.35}
+h1{font-size:1.5em;margin:.3em 0}
+h2{font-size:1.2em;margin:1.2em 0 .3em;padding-top:.4em;border-top:1px solid #e3e3e3}
+h3{font-size:1.05em;margin:.8em 0 .2em}
+p{margin:.3em 0}
+code{background:#f4f4f4;padding:1px 4px}
+.scroll{max-width:100%;overflow-x:auto;margin:.5em 0}
+table.map{border-collapse:collapse;font-size:12px}
+table.map td,table.map th{border:1px solid #d0d0d0;padding:3px 5px;text-align:right;white-space:nowrap}
+table.map thead th{background:#f0f0f0;white-space:normal;vertical-align:bottom}
+table.map th.arm{text-align:left;vertical-align:top;background:#f7f7f7}
+table.map td.axis{text-align:center;font-weight:600}
+table.map td.ref{text-align:left;font-style:italic;color:#555}
+tr.pass td{background:#eef8ee}tr.fail td{background:#fdecec}tr.expected td{background:#eaf0fb}
+tr.note td{background:#fdf6e3}tr.unstressed td{color:#777;background:#f4f4f4}
+.badge{display:inline-block;padding:1px 7px;border-radius:9px;font-weight:600;font-size:11.5px;white-space:nowrap}
+.badge.pass{background:#2e7d32;color:#fff}.badge.fail{background:#c62828;color:#fff}
+.badge.expected{background:#3b5bb5;color:#fff}.badge.note{background:#e0b000;color:#222}
+.badge.unstressed{background:#bdbdbd;color:#222}.badge.reference{background:#fff;color:#444;border:1px solid #aaa}
+.badge.error{background:#6a1b9a;color:#fff}
+ul.legend{list-style:none;padding:0;margin:.4em 0;font-size:13px;display:flex;flex-wrap:wrap;gap:.3em 1.4em}
+ul.verdict{list-style:none;padding:0;margin:.4em 0}ul.verdict li{margin:.2em 0}
+pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f7f7f7;padding:.6em;font-size:12px;border:1px solid #e3e3e3}
+.note{color:#555}
+.warn{color:#a00}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:1em 1.5em;align-items:start}
+figure{margin:0;border:1px solid #e3e3e3;padding:.5em;background:#fff}
+figure img{max-width:100%;height:auto;display:block;margin:0 auto}
+figcaption{font-size:13px;color:#333;margin-top:.4em}
+"""
+
+
+def _status_cell(status: str) -> str:
+    base = status.split(" ")[0]
+    cls = STATUS_CLASS.get(base, "unstressed")
+    label = "bug (expected)" if base == "bug" else base
+    return f"<span class='badge {cls}'>{html.escape(label)}</span>" + (" knee" if status.endswith("(knee)") else "")
+
+
+def html_table(m: SweepMap) -> str:
+    """The map's table for the page: the arm once per block, the swept values in their own columns (not
+    repeated in a Point column: the reference row says "reference" across them), the map gate's status
+    as a coloured badge (a baseline's bug: expected, blue)."""
+    head, body = table_rows(m)
+    shorts = [a["short"] for a in m.axes]
+    keys = {a["short"]: str(a["key"]) for a in m.axes}
+    status_col = len(head) - 1
+    arms = [row[0] for row in body]
+    ths = []
+    for i, h in enumerate(head):
+        if i == 1 and shorts:
+            continue  # the Point column: the axes' columns say it
+        title = f" title='{html.escape(keys[h], quote=True)}'" if h in keys and i < 2 + len(shorts) else ""
+        ths.append(f"<th{title}>{html.escape(h)}</th>")
+    rows_html = []
+    for j, (r, row) in enumerate(zip(m.rows, body)):
+        cls = STATUS_CLASS.get(r.status, "unstressed")
+        tds = []
+        if j == 0 or arms[j - 1] != row[0]:
+            span = arms.count(row[0])  # rows of one arm are contiguous (build_map)
+            tds.append(f"<th class='arm' rowspan='{span}'>{html.escape(row[0])}<br>"
+                       f"<span class='note'>{html.escape(r.role)}</span></th>")
+        if shorts and not r.coords:
+            tds.append(f"<td class='ref' colspan='{len(shorts)}'>{html.escape(r.deploy)} (reference)</td>")
+        elif shorts:
+            tds.extend(f"<td class='axis'>{html.escape(c)}</td>" for c in row[2:2 + len(shorts)])
+        else:
+            tds.append(f"<td>{html.escape(row[1])}</td>")
+        tds.extend(f"<td>{html.escape(c)}</td>" for c in row[2 + len(shorts):status_col])
+        tds.append(f"<td>{_status_cell(row[status_col])}</td>")
+        rows_html.append(f"<tr class='{cls}' data-status='{html.escape(r.status)}'>" + "".join(tds) + "</tr>")
+    return (f"<div class='scroll'><table class='map'><thead><tr>{''.join(ths)}</tr></thead><tbody>"
+            + "".join(rows_html) + "</tbody></table></div>")
+
+
+HEATMAP_TITLES = {"wer": "mean WER", "over": "requests with WER > 0.5", "misaligned": "misaligned positions (text)",
+                  "events": "stress events", "latency": "end-to-end latency p90"}
+
+
+def heatmap_caption(m: SweepMap, arm: str, metric: str) -> str:
+    """What a heatmap shows, in words: the metric, its axes and panels, its colour scale, 'no stress'."""
+    title, _, fixed = METRICS[metric]
+    x_axis, y_axis, panel_axes = _layout(m)
+    keys = {a["short"]: str(a["key"]) for a in m.axes}
+    role = next((r.role for r in m.rows if r.arm == arm), "")
+    what = {"wer": "the mean WER of the point's requests", "over": "the fraction of requests with WER over 0.5",
+            "misaligned": "misaligned input rows in the text region (prompt and reply up to text-EOS), summed over "
+                          "the point's requests",
+            "events": "the stress the scheduler applied: non-zero-offset prefill chunks + replays crossing the "
+                      "prompt boundary + multi-position decode spans",
+            "latency": f"the 90th percentile of end-to-end latency ({_unit(m)})"}[metric]
+    parts = [f"<b>{html.escape(arm)}</b> ({html.escape(role)}): {html.escape(what)}."]
+    axes = []
+    if x_axis:
+        axes.append(f"x: {x_axis} ({keys.get(x_axis, x_axis)})")
+    if y_axis:
+        axes.append(f"y: {y_axis} ({keys.get(y_axis, y_axis)})")
+    if panel_axes:
+        axes.append("one panel per " + ", ".join(panel_axes))
+    if axes:
+        parts.append(html.escape("; ".join(axes)) + ".")
+    scale = "fixed 0 to 1" if fixed else "0 to the largest value over the arm's points"
+    parts.append(f"Colour bar: {scale}, darker is more. <i>no stress</i>: no cell of the point stressed "
+                 "(reported, not counted by the gate).")
+    if role == "baseline" and metric in ("wer", "over", "misaligned"):
+        parts.append("A baseline is expected to show the bug under stress: dark stressed cells are its expected "
+                     "failure, not a regression.")
+    return " ".join(parts)
+
+
 def html_page(m: SweepMap, images: dict[str, bytes]) -> str:
     from harness.sweep_gate import format_map_verdict
 
-    head, body = table_rows(m)
-    status_col = len(head) - 1
-    rows_html = []
-    for row in body:
-        cls = row[status_col].split(" ")[0]
-        rows_html.append(f"<tr class='{html.escape(cls)}'>" + "".join(f"<td>{html.escape(c)}</td>" for c in row)
-                         + "</tr>")
-    imgs = "".join(f"<figure><img src='data:image/png;base64,{base64.b64encode(data).decode()}' alt='{html.escape(n)}'>"
-                   f"<figcaption>{html.escape(n)}</figcaption></figure>" for n, data in images.items())
-    return f"""<!doctype html><html><head><meta charset='utf-8'><title>sweep {html.escape(str(m.sweep.get('name')))}</title>
-<style>body{{font-family:sans-serif;margin:1.5em}}table{{border-collapse:collapse;font-size:12px}}
-td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}tr.fail td,tr.no-bug td{{background:#fdd}}
-tr.pass td,tr.bug td{{background:#efe}}tr.unstressed td{{background:#eee;color:#666}}figure{{display:inline-block}}
-img{{max-width:900px}}</style></head><body>
-<h1>Sweep {html.escape(str(m.sweep.get('name')))}: {html.escape(m.run.run_id)}</h1>
-<p>Base deploy <code>{html.escape(str(m.sweep.get('base')))}</code>, reference <code>{html.escape(str(m.sweep.get('reference')))}</code>.</p>
-<table><tr>{''.join(f'<th>{html.escape(h)}</th>' for h in head)}</tr>{''.join(rows_html)}</table>
-{'<p>' + html.escape(note) + '</p>' if (note := latency_note(m)) else ''}
-<p>{html.escape(schedules_line(m))}</p>
-<h2>Quality knee</h2><ul>{''.join(f'<li>{html.escape(k)}</li>' for k in knee_lines(m))}</ul>
-<h2>Map gate</h2><pre>{html.escape(format_map_verdict(m.verdict))}</pre>
-{'<p><b>Incomplete run:</b> ' + html.escape('; '.join(m.problems)) + '</p>' if m.problems else ''}
-<h2>Heatmaps</h2>{imgs}</body></html>
+    e = html.escape
+    name = str(m.sweep.get("name"))
+    axes = "; ".join(f"<code>{e(str(a['key']))}</code> ({e(str(a['short']))}): {e(', '.join(map(str, a['values'])))}"
+                     for a in m.axes)
+    arms = list(dict.fromkeys(r.arm for r in m.rows))
+    verdict_items = "".join(
+        f"<li><span class='badge {'pass' if a.status == 'pass' else 'fail' if a.status == 'fail' else 'error'}'>"
+        f"{e(a.status)}</span> <b>{e(a.arm)}</b> [{e(a.role)}]: {e(a.summary)}</li>" for a in m.verdict.arms)
+    overall = {0: "pass", 1: "fail"}.get(m.verdict.exit_code, "error")
+    legend = "".join(f"<li><span class='badge {cls}'>{e(label)}</span> {e(text)}</li>" for cls, label, text in LEGEND)
+    figures = []
+    for arm in arms:
+        figs = []
+        for metric in METRICS:
+            data = images.get(f"{arm}-{metric}")
+            if data is None:
+                continue
+            src = base64.b64encode(data).decode()
+            figs.append(f"<figure id='{e(arm)}-{metric}'><img src='data:image/png;base64,{src}' "
+                        f"alt='{e(arm)}: {e(HEATMAP_TITLES[metric])}'>"
+                        f"<figcaption>{heatmap_caption(m, arm, metric)}</figcaption></figure>")
+        if figs:
+            role = next((r.role for r in m.rows if r.arm == arm), "")
+            figures.append(f"<h3>{e(arm)} ({e(role)})</h3><div class='grid'>{''.join(figs)}</div>")
+    note = latency_note(m)
+    return f"""<!doctype html><html lang='en'><head><meta charset='utf-8'>
+<meta name='viewport' content='width=device-width, initial-scale=1'><title>sweep {e(name)}</title>
+<style>{_SWEEP_CSS}</style></head><body>
+<h1>Sweep {e(name)}: {e(m.run.run_id)}</h1>
+<p>Base deploy <code>{e(str(m.sweep.get('base')))}</code>, reference <code>{e(str(m.sweep.get('reference')))}</code>,
+{len(m.sweep.get('points', []))} points; axes: {axes}.</p>
+<p><b>Map gate:</b> <span class='badge {overall}'>{overall}</span> (exit {m.verdict.exit_code})</p>
+<ul class='verdict'>{verdict_items}</ul>
+{'<p class="warn"><b>Incomplete run:</b> ' + e('; '.join(m.problems)) + '</p>' if m.problems else ''}
+<h2 id='map'>The map</h2>
+<ul class='legend'>{legend}</ul>
+{html_table(m)}
+{'<p class="note">' + e(note) + '</p>' if note else ''}
+<p class='note'>{e(schedules_line(m))}</p>
+<h2 id='knee'>Quality knee</h2><ul>{''.join(f'<li>{e(k)}</li>' for k in knee_lines(m))}</ul>
+<h2 id='gate'>Map gate</h2><pre>{e(format_map_verdict(m.verdict))}</pre>
+{'<h2 id="heatmaps">Heatmaps</h2>' + ''.join(figures) if figures else ''}
+</body></html>
 """
 
 
@@ -428,9 +576,10 @@ def heatmaps(m: SweepMap) -> dict[str, bytes]:
     unit = _unit(m)
     for arm in dict.fromkeys(r.arm for r in m.rows):
         rows = [r for r in m.rows if r.arm == arm and r.coords]
-        for metric, (title, cmap, fixed) in METRICS.items():
-            fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 0.9 * len(xs) * len(panels) + 0.8 * len(panels),
-                                                              1.6 + 0.55 * len(ys)), squeeze=False)
+        for metric, (_, cmap, fixed) in METRICS.items():
+            fig, axes = plt.subplots(1, len(panels), figsize=(1.6 + (1.15 * len(xs) + 0.9) * len(panels),
+                                                              1.9 + 0.62 * len(ys)),
+                                     squeeze=False, layout="constrained")
             grids = []
             for panel in panels:
                 grid = np.full((len(ys), len(xs)), np.nan)
@@ -447,26 +596,32 @@ def heatmaps(m: SweepMap) -> dict[str, bytes]:
             finite = [g[np.isfinite(g)] for _, g, _ in grids]
             vmax = max((float(f.max()) for f in finite if f.size), default=1.0)
             lo, hi = fixed if fixed else (0.0, vmax or 1.0)
+            image = None
             for ax, (panel, grid, flags) in zip(axes[0], grids):
-                ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=lo, vmax=hi, aspect="auto")
+                image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=lo, vmax=hi, aspect="auto")
                 for yi in range(len(ys)):
                     for xi in range(len(xs)):
                         v = grid[yi, xi]
                         text = "–" if np.isnan(v) else (f"{v:.2f}" if metric in ("wer", "over") else f"{v:.0f}")
+                        dark = not np.isnan(v) and (v - lo) > 0.55 * (hi - lo)
+                        ax.text(xi, yi, text, ha="center", va="center", fontsize=11, fontweight="bold",
+                                color="white" if dark else "black")
                         if flags[yi, xi]:
-                            text += "\nno stress"
-                        ax.text(xi, yi, text, ha="center", va="center", fontsize=7,
-                                color="white" if not np.isnan(v) and (v - lo) > 0.6 * (hi - lo) else "black")
-                ax.set_xticks(range(len(xs)), xs)
-                ax.set_yticks(range(len(ys)), ys)
-                ax.set_xlabel(x_axis or "")
-                ax.set_ylabel(y_axis or "")
-                ax.set_title(", ".join(f"{k}={v}" for k, v in panel) or "all points", fontsize=9)
-            label = title + (f" ({unit})" if metric == "latency" else "")
-            fig.suptitle(f"{arm}: {label}", fontsize=10)
-            fig.tight_layout()
+                            ax.text(xi, yi + 0.3, "no stress", ha="center", va="center", fontsize=7.5,
+                                    style="italic", color="white" if dark else "#555")
+                ax.set_xticks(range(len(xs)), xs, fontsize=9)
+                ax.set_yticks(range(len(ys)), ys, fontsize=9)
+                ax.set_xlabel(x_axis or "", fontsize=9)
+                ax.set_ylabel(y_axis or "", fontsize=9)
+                ax.set_title(", ".join(f"{k}={v}" for k, v in panel) or "all points", fontsize=9.5)
+            unit_label = f" ({unit})" if metric == "latency" else ""
+            if image is not None:
+                bar = fig.colorbar(image, ax=axes[0].tolist(), shrink=0.9, pad=0.02, aspect=12)
+                bar.ax.tick_params(labelsize=8)
+                bar.set_label(HEATMAP_TITLES[metric] + unit_label, fontsize=8.5)
+            fig.suptitle(f"{arm}: {HEATMAP_TITLES[metric]}{unit_label}", fontsize=11)
             buf = io.BytesIO()
-            fig.savefig(buf, format="png", dpi=90)
+            fig.savefig(buf, format="png", dpi=100)
             plt.close(fig)
             out[f"{arm}-{metric}"] = buf.getvalue()
     return out

@@ -168,30 +168,103 @@ def format_json(x: Matrix | Report) -> str:
 _COLORS = {"conforms": "#d8f0d8", "differs": "#f6d2d2", "raised": "#f3c9a8", "row-count": "#f6d2d2",
            "not-run": "#eeeeee"}
 
+_CSS = """
+*{box-sizing:border-box}
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;padding:.8em 1.5em 2em;color:#222;
+max-width:1400px;line-height:1.35}
+h1{font-size:1.5em;margin:.3em 0}
+h2{font-size:1.25em;margin:1.3em 0 .3em;padding-top:.4em;border-top:1px solid #ddd}
+h3{font-size:1.08em;margin:1em 0 .3em}
+p{margin:.35em 0}
+code{background:#f4f4f4;padding:1px 4px;overflow-wrap:anywhere}
+nav.toc{border:1px solid #ddd;background:#fafafa;padding:.5em .9em;margin:.6em 0;font-size:14px}
+nav.toc ol{margin:.2em 0;padding-left:1.4em}
+nav.toc li{margin:.1em 0}
+nav.toc .models a{margin-right:.9em;white-space:nowrap}
+nav.toc a.fails{color:#b71c1c}nav.toc a.conforms{color:#2e7d32}nav.toc a.error{color:#6a1b9a}
+.scroll{max-width:100%;overflow-x:auto;margin:.5em 0}
+table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #aaa;padding:4px 7px;vertical-align:top;text-align:left}
+thead th,tr.head th{background:#eee}
+td.c{font-family:ui-monospace,monospace;font-size:12px}
+td.path{font-family:ui-monospace,monospace;font-size:12px;overflow-wrap:anywhere;min-width:14em;max-width:22em}
+td.why{min-width:18em;max-width:30em}
+td.sched{font-family:ui-monospace,monospace;font-size:12px;min-width:12em;max-width:20em}
+td.reach{min-width:12em;max-width:22em;overflow-wrap:anywhere}
+td.issue{min-width:10em;max-width:18em}
+table.upstream{width:100%}
+table.upstream tbody.model{border-top:3px solid #888}
+th a,td a{color:#0645ad;text-decoration:none}
+details{border:1px solid #ddd;border-radius:4px;margin:.35em 0;padding:.2em .8em;background:#fff}
+details[open]{background:#fcfcfc}
+summary{cursor:pointer;padding:.25em 0;font-size:14px}
+summary .what{color:#666;font-size:12.5px}
+dl{margin:.3em 0 .6em}
+dt{font-weight:600;margin-top:.4em}
+dd{margin:.1em 0 .3em 1.4em;overflow-wrap:anywhere}
+.badge{display:inline-block;padding:1px 7px;border-radius:9px;font-size:12px;font-weight:600;white-space:nowrap}
+.badge.conforms{background:#2e7d32;color:#fff}.badge.fails{background:#c62828;color:#fff}
+.badge.error{background:#6a1b9a;color:#fff}
+.note{color:#555}
+"""
+
+
+def _verdict_class(r: ModelResult) -> str:
+    return "error" if r.error else "conforms" if r.status == "conforms" else "fails"
+
+
+def _anchor(prefix: str, model: str) -> str:
+    return prefix + "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in model)
+
 
 def format_html(x: Matrix | Report) -> str:
+    """One page: a table of contents, then per release the matrix, the report for upstream (each upstream
+    line and what it does said once, over the cells it decides) and each model's detail, collapsed."""
+    e = html.escape
     ms = _matrices(x)
-    if len(ms) == 1:
-        return _html_one(ms[0])
-    bodies = [_html_one(m).split("<body>", 1)[1].rsplit("</body>", 1)[0] for m in ms]
-    head = _html_one(ms[0]).split("<body>", 1)[0]
-    return (head + "<body>" + "<hr>".join(bodies) + f"<p><b>Overall</b>: {html.escape(x.verdict())} "
-            f"(exit {x.exit_code})</p></body></html>\n")
+    toc = []
+    for i, m in enumerate(ms):
+        p = f"r{i}-" if len(ms) > 1 else ""
+        models = "".join(f"<a class='{_verdict_class(r)}' href='#{_anchor(p + 'm-', r.model)}'>{e(r.model)}</a>"
+                         for r in m.results + m.calibration)
+        items = [f"<li><a href='#{p}matrix'>Matrix</a></li>"]
+        if any(r.upstream for r in m.results):
+            items.append(f"<li><a href='#{p}upstream'>For upstream</a></li>")
+        items.append(f"<li><a href='#{p}details'>Details per model</a> (red: does not conform, green: conforms): "
+                     f"<span class='models'>{models}</span></li>")
+        label = f"<a href='#{p}release'><b>{e(m.source.split(' = ')[0])}</b></a>" if len(ms) > 1 else ""
+        toc.append((f"<li>{label}<ol>" + "".join(items) + "</ol></li>") if len(ms) > 1 else "".join(items))
+    overall = (f"<p><b>Overall</b>: {e(x.verdict())} (exit {x.exit_code})</p>"
+               if isinstance(x, Report) and len(ms) > 1 else "")
+    out = ["<!doctype html><html><head><meta charset='utf-8'>"
+           "<meta name='viewport' content='width=device-width, initial-scale=1'><title>omni-stress conform</title>"
+           f"<style>{_CSS}</style></head><body>",
+           "<h1>omni-stress conform</h1>",
+           "<p>Schedule invariance of each model's preprocess. Each cell: the first position whose row differs from "
+           "the unchunked reference schedule's, or that the call raised; <em>row count</em>: calls that returned a "
+           "row count other than the span length. Schedule invariance is necessary, not sufficient: a model that is "
+           "wrong the same way under every schedule conforms.</p>",
+           overall, f"<nav class='toc'><b>Contents</b><ol>{''.join(toc)}</ol></nav>"]
+    for i, m in enumerate(ms):
+        if i:
+            out.append("<hr>")
+        out.append(_html_one(m, f"r{i}-" if len(ms) > 1 else "", len(ms) > 1))
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
 
 
-def _html_one(m: Matrix) -> str:
+def _html_one(m: Matrix, p: str = "", titled: bool = False) -> str:
     e = html.escape
     cols = m.columns
     rows = m.results + m.calibration
-    out = ["<!doctype html><html><head><meta charset='utf-8'><title>omni-stress conform</title><style>",
-           "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-           "td,th{border:1px solid #999;padding:4px 8px;vertical-align:top}td.c{font-family:monospace}"
-           "dl dd{margin-bottom:.6em}</style></head><body>",
-           f"<h1>omni-stress conform</h1><p>Source <code>{e(m.source)}</code>; vLLM deploys "
-           f"{e(', '.join(m.deploys) or 'none')}. Each cell: the first position whose row differs from the "
-           f"unchunked reference schedule's, or that the call raised; <em>row count</em>: calls that returned "
-           f"a row count other than the span length.</p>",
-           "<table><tr><th>model</th>" + "".join(f"<th>{e(h)}</th>" for h in cols.values()) + "<th>verdict</th></tr>"]
+    out = []
+    if titled:
+        out.append(f"<h2 id='{p}release'>{e(m.source)}</h2>")
+    out.append(f"<h2 id='{p}matrix'>Matrix</h2>" if not titled else f"<h3 id='{p}matrix'>Matrix</h3>")
+    out.append(f"<p>Source <code>{e(m.source)}</code>; vLLM deploys {e(', '.join(m.deploys) or 'none')}. "
+               f"<b>Verdict</b>: {e(m.verdict())} (exit {m.exit_code}).</p>")
+    out.append("<div class='scroll'><table><tr class='head'><th>model</th>"
+               + "".join(f"<th>{e(h)}</th>" for h in cols.values()) + "<th>verdict</th></tr>")
     for r in rows:
         cells = []
         for key in cols:
@@ -202,44 +275,94 @@ def _html_one(m: Matrix) -> str:
             cells.append(f"<td class='c' style='background:{_COLORS.get(cell.status, '#fff')}' "
                          f"title='{e(cell.detail, quote=True)}'>{e(cell.summary)}</td>")
         label = r.model + (" (calibration)" if r in m.calibration else "")
-        out.append(f"<tr><th>{e(label)}</th>{''.join(cells)}<td>{e(r.verdict)}</td></tr>")
-    out.append("</table>")
-    out.extend(_html_upstream(m))
-    out.append("<h2>Details</h2><dl>")
+        out.append(f"<tr><th><a href='#{_anchor(p + 'm-', r.model)}'>{e(label)}</a></th>{''.join(cells)}"
+                   f"<td>{e(r.verdict)}</td></tr>")
+    out.append("</table></div>")
+    out.extend(_html_upstream(m, p, titled))
+    h = "h3" if titled else "h2"
+    out.append(f"<{h} id='{p}details'>Details per model</{h}>"
+               "<p class='note'>Click a model to open its detail: each column's first differing position and "
+               "the deploys that reach it.</p>")
     for r in rows:
         what = r.provenance.what if r.provenance else ""
-        out.append(f"<dt><b>{e(r.model)}</b> {e(what)}</dt>")
+        cls = _verdict_class(r)
+        label = r.model + (" (calibration)" if r in m.calibration else "")
+        out.append(f"<details id='{_anchor(p + 'm-', r.model)}'><summary><b>{e(label)}</b> "
+                   f"<span class='badge {cls}'>{e('error' if r.error else r.status)}</span> "
+                   f"{e(r.verdict)} <span class='what'>{e(what)} ({r.seconds:.1f}s)</span></summary><dl>")
         if r.error:
-            out.append(f"<dd>could not check: {e(r.error)}</dd>")
-        else:
-            out.append(f"<dd><b>verdict</b>: {e(r.verdict)}</dd>")
-            if r.restart_verdict:
-                out.append(f"<dd><b>restart verdict</b>: {e(r.restart_verdict)}</dd>")
+            out.append(f"<dt>could not check</dt><dd>{e(r.error)}</dd>")
+        elif r.restart_verdict:
+            out.append(f"<dt>restart verdict</dt><dd>{e(r.restart_verdict)}</dd>")
+        if r.reach is not None and r.reach.note:
+            out.append(f"<dt>reach</dt><dd>{e(r.reach.note)}</dd>")
         for key, heading in cols.items():
             cell = r.cells.get(key)
             if cell is not None:
                 reach = r.reach.cells.get(key) if r.reach is not None else None
-                out.append(f"<dd><b>{e(heading)}</b>: {e(cell.detail)}"
+                out.append(f"<dt>{e(heading)}</dt><dd>{e(cell.detail)}"
                            + (f"<br><i>reach</i>: {e(reach.text)}" if reach is not None else "") + "</dd>")
-    out.append(f"</dl><p><b>Verdict</b>: {e(m.verdict())} (exit {m.exit_code}). Schedule invariance is necessary, "
-               f"not sufficient: a model that is wrong the same way under every schedule conforms.</p></body></html>")
-    return "\n".join(out) + "\n"
+        out.append("</dl></details>")
+    return "\n".join(out)
 
 
-def _html_upstream(m: Matrix) -> list[str]:
+def _html_upstream(m: Matrix, p: str = "", titled: bool = False) -> list[str]:
     """The report for upstream: per failing cell of an upstream model, the line in this release that decides the
-    row, the smallest schedule that shows it, the shipped deploy that reaches it, the related upstream issue."""
+    row, the smallest schedule that shows it, the shipped deploy that reaches it, the related upstream issue. The
+    line, what it does and the issue are said once for the cells that line decides (rowspan), and the reach once
+    for consecutive cells it shares."""
     e = html.escape
     entries = [(r.model, f) for r in m.results for f in r.upstream]
     if not entries:
         return []
-    out = ["<h2>For upstream</h2><table><tr><th>model</th><th>column</th><th>cell</th><th>upstream line</th>"
-           "<th>what it does</th><th>smallest schedule</th><th>reach</th><th>upstream issue</th></tr>"]
+    h = "h3" if titled else "h2"
+    out = [f"<section id='{p}upstream'><{h}>For upstream</{h}>",
+           "<p class='note'>Per failing cell of an upstream model: the line of this release that decides the row and "
+           "what it does (once for every cell it decides), the smallest schedule that shows it, its reach and the "
+           "related upstream issue.</p>",
+           "<div class='scroll'><table class='upstream'><thead><tr><th>model</th><th>upstream line</th>"
+           "<th>what it does</th><th>column</th><th>cell</th><th>smallest schedule</th><th>reach</th>"
+           "<th>upstream issue</th></tr></thead>"]
+    by_model: dict[str, list[dict[str, Any]]] = {}
     for model, f in entries:
-        where = f"{f['file']}:{f['line']}" if f["file"] and f["line"] else "-"
-        issue = f"#{f['issue']}: {f['issue_why']}" if f["issue"] else "-"
-        out.append(f"<tr><td>{e(model)}</td><td>{e(f['column'])}</td><td class='c'>{e(f['cell'])}</td>"
-                   f"<td class='c'>{e(where)}</td><td>{e(f['why'] or '-')}</td><td class='c'>{e(f['schedule'] or '-')}"
-                   f"</td><td>{e(f['reach'] or '-')}</td><td>{e(issue)}</td></tr>")
-    out.append("</table>")
+        by_model.setdefault(model, []).append(f)
+    for model, findings in by_model.items():
+        groups: dict[tuple, list[dict[str, Any]]] = {}
+        for f in findings:  # each line (and what it does) once, in the order the columns first show it
+            groups.setdefault((f["file"], f["line"], f["why"]), []).append(f)
+        rows = []
+        first_model = True
+        for (file, line, why), fs in groups.items():
+            where = f"{file}:{line}" if file and line else "-"
+            reach_runs = _runs([f["reach"] or "-" for f in fs])
+            issues = [f"#{f['issue']}: {f['issue_why']}" if f["issue"] else "-" for f in fs]
+            issue_runs = _runs(issues)
+            for j, f in enumerate(fs):
+                tds = []
+                if first_model:
+                    tds.append(f"<th rowspan='{len(findings)}'>{e(model)}</th>")
+                    first_model = False
+                if j == 0:
+                    tds += [f"<td class='path' rowspan='{len(fs)}'>{e(where)}</td>",
+                            f"<td class='why' rowspan='{len(fs)}'>{e(why or '-')}</td>"]
+                tds += [f"<td>{e(f['column'])}</td>", f"<td class='c'>{e(f['cell'])}</td>",
+                        f"<td class='sched'>{e(f['schedule'] or '-')}</td>"]
+                if j in reach_runs:
+                    tds.append(f"<td class='reach' rowspan='{reach_runs[j]}'>{e(f['reach'] or '-')}</td>")
+                if j in issue_runs:
+                    tds.append(f"<td class='issue' rowspan='{issue_runs[j]}'>{e(issues[j])}</td>")
+                rows.append("<tr>" + "".join(tds) + "</tr>")
+        out.append("<tbody class='model'>" + "".join(rows) + "</tbody>")
+    out.append("</table></div></section>")
     return out
+
+
+def _runs(values: list[str]) -> dict[int, int]:
+    """{index where a run of equal consecutive values starts: its length}."""
+    starts: dict[int, int] = {}
+    start = 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            starts[start] = i - start
+            start = i
+    return starts

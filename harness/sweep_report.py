@@ -409,6 +409,7 @@ pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f7f7f7;padding:.6em;
 .warn{color:#a00}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:1em 1.5em;align-items:start}
 figure{margin:0;border:1px solid #e3e3e3;padding:.5em;background:#fff}
+figure.wide{grid-column:1/-1}
 figure img{max-width:100%;height:auto;display:block;margin:0 auto}
 figcaption{font-size:13px;color:#333;margin-top:.4em}
 """
@@ -492,6 +493,11 @@ def heatmap_caption(m: SweepMap, arm: str, metric: str) -> str:
     return " ".join(parts)
 
 
+def _png_width(data: bytes) -> int:
+    """A PNG's width in pixels, from its IHDR chunk (0 when it is no PNG)."""
+    return int.from_bytes(data[16:20], "big") if data[:8] == b"\x89PNG\r\n\x1a\n" else 0
+
+
 def html_page(m: SweepMap, images: dict[str, bytes]) -> str:
     from harness.sweep_gate import format_map_verdict
 
@@ -513,7 +519,8 @@ def html_page(m: SweepMap, images: dict[str, bytes]) -> str:
             if data is None:
                 continue
             src = base64.b64encode(data).decode()
-            figs.append(f"<figure id='{e(arm)}-{metric}'><img src='data:image/png;base64,{src}' "
+            wide = " class='wide'" if _png_width(data) > 900 else ""  # many panels: the whole row, readable
+            figs.append(f"<figure id='{e(arm)}-{metric}'{wide}><img src='data:image/png;base64,{src}' "
                         f"alt='{e(arm)}: {e(HEATMAP_TITLES[metric])}'>"
                         f"<figcaption>{heatmap_caption(m, arm, metric)}</figcaption></figure>")
         if figs:

@@ -4,6 +4,8 @@ answer, cache folders it cannot write (docs/robustness.md). Each through the CLI
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,44 @@ def test_unwritable_cache_folder_is_one_line_and_the_run_succeeds(tmp_path: Path
     assert tmp.exit_code == 0, tmp.stderr
     [line] = tmp.stderr.splitlines()
     assert "caches go to " in line and "(a temporary folder, removed at exit) for this command" in line
+
+
+# ----------------------------------------------------------------------------- --ray-address that does not answer
+
+
+@pytest.fixture
+def silent_port():
+    """A TCP port on 127.0.0.1 that accepts connections and never says a word (not a Ray cluster)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join(5)
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+def test_ray_address_that_accepts_but_does_not_answer(tmp_path: Path, silent_port: int) -> None:
+    """Issue 33, case 7: the right line and exit 2, but after ray.init's own wait (23-60 s) and Ray's GCS client
+    log (20 lines) on the terminal."""
+    pytest.importorskip("ray")
+    address = f"127.0.0.1:{silent_port}"
+    res = run_cli("run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS), "--arm", "main", "--deploy",
+                  "reference", "--out", str(tmp_path / "out"), "--executor", "ray", "--ray-address", address,
+                  env={"OMNI_STRESS_RAY_PROBE_TIMEOUT": "2"})
+    assert_one_line_error(res, f"--ray-address {address}: no Ray cluster answers at 127.0.0.1:{silent_port} (a "
+                          "connection opens, but nothing answers in 2 s; $OMNI_STRESS_RAY_PROBE_TIMEOUT sets the wait)")
+    assert not (tmp_path / "out").exists()

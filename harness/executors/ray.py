@@ -42,6 +42,9 @@ GPUS_PER_REAL_CELL = 2
 MAX_RETRIES = 3
 CONNECT_TIMEOUT_S = float(os.environ.get("OMNI_STRESS_RAY_CONNECT_TIMEOUT", "60"))
 SIM_CELL_TIMEOUT_S = 3600.0  # as the local sim pool's guard against a hung worker
+#: Seconds an address that accepts a connection has to answer the gRPC greeting (a Ray cluster answers at once).
+PROBE_TIMEOUT_S = float(os.environ.get("OMNI_STRESS_RAY_PROBE_TIMEOUT", "5"))
+_HTTP2_GREETING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # preface + SETTINGS
 IDLE_S = 0.25
 INSTALL_HINT = "pip install omni-stress[ray]"
 
@@ -64,8 +67,18 @@ def _probe(address: str, shown: str | None = None) -> None:
         raise UserError(f"--ray-address {shown}: not HOST:PORT, ray://HOST:PORT or 'auto'")
     host = host.strip("[]")
     try:
-        with socket.create_connection((host, int(port)), timeout=min(10.0, CONNECT_TIMEOUT_S)):
-            pass
+        with socket.create_connection((host, int(port)), timeout=min(10.0, CONNECT_TIMEOUT_S)) as sock:
+            # Ray's GCS and client server speak gRPC (HTTP/2), whose server sends its SETTINGS as soon as a
+            # client greets it. Something that accepts the connection and stays silent is not a Ray cluster:
+            # ray.init would retry for its own minute and log its GCS client's warnings (issue 33, case 7).
+            sock.sendall(_HTTP2_GREETING)
+            sock.settimeout(PROBE_TIMEOUT_S)
+            try:
+                sock.recv(1)
+            except socket.timeout:
+                raise UserError(f"--ray-address {shown}: no Ray cluster answers at {host}:{port} (a connection "
+                                f"opens, but nothing answers in {PROBE_TIMEOUT_S:g} s; "
+                                f"$OMNI_STRESS_RAY_PROBE_TIMEOUT sets the wait)") from None
     except OSError as exc:
         raise UserError(f"--ray-address {shown}: no Ray cluster answers at {host}:{port} "
                         f"({exc.strerror or exc})") from None

@@ -96,6 +96,37 @@ class CellOutcome:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# --------------------------------------------------------------------------- the backend registry
+
+# backend name (--backend, a record's ``backend``) -> ``module:Class`` of its entry: its hooks (make,
+# prepare, dry_run, preflight, the Ray resources/timeout/payload of a cell) and flags (simulated,
+# hashes_arm_code). Entries are imported on first use; nothing outside the entries tests a
+# backend's name.
+BACKENDS: dict[str, str] = {
+    "sim": "harness.sim.entry:SimEntry",
+    "vllm-omni": "harness.serve.entry:ServeEntry",
+}
+
+
+def get_backend(name: str) -> Any:
+    """The entry of backend ``name``; an unknown name is one line naming ``--backend``."""
+    import importlib
+
+    from harness.errors import UserError
+
+    target = BACKENDS.get(name)
+    if target is None:
+        raise UserError(f"--backend {name!r}: unknown backend (choose {' or '.join(BACKENDS)})")
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def is_simulated(name: Any) -> bool:
+    """Whether a backend named in a record or manifest simulates its cells (a name this version does
+    not know is not the sim's)."""
+    return isinstance(name, str) and name in BACKENDS and get_backend(name).simulated
+
+
 EmitRecord = Callable[[RequestRecord], None]
 EmitSpans = Callable[[list[SpanRecord]], None]
 

@@ -22,7 +22,7 @@ import click
 from harness.config import MAX_SEED
 from harness.executors import EXECUTORS
 from harness.families import family_names
-from harness.backends import DEFAULT_SIM_TALKER, SIM_TALKERS
+from harness.backends import BACKENDS, DEFAULT_SIM_TALKER, SIM_TALKERS
 from harness.sim import armcall
 
 COMMANDS = ("run", "sweep")
@@ -90,7 +90,7 @@ _OPTIONS: tuple[_Opt, ...] = (
     _Opt("--resume", "resume_dir", type=click.Path(path_type=Path), default=None, per_command={"help": {
         "run": "Continue an interrupted run directory: completed requests are kept, the rest run.",
         "sweep": "Continue an interrupted sweep: recorded requests are kept, the rest run (same sweep file)."}}),
-    _Opt("--backend", type=click.Choice(["sim", "vllm-omni"]), default="sim", show_default=True),
+    _Opt("--backend", type=click.Choice(list(BACKENDS)), default="sim", show_default=True),
     _Opt("--sim-talker", type=click.Choice(list(SIM_TALKERS)), default=DEFAULT_SIM_TALKER, show_default=True,
          per_command={"help": {
              "run": "sim: the simulated Talker. 'words': the sim's own (speaks words, R frames per text token); "

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.backends import is_simulated
 from harness.errors import UserError
 from harness.records import EventCounts, RequestRecord
 
@@ -175,9 +176,9 @@ def compare(sim: Side, real: Side) -> Fidelity:
 def _notes(sim: Side, real: Side, a: dict[RequestKey, RequestRecord], b: dict[RequestKey, RequestRecord],
            matched: list[RequestKey]) -> list[str]:
     notes = []
-    if sim.backend != "sim":
+    if not is_simulated(sim.backend):
         notes.append(f"the first run ({sim.label}) is not a sim run (backend {sim.backend})")
-    if sim.backend == "sim" and sim.talker != "speaking" and real.backend != "sim":
+    if is_simulated(sim.backend) and sim.talker != "speaking" and not is_simulated(real.backend):
         notes.append(f"the sim run used the {sim.talker} Talker: only --sim-talker speaking runs the rules of the "
                      "real server's speaking tiny model, so codec tokens and oracle WER cannot match")
     errors = [k for k in matched if a[k].error is not None or b[k].error is not None]

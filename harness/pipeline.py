@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness import __version__
-from harness.backends import RunOptions
+from harness.backends import RunOptions, get_backend
 from harness.config import ArmSpec, Deploy, PromptSet
 from harness.errors import UserError
 from harness.families import DEFAULT_FAMILY
@@ -118,7 +118,7 @@ def config_hashes(arms: list[ArmSpec], deploys: list[Deploy], prompts: PromptSet
             info = upstream_info(load_impl(a))
             if info is not None:
                 out[f"arm:{a.name}"] = f"{a.talker}@sha256:{info.source.sha256}"
-        elif backend == "sim":  # the code the sim runs, so --resume refuses an edited arm
+        elif get_backend(backend).hashes_arm_code:  # the code the sim runs, so --resume refuses an edited arm
             from harness.talkers import load_impl
 
             out[f"arm:{a.name}"] = f"{a.talker}@sha256:{arm_code_hash(load_impl(a))}"
@@ -169,7 +169,7 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "argv": plan.argv,
         "backend": o.backend,
         "family": plan.family,
-        "sim_talker": o.sim_talker if o.backend == "sim" else None,
+        "sim_talker": o.sim_talker if get_backend(o.backend).simulated else None,
         "asr": {"backend": o.asr, "model": o.asr_model, "beam_size": o.beam_size},
         "seed": o.seed,
         "repeat": o.repeat,

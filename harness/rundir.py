@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.backends import DEFAULT_SIM_TALKER
+from harness.backends import DEFAULT_SIM_TALKER, is_simulated
 from harness.config import check_name
 from harness.errors import UserError, WorkerOutOfMemory, out_of_memory
 from harness.families import DEFAULT_FAMILY
@@ -268,7 +268,7 @@ def out_of_memory_error(exc: BaseException, run_dir: Path) -> UserError:
 def manifest_sim_talker(manifest: dict[str, Any]) -> str | None:
     """The sim Talker mode a run's manifest records: a sim run written before the modes ran ``words``;
     None for a real-backend run."""
-    if manifest.get("backend", "sim") != "sim":
+    if not is_simulated(manifest.get("backend", "sim")):
         return None
     mode = manifest.get("sim_talker")
     return mode if isinstance(mode, str) else DEFAULT_SIM_TALKER

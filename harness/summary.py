@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.backends import is_simulated
 from harness.contract import MISALIGNED_COUNTS, classify_spans, event_count_columns
 from harness.errors import UserError
 from harness.records import (
@@ -460,7 +461,7 @@ def summarize_cells(run: Run) -> list[CellSummary]:
             events, source = EventCounts(), "requests"
             for rec in recs:
                 events.add(rec.events)
-            misaligned_known = any(rec.backend == "sim" for rec in recs)
+            misaligned_known = any(is_simulated(rec.backend) for rec in recs)
         scores = [r.score for r in recs if r.score is not None]
         whisper = sum(r.wer is not None for r in recs)
         oracle_only = sum(r.wer is None and r.oracle_wer is not None for r in recs)

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from harness.backends import is_simulated
+
 if TYPE_CHECKING:
     from harness.records import RequestRecord
     from harness.summary import CellSummary, Run
@@ -45,7 +47,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def e2e(record: RequestRecord) -> float | None:
     """End to end: steps (sim) or seconds (real backend)."""
-    if record.backend == "sim":
+    if is_simulated(record.backend):
         if record.finish_step is None or record.sent_step is None:
             return None
         return float(record.finish_step - record.sent_step)
@@ -54,7 +56,7 @@ def e2e(record: RequestRecord) -> float | None:
 
 def ttfa(record: RequestRecord) -> float | None:
     """Time to first audio: steps (sim) or seconds (real, not streamed: see the module) to the first codec token."""
-    if record.backend == "sim":
+    if is_simulated(record.backend):
         if record.first_token_step is None or record.sent_step is None:
             return None
         return float(record.first_token_step - record.sent_step)
@@ -62,7 +64,7 @@ def ttfa(record: RequestRecord) -> float | None:
 
 
 def unit(records: list[RequestRecord]) -> str:
-    return "steps" if records and all(r.backend == "sim" for r in records) else "s"
+    return "steps" if records and all(is_simulated(r.backend) for r in records) else "s"
 
 
 @dataclass

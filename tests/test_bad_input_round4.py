@@ -301,11 +301,11 @@ def test_14_ordinary_english_that_is_accepted_scores_zero_for_the_fix(tmp_path):
 
 
 def test_14_shipped_prompt_sets_pass_unchanged():
-    from harness.commands.run import check_sim_speaks
     from harness.config import load_prompts
+    from harness.families.qwen2_5_omni.sim import check_prompts
 
     for path in sorted((REPO / "prompts").glob("*.yaml")) + sorted((REPO / "tests" / "fixtures").glob("prompts_*.yaml")):
-        check_sim_speaks(load_prompts(str(path)))
+        check_prompts(load_prompts(str(path)), "words")
 
 
 # ----------------------------------------------------------------------------- 10: an arm that exhausts memory

@@ -468,7 +468,7 @@ def test_arm_roles_in_arms_yaml(tmp_path: Path) -> None:
     assert resolve_arm("main=harness.talkers.main:MainTalker", arms).role == "candidate"  # a plugin arm
     res = CliRunner().invoke(main, ["list", "arms"])
     assert "harness.talkers.main:MainTalker (role: baseline, family: qwen2.5-omni)" in res.stdout
-    assert "harness.talkers.pr:FixedTalker (role: candidate)" in res.stdout
+    assert "harness.talkers.pr:FixedTalker (role: candidate, family: qwen2.5-omni)" in res.stdout
     bad = tmp_path / "arms.yaml"
     bad.write_text("arms:\n  main:\n    talker: harness.talkers.main:MainTalker\n    role: reference\n")
     with pytest.raises(ConfigError) as exc:

@@ -32,6 +32,7 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
     printable_streams()
     from harness import fidelity, summary
     from harness.errors import UserError
+    from harness.backends import is_simulated
     from harness.rundir import manifest_sim_talker
     from harness.records import write_file_atomic
 
@@ -46,14 +47,14 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
     backends = [run.manifest.get("backend") or "?" for run in runs]
     self_check = None
     if backends[0] == backends[1]:
-        kind = "sim runs" if backends[0] == "sim" else "real runs"
+        kind = "sim runs" if is_simulated(backends[0]) else "real runs"
         same = "the same run twice" if sim_run.resolve() == real_run.resolve() else f"both {kind}"
         if not same_backend:
             raise UserError(f"fidelity {sim_run} {real_run}: {same} (backend {backends[0]}); fidelity measures a "
                             f"sim run against a real run (--backend vllm-omni) of the same work: give one of each, "
                             f"or --same-backend for a self-check")
         self_check = f"self-check, not a fidelity measurement: {same} (backend {backends[0]}, --same-backend)"
-    elif backends[0] != "sim" and backends[1] == "sim" and not same_backend:
+    elif not is_simulated(backends[0]) and is_simulated(backends[1]) and not same_backend:
         raise UserError(f"fidelity {sim_run} {real_run}: the first run is the real one (backend {backends[0]}) and "
                         f"the second the sim run: give the sim run first (fidelity SIM_RUN REAL_RUN)")
 

@@ -9,11 +9,11 @@ from typing import Any
 import click
 
 from harness.config import ArmSpec, Deploy, PromptSet, load_arms, load_deploy, load_prompts, resolve_arm
-from harness.errors import ConfigError, UserError
+from harness.errors import UserError
 from harness.families import choose_family
 from harness.cli_options import finite_seconds as _finite  # noqa: F401 - its old name
 from harness.cli_options import RunArgs, shared_run_options
-from harness.backends import DEFAULT_SIM_TALKER, RunOptions
+from harness.backends import DEFAULT_SIM_TALKER, RunOptions, get_backend
 from harness.pipeline import RunPlan, execute, manifest_for, new_run_id
 from harness.proc import printable_streams, stdout_to_stderr
 from harness.rundir import in_run_dir, open_run_dir, start_manifest
@@ -40,25 +40,15 @@ def _run(args: RunArgs) -> str:
     prompts = load_prompts(args.prompt_set)
     arm_specs = resolve_arm_specs(args, deploy_specs, prompts)
     options = args.run_options()
-    backend = args.backend
-    if backend != "sim" and args.sim_talker != DEFAULT_SIM_TALKER:
+    entry = get_backend(args.backend)
+    if not entry.simulated and args.sim_talker != DEFAULT_SIM_TALKER:
         raise UserError(f"--sim-talker {args.sim_talker} applies to --backend sim (the real server runs its own "
                         "Talker: the speaking tiny checkpoint speaks by the same rules)")
-    if backend == "vllm-omni":
-        from harness.serve.backend import describe_cell
-
-        with_audio = [p.id for p in prompts.prompts if p.audio_seconds]
-        if with_audio:
-            raise UserError(f"{prompts.path}: prompt {with_audio[0]!r}: audio_seconds inputs are simulated only; "
-                            "the vllm-omni backend sends text prompts")
-
-        options.serve = serve_options(args)
-        if args.dry_run:
-            run_dir = (args.resume_dir or args.out / (args.run_id or new_run_id(arm_specs, deploy_specs)))
-            return "\n".join(describe_cell(a, d, run_dir, options.serve) for a in arm_specs for d in deploy_specs)
-    elif args.dry_run:
-        raise UserError("--dry-run applies to --backend vllm-omni (the sim has no commands to print)")
-    _preflight(backend, arm_specs, deploy_specs, options, prompts)
+    entry.prepare(args, options, prompts)
+    if args.dry_run:
+        run_dir = (args.resume_dir or args.out / (args.run_id or new_run_id(arm_specs, deploy_specs)))
+        return entry.dry_run(arm_specs, deploy_specs, run_dir, options)
+    _preflight(args.backend, arm_specs, deploy_specs, options, prompts)
     armcall.set_limit(args.arm_timeout)  # before any sim worker is forked: they inherit it
 
     run_dir = open_run_dir(args.out, args.resume_dir, lambda: args.run_id or new_run_id(arm_specs, deploy_specs))
@@ -76,15 +66,6 @@ def resolve_arm_specs(args: RunArgs, deploys: list[Deploy], prompts: PromptSet) 
         raise UserError(f"--arm: arm names must be unique, got {', '.join(names)}")
     fam = choose_family(args.family, deploys, prompts, arm_specs)
     return [replace(a, family=fam.name) if a.source == "--arm" else a for a in arm_specs]
-
-
-def serve_options(args: RunArgs) -> Any:
-    """The real backend's options (``harness.serve.backend.ServeOptions``) from the run's."""
-    from harness.serve.backend import ServeOptions
-
-    return ServeOptions(model=args.model, health_timeout_s=args.health_timeout,
-                        request_timeout_s=args.request_timeout, platform=args.serve_platform,
-                        default_python=str(args.serve_python) if args.serve_python else None)
 
 
 def _locked_run(run_dir: Path, resume: bool, arm_specs: list[ArmSpec], deploy_specs: list[Deploy], prompts,
@@ -111,53 +92,9 @@ def _preflight(backend: str, arm_specs: list[ArmSpec], deploy_specs: list[Deploy
                prompts: PromptSet | None = None) -> None:
     """Checks that need no run: a broken plugin arm, scheduler settings vLLM refuses, a real-backend
     arm that cannot be started, a reply the sim would mis-score, or a missing ASR model is refused
-    before a run directory exists."""
-    if backend == "sim":
-        from harness.sim.scheduler import scheduler_config_for
-        from harness.talkers import load_impl
-
-        for arm in arm_specs:
-            load_impl(arm)
-        for deploy in deploy_specs:
-            scheduler_config_for(deploy)
-        if prompts is not None and options.sim_talker == DEFAULT_SIM_TALKER:
-            check_sim_speaks(prompts)
-    else:
-        from harness.serve.backend import preflight_arm
-
-        for arm in arm_specs:
-            preflight_arm(arm, options.serve)
+    before a run directory exists (the backend's own checks are its entry's, ``harness.backends``)."""
+    get_backend(backend).preflight(arm_specs, deploy_specs, options, prompts)
     if options.asr != "none":
         from harness.audio.asr import make_transcriber
 
         make_transcriber(options.asr, options.asr_model, options.beam_size)
-
-
-def check_sim_speaks(prompts: PromptSet) -> None:
-    """Each reply's words as the sim's Talker says them (``harness.tokenizer``) must score WER 0
-    against the reply under Whisper's normaliser, else a correct arm is mis-scored (issue 24 case
-    14). ``load_prompts`` already refuses the characters known to differ, naming each; this catches
-    what only the normaliser's context shows (text in brackets it drops, ...). A reply that
-    normalises to no words is left to the run: not measurable, recorded as such."""
-    from harness.errors import short_repr
-    from harness.scoring import spoken_mismatch
-    from harness.tokenizer import is_spoken, tokenize
-
-    for i, prompt in enumerate(prompts.prompts):
-        spoken = " ".join(t for t in tokenize(prompt.reply) if is_spoken(t))
-        if (bad := spoken_mismatch(prompt.reply, spoken)) is not None:
-            ref, said = (_around(words, _first_difference(*(b.split() for b in bad))) for words in bad)
-            raise ConfigError(f"{prompts.path}: prompts[{i}].reply: WER scoring reads {short_repr(ref)} where the sim "
-                              f"says {short_repr(said)}, so a correct arm would not score 0 (prompt {prompt.id!r}); "
-                              "rewrite the reply as plain words")
-
-
-def _first_difference(a: list[str], b: list[str]) -> int:
-    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def _around(text: str, k: int) -> str:
-    """Words ``k - 2`` to ``k + 3`` of ``text``, with '...' where words are left out."""
-    words = text.split()
-    lo, hi = max(0, k - 2), min(len(words), k + 4)
-    return ("... " if lo else "") + " ".join(words[lo:hi]) + (" ..." if hi < len(words) else "")

@@ -9,10 +9,10 @@ from typing import Any
 import click
 
 from harness.cli_options import RunArgs, shared_run_options
-from harness.commands.run import _preflight, resolve_arm_specs, serve_options
+from harness.commands.run import _preflight, resolve_arm_specs
 from harness.config import load_prompts
 from harness.errors import UserError
-from harness.backends import DEFAULT_SIM_TALKER, RunOptions
+from harness.backends import DEFAULT_SIM_TALKER, RunOptions, get_backend
 from harness.pipeline import RunPlan, execute, manifest_for, new_run_id
 from harness.proc import printable_streams, stdout_to_stderr
 from harness.rundir import in_run_dir, open_run_dir, start_manifest
@@ -44,11 +44,11 @@ def _sweep(sweep_file: str, args: RunArgs, rules_path: str | None, no_plots: boo
     arm_specs = resolve_arm_specs(args, sweep.deploys, prompts)
     options = args.run_options(latency=True)
     backend = args.backend
-    if backend != "sim" and args.sim_talker != DEFAULT_SIM_TALKER:
+    entry = get_backend(backend)
+    if not entry.simulated and args.sim_talker != DEFAULT_SIM_TALKER:
         raise UserError(f"--sim-talker {args.sim_talker} applies to --backend sim")
     deploys = sweep.deploys
-    if backend == "vllm-omni":
-        options.serve = serve_options(args)
+    entry.prepare(args, options, None)
     for deploy in deploys:  # vLLM's scheduler rules, per point: the error names the sweep file and the point
         try:
             _preflight(backend, [], [deploy], RunOptions(backend=backend, asr="none", serve=options.serve))

@@ -5,22 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.errors import UserError
+from harness.backends import BACKENDS, get_backend
 
 if TYPE_CHECKING:
     from harness.backends import Backend, RunOptions
 
-BACKENDS = ("sim", "vllm-omni")
+__all__ = ["BACKENDS", "make_backend"]
 
 
 def make_backend(name: str, run_dir: Path, options: RunOptions) -> Backend:
-    """The backend named by ``--backend``, for this run's options."""
-    if name == "sim":
-        from harness.sim.backend import SimBackend
-
-        return SimBackend(run_dir, options)
-    if name == "vllm-omni":
-        from harness.serve.backend import ServeBackend
-
-        return ServeBackend(run_dir, options.serve)
-    raise UserError(f"--backend {name!r}: unknown backend (choose {' or '.join(BACKENDS)})")
+    """The backend named by ``--backend`` (``harness.backends.BACKENDS``), for this run's options."""
+    return get_backend(name).make(run_dir, options)

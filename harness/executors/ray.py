@@ -30,18 +30,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.backends import get_backend
 from harness.errors import UserError
 
 if TYPE_CHECKING:
     from harness.backends import CellJob, CellOutcome, EmitRecord, EmitSpans, RunOptions
 
-#: GPUs one real-backend cell holds: the Thinker and the Talker + Code2Wav stages on one each,
-#: as the GPU recipe (deploy_configs, docs/real-backend.md) places them.
-GPUS_PER_REAL_CELL = 2
 #: Ray's own retries of a task whose worker or node died (not of a task that raised).
 MAX_RETRIES = 3
 CONNECT_TIMEOUT_S = float(os.environ.get("OMNI_STRESS_RAY_CONNECT_TIMEOUT", "60"))
-SIM_CELL_TIMEOUT_S = 3600.0  # as the local sim pool's guard against a hung worker
 #: Seconds an address that accepts a connection has to answer the gRPC greeting (a Ray cluster answers at once).
 PROBE_TIMEOUT_S = float(os.environ.get("OMNI_STRESS_RAY_PROBE_TIMEOUT", "5"))
 _HTTP2_GREETING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # preface + SETTINGS
@@ -149,13 +146,9 @@ class _DropLine:
 
 
 def cell_resources(options: RunOptions) -> dict[str, float]:
-    """What one cell asks Ray for: a CPU for a sim cell, the deploy's GPUs for a real one."""
-    if options.backend == "sim":
-        return {"num_cpus": 1}
-    platform = getattr(options.serve, "platform", "auto")
-    if platform == "cpu":
-        return {"num_cpus": 1}
-    return {"num_cpus": 1, "num_gpus": GPUS_PER_REAL_CELL}
+    """What one cell asks Ray for: its backend's entry says (a CPU for a sim cell, the deploy's GPUs
+    for a real one)."""
+    return get_backend(options.backend).ray_resources(options)
 
 
 def cell_timeout(job: CellJob, options: RunOptions) -> float:
@@ -163,15 +156,10 @@ def cell_timeout(job: CellJob, options: RunOptions) -> float:
     env = os.environ.get("OMNI_STRESS_RAY_CELL_TIMEOUT")
     if env:
         return float(env)
-    if options.backend == "sim":
-        return SIM_CELL_TIMEOUT_S
-    serve = options.serve
-    health = getattr(serve, "health_timeout_s", 1800.0) or 1800.0
-    request = getattr(serve, "request_timeout_s", 900.0) or 900.0
-    return health + request * max(1, len(job.prompts.prompts)) + 600.0
+    return get_backend(options.backend).ray_cell_timeout(job, options)
 
 
-def run_cell_here(job: CellJob, options: RunOptions, arm_limit: float) -> dict[str, Any]:
+def run_cell_here(job: CellJob, options: RunOptions, payload: Any) -> dict[str, Any]:
     """The Ray task's body (on a worker): the cell with the local backend in a scratch directory;
     returns everything the driver writes, and where it ran."""
     import dataclasses
@@ -180,10 +168,7 @@ def run_cell_here(job: CellJob, options: RunOptions, arm_limit: float) -> dict[s
 
     from harness.executors.local import make_backend
 
-    if options.backend == "sim":
-        from harness.sim import armcall
-
-        armcall.set_limit(arm_limit)
+    get_backend(options.backend).ray_worker_setup(payload)  # the sim: the driver's per-call arm limit
     local = dataclasses.replace(options, executor="local", ray_address=None, sim_workers=0, quiet=True)
     events: list[tuple[str, Any]] = []
     started = time.time()
@@ -238,16 +223,12 @@ class RayExecutor:
         connect(self.options.ray_address)
         resources = cell_resources(self.options)
         self._warn_infeasible(resources)
-        arm_limit = 0.0
-        if self.options.backend == "sim":
-            from harness.sim import armcall
-
-            arm_limit = armcall.limit()
+        payload = get_backend(self.options.backend).ray_payload()
         task = ray.remote(run_cell_here).options(max_retries=MAX_RETRIES, retry_exceptions=False,
                                                  name="omni-stress-cell", **resources)
         for job in jobs:
             self.submitted[job.key] = time.time()
-            self.refs[job.key] = task.remote(job, self.options, arm_limit)
+            self.refs[job.key] = task.remote(job, self.options, payload)
 
     def _warn_infeasible(self, resources: dict[str, float]) -> None:
         """A cell no node can hold waits for a node to join (an autoscaler may add one): say so once."""

@@ -50,7 +50,8 @@ class Family:
     default_deploys: tuple[str, ...]  # --deploy when none is given
     default_prompts: str  # --prompts when none is given
     sim_talkers: tuple[str, ...]  # the sim's Talker modes for this family (--sim-talker); first = default
-    sim_cell: str  # ``module:function`` building a sim cell (``harness.sim.cell.SimCellFactory``)
+    sim_cell: str  # ``module:function`` building a sim cell (``harness.sim.cell.SimCell``)
+    sim_check_prompts: str  # ``module:function(prompts, talker_mode)``: refuse prompts the sim would mis-score
 
     @property
     def stage(self) -> str:

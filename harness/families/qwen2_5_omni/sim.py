@@ -3,7 +3,8 @@
 ``build_cell`` is what ``harness.sim.backend.run_cell`` did before the family seam, moved here
 unchanged: the scripted Thinker's outputs (word tokens for the ``words`` Talker, bytes for the
 ``speaking`` Talker), the arm bound onto the Qwen2.5-Omni stand-in model, the Talker, and how a
-codec stream reads back as words. ``SimContract`` is the runner's array form of
+codec stream reads back as words. ``check_prompts`` refuses, before a run, a reply the ``words`` Talker would say so that Whisper's
+normaliser mis-scores it. ``SimContract`` is the runner's array form of
 ``harness.families.qwen2_5_omni.contract.expected_rows`` (a Python loop over RowRefs cost more than
 the arm itself).
 """
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from harness.config import Deploy, PromptSet, SamplingSettings
-from harness.errors import UserError
+from harness.errors import ConfigError, UserError
 from harness.sim.cell import SimCell
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, CodecVocab, collapse, oracle_transcript
 from harness.sim.model import VOICE, bind_arm
@@ -117,3 +118,36 @@ class SimContract:
             self.pad_id)
         exp_codec = np.where(p < Pt, NONE, np.where(p == Pt, CODEC_PAD, CODEC_BOS))
         return exp_text, np.where(k >= 0, span_ids, exp_codec)
+
+
+def check_prompts(prompts: PromptSet, talker_mode: str) -> None:
+    """Each reply's words as the sim's Talker says them (``harness.tokenizer``) must score WER 0
+    against the reply under Whisper's normaliser, else a correct arm is mis-scored (issue 24 case
+    14). ``load_prompts`` already refuses the characters known to differ, naming each; this catches
+    what only the normaliser's context shows (text in brackets it drops, ...). A reply that
+    normalises to no words is left to the run: not measurable, recorded as such. The ``speaking``
+    Talker says each reply byte for byte: nothing to check."""
+    if talker_mode != "words":
+        return
+    from harness.errors import short_repr
+    from harness.scoring import spoken_mismatch
+    from harness.tokenizer import is_spoken, tokenize
+
+    for i, prompt in enumerate(prompts.prompts):
+        spoken = " ".join(t for t in tokenize(prompt.reply) if is_spoken(t))
+        if (bad := spoken_mismatch(prompt.reply, spoken)) is not None:
+            ref, said = (_around(words, _first_difference(*(b.split() for b in bad))) for words in bad)
+            raise ConfigError(f"{prompts.path}: prompts[{i}].reply: WER scoring reads {short_repr(ref)} where the sim "
+                              f"says {short_repr(said)}, so a correct arm would not score 0 (prompt {prompt.id!r}); "
+                              "rewrite the reply as plain words")
+
+
+def _first_difference(a: list[str], b: list[str]) -> int:
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _around(text: str, k: int) -> str:
+    """Words ``k - 2`` to ``k + 3`` of ``text``, with '...' where words are left out."""
+    words = text.split()
+    lo, hi = max(0, k - 2), min(len(words), k + 4)
+    return ("... " if lo else "") + " ".join(words[lo:hi]) + (" ..." if hi < len(words) else "")

@@ -1,0 +1,79 @@
+"""The real backend's entry in the backend registry (``harness.backends.BACKENDS``): its hooks and
+typed options, light to import (each imports what it needs when called)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+GPUS_PER_REAL_CELL = 2  # a real Qwen2.5-Omni cell on GPUs: Thinker and Talker/Code2Wav (Ray executor)
+
+
+class ServeEntry:
+    name = "vllm-omni"
+    simulated = False  # a real `vllm serve --omni`: its own Talker (no --sim-talker)
+    hashes_arm_code = False  # the arm's code runs in the server's environment, hashed there
+
+    @staticmethod
+    def options(args: Any) -> Any:
+        """The backend's typed options (``ServeOptions``) from the run's (``harness.cli_options.RunArgs``)."""
+        from harness.serve.backend import ServeOptions
+
+        return ServeOptions(model=args.model, health_timeout_s=args.health_timeout,
+                            request_timeout_s=args.request_timeout, platform=args.serve_platform,
+                            default_python=str(args.serve_python) if args.serve_python else None)
+
+    @classmethod
+    def prepare(cls, args: Any, options: Any, prompts: Any) -> None:
+        """The server's options into the run's; prompts the real server cannot send are refused."""
+        from harness.errors import UserError
+
+        if prompts is not None:
+            with_audio = [p.id for p in prompts.prompts if p.audio_seconds]
+            if with_audio:
+                raise UserError(f"{prompts.path}: prompt {with_audio[0]!r}: audio_seconds inputs are simulated only; "
+                                "the vllm-omni backend sends text prompts")
+        options.serve = cls.options(args)
+
+    @staticmethod
+    def make(run_dir: Path, options: Any) -> Any:
+        from harness.serve.backend import ServeBackend
+
+        return ServeBackend(run_dir, options.serve)
+
+    @staticmethod
+    def dry_run(arm_specs: list, deploy_specs: list, run_dir: Path, options: Any) -> str:
+        from harness.serve.backend import describe_cell
+
+        return "\n".join(describe_cell(a, d, run_dir, options.serve) for a in arm_specs for d in deploy_specs)
+
+    @staticmethod
+    def preflight(arm_specs: list, deploy_specs: list, options: Any, prompts: Any = None) -> None:
+        """An arm whose server cannot be started (no interpreter, no vLLM-Omni there)."""
+        from harness.serve.backend import preflight_arm
+
+        for arm in arm_specs:
+            preflight_arm(arm, options.serve)
+
+    # ------------------------------------------------------------------ Ray (harness.executors.ray)
+    @staticmethod
+    def ray_resources(options: Any) -> dict[str, float]:
+        """A CPU server needs a CPU; a GPU one the deploy's GPUs."""
+        if getattr(options.serve, "platform", "auto") == "cpu":
+            return {"num_cpus": 1}
+        return {"num_cpus": 1, "num_gpus": GPUS_PER_REAL_CELL}
+
+    @staticmethod
+    def ray_cell_timeout(job: Any, options: Any) -> float:
+        serve = options.serve
+        health = getattr(serve, "health_timeout_s", 1800.0) or 1800.0
+        request = getattr(serve, "request_timeout_s", 900.0) or 900.0
+        return health + request * max(1, len(job.prompts.prompts)) + 600.0
+
+    @staticmethod
+    def ray_payload() -> Any:
+        return None
+
+    @staticmethod
+    def ray_worker_setup(payload: Any) -> None:
+        """Nothing: the server's own limits travel in ``options.serve``."""

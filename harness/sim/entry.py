@@ -1,0 +1,69 @@
+"""The sim's entry in the backend registry (``harness.backends.BACKENDS``): its hooks, light to
+import (each imports what it needs when called), so naming the backend costs nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SIM_CELL_TIMEOUT_S = 3600.0  # a sim cell that has not come back in an hour is lost (Ray executor)
+
+
+class SimEntry:
+    name = "sim"
+    simulated = True  # cells are simulated: --sim-talker applies, the manifest records the Talker mode
+    hashes_arm_code = True  # the manifest holds the arm's code hash, so --resume refuses an edited arm
+
+    @staticmethod
+    def make(run_dir: Path, options: Any) -> Any:
+        from harness.sim.backend import SimBackend
+
+        return SimBackend(run_dir, options)
+
+    @staticmethod
+    def prepare(args: Any, options: Any, prompts: Any) -> None:
+        """Nothing to add to the run's options (the real backend adds its server options here)."""
+
+    @staticmethod
+    def dry_run(arm_specs: list, deploy_specs: list, run_dir: Path, options: Any) -> str:
+        from harness.errors import UserError
+
+        raise UserError("--dry-run applies to --backend vllm-omni (the sim has no commands to print)")
+
+    @staticmethod
+    def preflight(arm_specs: list, deploy_specs: list, options: Any, prompts: Any = None) -> None:
+        """A broken plugin arm, scheduler settings vLLM refuses, a reply the sim would mis-score (the
+        prompt set's family says which: ``Family.sim_check_prompts``)."""
+        from harness.sim.scheduler import scheduler_config_for
+        from harness.talkers import load_impl
+
+        for arm in arm_specs:
+            load_impl(arm)
+        for deploy in deploy_specs:
+            scheduler_config_for(deploy)
+        if prompts is not None:
+            from harness.families import get_family
+
+            get_family(prompts.family).hook_fn("sim_check_prompts")(prompts, options.sim_talker)
+
+    # ------------------------------------------------------------------ Ray (harness.executors.ray)
+    @staticmethod
+    def ray_resources(options: Any) -> dict[str, float]:
+        return {"num_cpus": 1}
+
+    @staticmethod
+    def ray_cell_timeout(job: Any, options: Any) -> float:
+        return SIM_CELL_TIMEOUT_S
+
+    @staticmethod
+    def ray_payload() -> Any:
+        """What a Ray task needs besides the cell: the per-call arm limit of this process."""
+        from harness.sim import armcall
+
+        return armcall.limit()
+
+    @staticmethod
+    def ray_worker_setup(payload: Any) -> None:
+        from harness.sim import armcall
+
+        armcall.set_limit(payload)

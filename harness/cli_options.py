@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from harness.config import MAX_SEED
-from harness.executors import EXECUTORS
+from harness.executors import EXECUTORS, get_executor
 from harness.families import family_names
 from harness.backends import BACKENDS, DEFAULT_SIM_TALKER, SIM_TALKERS
 from harness.sim import armcall
@@ -216,7 +216,6 @@ class RunArgs:
         defaults, a safe ``--run-id``, every path made absolute (a plugin arm may os.chdir() when it
         is imported or called, and a relative --out must still mean what the user typed), and, for
         ``--executor ray``, a cluster that answers (before any run directory exists)."""
-        from harness.errors import UserError
         from harness.rundir import absolute_paths, check_run_id
 
         names = {f.name for f in fields(cls)}
@@ -228,12 +227,7 @@ class RunArgs:
         (args.out, args.resume_dir, args.cache_dir, args.arms_file, args.serve_python,
          args.asr_model) = absolute_paths(args.out, args.resume_dir, args.cache_dir, args.arms_file,
                                           args.serve_python, args.asr_model)
-        if args.executor == "ray" and not args.dry_run:
-            from harness.executors.ray import preflight
-
-            preflight(args.ray_address)
-        elif args.executor != "ray" and args.ray_address is not None:
-            raise UserError(f"--ray-address {args.ray_address}: applies to --executor ray")
+        get_executor(args.executor).preflight(args.ray_address, dry_run=args.dry_run)
         return args
 
     def run_options(self, **extra: Any) -> Any:

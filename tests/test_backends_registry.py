@@ -47,12 +47,28 @@ def test_the_cli_offers_the_registry():
     assert "'tpu' is not one of 'sim', 'vllm-omni'" in res.stderr
 
 
-# A comparison of a backend's name: `x == "sim"`, `!= "vllm-omni"`, `"sim" ==` ...
-_NAME_TEST = re.compile(r"""(==|!=)\s*["'](sim|vllm-omni)["']|["'](sim|vllm-omni)["']\s*(==|!=)""")
+# A comparison of a backend's or an executor's name: `x == "sim"`, `!= "vllm-omni"`, `"ray" ==` ...
+_NAME_TEST = re.compile(r"""(==|!=)\s*["'](sim|vllm-omni|local|ray)["']|["'](sim|vllm-omni|local|ray)["']\s*(==|!=)""")
 
 
-def test_no_string_test_of_a_backend_name_outside_the_registry():
-    allowed = {Path("harness/backends.py"), Path("harness/sim/entry.py"), Path("harness/serve/entry.py")}
+def test_executor_registry():
+    from harness.executors import EXECUTORS, get_executor
+
+    assert EXECUTORS == ("local", "ray")
+    with pytest.raises(UserError) as exc:
+        get_executor("k8s")
+    assert str(exc.value) == "--executor 'k8s': unknown executor (choose local or ray)"
+    with pytest.raises(UserError) as exc:
+        get_executor("local").preflight("127.0.0.1:1")
+    assert str(exc.value) == "--ray-address 127.0.0.1:1: applies to --executor ray"
+    get_executor("local").preflight(None)
+    get_executor("ray").preflight("127.0.0.1:1", dry_run=True)  # --dry-run: no cluster asked
+
+
+def test_no_string_test_of_a_backend_or_executor_name_outside_the_registries():
+    allowed = {Path("harness/backends.py"), Path("harness/sim/entry.py"), Path("harness/serve/entry.py"),
+               Path("harness/executors/__init__.py"), Path("harness/executors/local.py"),
+               Path("harness/executors/ray.py")}
     found = []
     for path in sorted((REPO / "harness").rglob("*.py")):
         rel = path.relative_to(REPO)

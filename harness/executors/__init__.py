@@ -6,11 +6,18 @@ uses a backend, a backend never imports the pipeline.
 processes; the real backend starts one server per cell). ``ray``: each cell a Ray task on a
 cluster (``harness.executors.ray``, imported only when asked for); its records, spans and audio
 come back to the driver, which writes them exactly as a local run does.
+
+The registry maps ``--executor``'s name to a module with two hooks: ``preflight(address)`` (before
+any run directory exists: is the executor usable with this ``--ray-address``) and
+``make_executor(run_dir, options)`` (the ``harness.backends.Backend`` interface over the backend).
+Nothing outside a module named here tests an executor's name.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from harness.errors import UserError
@@ -18,20 +25,22 @@ from harness.errors import UserError
 if TYPE_CHECKING:
     from harness.backends import Backend, RunOptions
 
-EXECUTORS = ("local", "ray")
+EXECUTOR_MODULES: dict[str, str] = {
+    "local": "harness.executors.local",
+    "ray": "harness.executors.ray",
+}
+EXECUTORS = tuple(EXECUTOR_MODULES)
+
+
+def get_executor(name: str) -> ModuleType:
+    module = EXECUTOR_MODULES.get(name)
+    if module is None:
+        raise UserError(f"--executor {name!r}: unknown executor (choose {' or '.join(EXECUTORS)})")
+    return importlib.import_module(module)
 
 
 def make_executor(run_dir: Path, options: RunOptions) -> Backend:
     """The executor ``options.executor`` names, over the backend ``options.backend`` names. Both
     have the ``Backend`` interface: ``open`` with every cell, ``run_cell`` each in order (its records
     and spans handed to the caller's ``emit``), ``close`` on every path."""
-    name = getattr(options, "executor", "local")
-    if name == "local":
-        from harness.executors.local import make_backend
-
-        return make_backend(options.backend, run_dir, options)
-    if name == "ray":
-        from harness.executors.ray import RayExecutor
-
-        return RayExecutor(run_dir, options)
-    raise UserError(f"--executor {name!r}: unknown executor (choose {' or '.join(EXECUTORS)})")
+    return get_executor(getattr(options, "executor", "local")).make_executor(run_dir, options)

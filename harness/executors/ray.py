@@ -81,11 +81,12 @@ def _probe(address: str, shown: str | None = None) -> None:
                         f"({exc.strerror or exc})") from None
 
 
-def preflight(address: str | None) -> None:
+def preflight(address: str | None, dry_run: bool = False) -> None:
     """Before a run directory exists: Ray importable, and this process connected to the cluster
     named (``address``, else $RAY_ADDRESS, else a one-machine Ray started for the run); one line and
-    exit 2 otherwise. The executor then uses this connection."""
-    connect(address)
+    exit 2 otherwise. The executor then uses this connection. ``--dry-run`` runs no cell: no cluster."""
+    if not dry_run:
+        connect(address)
 
 
 _owned = False  # this process connected to Ray (preflight or open), so the executor disconnects
@@ -324,3 +325,7 @@ class RayExecutor:
             if _owned:
                 _owned = False
                 ray.shutdown()
+
+
+def make_executor(run_dir: Path, options: RunOptions) -> RayExecutor:
+    return RayExecutor(run_dir, options)

@@ -55,6 +55,9 @@ def unwritable(path: Path) -> str | None:
 
 def redirect_unwritable() -> None:
     """Points each library cache that cannot be written at a folder that can, saying so once."""
+    for env in ("VLLM_CACHE_ROOT", "MPLCONFIGDIR"):
+        if os.environ.get(env) == "":  # set but empty: vLLM would write its caches into the working folder
+            del os.environ[env]
     bad = [(lib, env, path, why) for lib, env, path in _library_dirs() if (why := unwritable(path)) is not None]
     if not bad:
         return

@@ -19,7 +19,7 @@ import yaml
 
 from harness.errors import ConfigError, short_repr
 from harness.families import DEFAULT_FAMILY, FAMILY_PACKAGES
-from harness.sim.physics import FRAMES_PER_TEXT_TOKEN
+from harness.physics import FRAMES_PER_TEXT_TOKEN
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEPLOY_DIR = PROJECT_ROOT / "deploy_configs"
@@ -264,7 +264,7 @@ class SpecDecodeSettings:
 class SimSettings:
     """Knobs of the CPU simulation only (ignored by the real backend)."""
 
-    frames_per_text_token: int = FRAMES_PER_TEXT_TOKEN  # R = 19: derived in harness/sim/physics.py
+    frames_per_text_token: int = FRAMES_PER_TEXT_TOKEN  # R = 19: derived in harness/physics.py
     thinker_steps_per_token: float = 1.0  # Talker steps the Thinker needs per reply token
     default_max_num_batched_tokens: int = 32768  # vLLM-Omni's qwen2_5_omni stage default
     default_max_model_len: int = 32768  # Talker's max_position_embeddings when unset

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness.config import SamplingSettings, SimSettings, load_prompts
-from harness.sim import physics
+from harness import physics
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, NOISE_CODES, CodecVocab
 from harness.sim.rows import NONE, RowSpace
 from harness.sim.talker import SimTalker, TalkerKV

@@ -30,11 +30,10 @@ import numpy as np
 
 from harness.audio.cache import AudioCache
 from harness.errors import UserError
-from harness.sim.codec import parse_babble
-from harness.sim.physics import CODEC_FRAME_RATE_HZ, SPEAKING_RATE_WPM
+from harness.physics import CODEC_FRAME_RATE_HZ, SPEAKING_RATE_WPM
+from harness.speech_units import PAUSE, parse_babble
 
 SAMPLE_RATE = 24_000  # Qwen2.5-Omni's Code2Wav rate; every WAV we write uses it
-PAUSE = "<pause>"  # a unit that stands for silence (punctuation, text-PAD frames)
 PAUSE_SECONDS = 0.25
 EMPTY_SECONDS = 0.5  # what an empty unit list becomes: a short silent WAV
 LEAD_SECONDS = 0.2  # silence before the first word: Whisper drops a word that starts at 0.0 s

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from harness.errors import ConfigError
+from harness.speech_units import BABBLE_PREFIX, PAUSE, babble_unit, parse_babble  # noqa: F401 - re-exported
 from harness.tokenizer import is_spoken
 
 SILENCE = 0
@@ -25,29 +26,6 @@ WORD_BASE = 128
 VARIANTS = 4
 CODEC_PAD, CODEC_BOS, CODEC_EOS, CODEC_MASK = 8292, 8293, 8294, 8296
 MAX_WORD_CODE = CODEC_PAD
-
-PAUSE = "<pause>"
-
-# A babbling stretch: noise frames, grouped one unit per R frames (the time one text token
-# takes), spoken by Code2Wav as non-speech (harness/audio/tts.py) and never as words.
-BABBLE_PREFIX = "<babble:"
-
-
-def babble_unit(code: int, frames: int) -> str:
-    """The unit for ``frames`` noise frames starting with noise code ``code``."""
-    return f"{BABBLE_PREFIX}{code}:{frames}>"
-
-
-def parse_babble(unit: str) -> tuple[int, int] | None:
-    """(code, frames) of a babble unit, ``None`` for any other unit."""
-    if not unit.startswith(BABBLE_PREFIX) or not unit.endswith(">"):
-        return None
-    code, _, frames = unit[len(BABBLE_PREFIX):-1].partition(":")
-    try:
-        return int(code), int(frames)
-    except ValueError:
-        return None
-
 
 @dataclass(frozen=True)
 class CodecVocab:

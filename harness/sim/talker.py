@@ -14,7 +14,7 @@ Rules (arm-agnostic; README "How the simulation works"):
    another request's row that request's word); punctuation, template tokens and the
    speaker/BOS rows are silence; an unidentifiable text component is noise; the end of the text
    (text-EOS, text-PAD, or a row with no text component) makes it emit codec EOS, which ends
-   the request. ``R`` comes from physics (``harness/sim/physics.py``: 50 Hz codec, the TTS's
+   the request. ``R`` comes from physics (``harness/physics.py``: 50 Hz codec, the TTS's
    140 words per minute, the tokenizer rule's tokens per word).
 4. Duration of a babbling Talker: it has no alignment between frames and text, so nothing it
    reads tells it where the text ends, and its stopping does not follow the rows it reads. It

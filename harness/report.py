@@ -26,6 +26,7 @@ from typing import Any
 
 import pandas as pd
 
+from harness.backends import is_simulated
 from harness.errors import UserError
 from harness.records import RequestRecord, write_file_atomic
 from harness.summary import (  # re-exported: callers and tests use report.load_run & co.
@@ -224,7 +225,7 @@ def requests_table(run: Run, cells: list[CellSummary], max_text: int = 80) -> pd
             str(ev.nonzero_offset_chunks), str(ev.cross_boundary_replays), str(ev.multi_position_decode_spans),
             fmt_accepted(rec.accepted_tokens_per_step), fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls),
             *((str(ev.misaligned_text_positions), str(ev.misaligned_end_positions))
-              if known.get(rec.key, rec.backend == "sim") else (NA, NA)),
+              if known.get(rec.key, is_simulated(rec.backend)) else (NA, NA)),
             _shorten(rec.error or "", max_text), _shorten(text or "", max_text),
         ])
     return pd.DataFrame(rows, columns=REQUEST_COLUMNS, dtype=object)
@@ -272,7 +273,7 @@ def paired_table(run: Run, cells: list[CellSummary], reference_deploy: str | Non
         for pr in paired_rows(cell, cells, reference_deploy):
             key = (cell.arm, cell.deploy, cell.repeat, pr.prompt_id)
             ev = events.get(key)
-            measured = ev is not None and known.get(key, pr.record is not None and pr.record.backend == "sim")
+            measured = ev is not None and known.get(key, pr.record is not None and is_simulated(pr.record.backend))
             rows.append([
                 cell.arm, cell.deploy, str(cell.run_number), pr.prompt_id, fmt_wer(pr.reference_wer), fmt_wer(pr.wer),
                 fmt_delta(pr.delta), fmt_delta(pr.oracle_delta),
@@ -395,7 +396,7 @@ def render_markdown(df: pd.DataFrame) -> str:
 def run_header(run: Run) -> list[str]:
     m = run.manifest
     backend = _describe(m.get("backend", NA))
-    if m.get("backend") == "sim" and isinstance(m.get("sim_talker"), str):  # --sim-talker (runs before it: words)
+    if is_simulated(m.get("backend")) and isinstance(m.get("sim_talker"), str):  # --sim-talker (runs before it: words)
         backend += f" (Talker: {m['sim_talker']})"
     lines = [f"Run {run.run_id}: backend {backend}, ASR {_describe(m.get('asr') or 'none')}"]
     finished = m.get("finished")
@@ -512,9 +513,11 @@ table.extended td,table.paired td,table.requests td{white-space:nowrap}
 table.extended,table.requests,table.paired{font-size:12px}
 table.extended th,table.extended td{padding:3px 4px}
 table.paired thead th:last-child{text-align:left}
-table.requests{width:100%}
 table.requests tr.group th{background:#e8eef7;text-align:left;font-size:13px;padding:4px 6px}
-table.requests td.text{white-space:normal;text-align:left;min-width:36em;width:55%;color:#333}
+table.requests{width:100%}
+table.requests th,table.requests td{width:1px}
+table.requests td.text{white-space:normal;text-align:left;min-width:36em;color:#333}
+table.requests .text{width:auto;text-align:left}
 td.text .empty{color:#999;font-style:italic}
 td.bad{color:#b00;font-weight:600}
 .note{color:#555}
@@ -678,8 +681,11 @@ def html_requests(run: Run, cells: list[CellSummary]) -> str:
     by_key = {c.key: c for c in cells}
     records = sorted(run.requests, key=lambda r: (rank[(r.arm, r.deploy, r.repeat)], r.prompt_id))
     ncols = len(_REQUEST_HTML) + 2
-    head = "".join(f"<th title=\"{html.escape(tip)}\">{html.escape(h)}</th>" if tip else f"<th>{html.escape(h)}</th>"
-                   for h, _, tip in _REQUEST_HTML) + "<th>Audio</th><th>Transcript</th>"
+    def label(h: str) -> str:  # a word a line: the narrow columns stay narrow, the transcript gets the width
+        return "<br>".join(html.escape(w) for w in h.split(" "))
+
+    head = "".join(f"<th title=\"{html.escape(tip)}\">{label(h)}</th>" if tip else f"<th>{label(h)}</th>"
+                   for h, _, tip in _REQUEST_HTML) + "<th>Audio</th><th class=\"text\">Transcript</th>"
     body = []
     current = None
     for rec, (_, row) in zip(records, df.iterrows()):

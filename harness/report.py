@@ -621,7 +621,7 @@ def audio_src(run: Run, record: RequestRecord | None) -> tuple[str | None, str]:
         return None, f"{record.audio_path} is outside the run directory"
     if not (run.run_dir / rel).is_file():
         return None, f"{record.audio_path} missing"
-    return urllib.parse.quote(rel.as_posix()), ""
+    return urllib.parse.quote(rel.as_posix(), errors="surrogateescape"), ""  # a lone surrogate: its byte
 
 
 def audio_tag(run: Run, record: RequestRecord | None, label: str) -> str:

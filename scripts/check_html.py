@@ -97,7 +97,7 @@ def check(pages: list[tuple[str, Path]], shots: Path | None, chromium: str, max_
             broken = [h for h in links if not Path(h).exists()]
             played = probe["played"]
             plays = played is None or (isinstance(played, (int, float)) and played > 0)
-            ok = (probe["scrollWidth"] <= WIDTH and not probe["imagesBroken"] and len(playable) == len(audio)
+            ok = (probe["scrollWidth"] <= min(WIDTH, probe["clientWidth"]) and not probe["imagesBroken"] and len(playable) == len(audio)
                   and not broken and plays)
             if not plays:
                 print(f"{name}: the first audio player did not play: {played}", file=sys.stderr)

@@ -7,51 +7,22 @@ computed-token count before the step (``_omni_num_computed_tokens``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # records imports this module (a span computes its own flags): no import cycle
+# The span events and the metrics counted from them are defined once, in ``harness.metrics``
+# (below records, which computes a span's flags from them); re-exported here for the contract's callers.
+from harness.metrics import EVENT_COUNTS, EVENT_FIELDS, EVENTS, MISALIGNED_COUNTS, span_flags
+
+if TYPE_CHECKING:
     from harness.records import EventCounts, SpanRecord
 
-# The one definition of the span events: name -> predicate over (P, c, n, rows). The predicates use
-# only comparisons and ``&``, so they take Python ints (one span) and numpy columns (a whole
-# spans.jsonl) alike; ``classify_span``, ``classify_spans``, ``SpanRecord``'s flags, ``count_events``
-# and the report's vectorised counts are all generated from this table.
-EVENTS: dict[str, Callable[[Any, Any, Any, Any], Any]] = {
-    "is_prefill": lambda P, c, n, rows: c < P,
-    # 0 < c < P: a prefill chunk that does not start at row 0
-    "nonzero_offset": lambda P, c, n, rows: (c > 0) & (c < P),
-    # c < P < c + n: a replay covering prompt and generated positions
-    "cross_boundary": lambda P, c, n, rows: (c < P) & (P < c + n),
-    # c >= P and n > 1: replay of generated positions, or a speculative-decoding verify span
-    "multi_decode": lambda P, c, n, rows: (c >= P) & (n > 1),
-    # 0 < c < P and n == 1
-    "one_token_tail": lambda P, c, n, rows: (c > 0) & (c < P) & (n == 1),
-    # rows returned != n
-    "row_mismatch": lambda P, c, n, rows: rows != n,
-}
-EVENT_FIELDS = tuple(EVENTS)
-
-# EventCounts field -> the event flags whose conjunction it counts (``talker_calls`` counts every call).
-EVENT_COUNTS: dict[str, tuple[str, ...]] = {
-    "talker_calls": (),
-    "prefill_calls": ("is_prefill",),
-    "nonzero_offset_chunks": ("nonzero_offset",),
-    "cross_boundary_replays": ("cross_boundary",),
-    "multi_position_decode_spans": ("multi_decode",),
-    "one_token_tails": ("one_token_tail",),
-    "row_count_mismatches": ("row_mismatch",),
-    "prefill_row_count_mismatches": ("row_mismatch", "is_prefill"),
-}
-# EventCounts field -> the SpanRecord field summed into it (misaligned positions, by region).
-MISALIGNED_COUNTS: dict[str, str] = {
-    "misaligned_positions": "misaligned",
-    "misaligned_text_positions": "misaligned_text",
-    "misaligned_end_positions": "misaligned_end",
-}
+__all__ = ["EVENTS", "EVENT_FIELDS", "EVENT_COUNTS", "MISALIGNED_COUNTS", "span_flags", "SpanEvents", "classify_span",
+           "classify_spans", "event_count_columns", "misaligned_regions", "count_events", "span_regions",
+           "ContractError", "require_metadata"]
 
 
 @dataclass(frozen=True)
@@ -62,28 +33,6 @@ class SpanEvents:
     multi_decode: bool
     one_token_tail: bool
     row_mismatch: bool  # rows returned != n (None rows: not known)
-
-
-def _table_flags(P: int, c: int, n: int, rows: int | None) -> dict[str, bool]:
-    return {name: bool(pred(P, c, n, rows)) for name, pred in EVENTS.items()}
-
-
-# A decode span (one position past the prompt, one row back) is most spans of a run (about 58,000 of
-# 73,000 in the default matrix): its flags are the same for every such span, since the predicates
-# compare c with P, n with 1 and rows with n only; computed once here from the table itself.
-_DECODE_FLAGS = _table_flags(2, 2, 1, 1)
-
-
-def span_flags(P: int, c: int, n: int, rows: int | None = None) -> dict[str, bool]:
-    """The event flags of one span ({name: bool}); ``rows`` None: no row-count mismatch claimed."""
-    if n == 1 and rows == 1 and c >= P >= 0 and type(c) is int and type(P) is int:
-        return dict(_DECODE_FLAGS)
-    if P < 0 or c < 0 or n < 1:
-        raise ValueError(f"invalid span: P={P} c={c} n={n}")
-    flags = _table_flags(P, c, n, rows)
-    if rows is None:
-        flags["row_mismatch"] = False
-    return flags
 
 
 def classify_span(P: int, c: int, n: int, rows: int | None = None) -> SpanEvents:

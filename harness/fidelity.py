@@ -22,6 +22,7 @@ from typing import Any
 
 from harness.backends import is_simulated
 from harness.errors import UserError
+from harness.metrics import BY_NAME as COUNTS
 from harness.records import EventCounts, RequestRecord
 
 RequestKey = tuple[str, str, int, str]  # (arm, deploy, repeat, prompt id)
@@ -36,17 +37,25 @@ class Metric:
     mean: bool = False  # the cell's value is the mean over its requests (else the sum)
 
 
+def _short(name: str) -> str:
+    return COUNTS[name].short
+
+
+def _count(name: str, key: str | None = None) -> Metric:
+    """A count of ``harness.metrics`` (its label defined there), under ``key`` in the JSON."""
+    return Metric(key or name, _short(name), lambda r, e: getattr(e, name))
+
+
 METRICS: tuple[Metric, ...] = (
     Metric("oracle_wer", "oracle WER", lambda r, e: r.oracle_wer, mean=True),
     Metric("codec_tokens", "codec tokens", lambda r, e: r.num_codec_tokens),
-    Metric("nonzero_offset_chunks", "non-zero-offset chunks", lambda r, e: e.nonzero_offset_chunks),
-    Metric("cross_boundary_replays", "crossing replays", lambda r, e: e.cross_boundary_replays),
-    Metric("multi_position_decode_spans", "multi-position decode spans", lambda r, e: e.multi_position_decode_spans),
+    *(_count(name) for name in ("nonzero_offset_chunks", "cross_boundary_replays", "multi_position_decode_spans")),
     Metric("preemptions", "preemptions", lambda r, e: r.preemptions),
-    Metric("row_count_mismatches", "row-count mismatches", lambda r, e: e.prefill_row_count_mismatches),
-    Metric("prefill_calls", "prefill calls", lambda r, e: e.prefill_calls),
-    Metric("misaligned_text", "misaligned (text)", lambda r, e: e.misaligned_text_positions),
-    Metric("misaligned_end", "misaligned (end)", lambda r, e: e.misaligned_end_positions),
+    # the server's trace knows the row counts of prefill calls only: compared there
+    Metric("row_count_mismatches", _short("row_count_mismatches"), lambda r, e: e.prefill_row_count_mismatches),
+    _count("prefill_calls"),
+    _count("misaligned_text_positions", "misaligned_text"),
+    _count("misaligned_end_positions", "misaligned_end"),
 )
 
 

@@ -43,6 +43,8 @@ from typing import Any
 
 from harness.config import DEPLOY_DIR, load_yaml
 from harness.errors import ConfigError, short_repr
+from harness.metrics import METRICS as COUNT_METRICS
+from harness.metrics import MISALIGNED_COUNTS, STRESS_METRICS
 from harness.summary import (
     ROLES,
     CellKey,
@@ -55,7 +57,8 @@ from harness.summary import (
 
 DEFAULT_RULES = DEPLOY_DIR / "gates.yaml"
 
-# metric -> what it measures (messages and docs)
+# metric -> what it measures (messages and docs): the WER metrics are the gate's own, the counts
+# are harness.metrics' (their labels defined once there)
 METRICS: dict[str, str] = {
     "mean_wer": "mean WER",
     "requests_over": "requests with WER over the threshold",
@@ -63,26 +66,18 @@ METRICS: dict[str, str] = {
     "worst_paired_delta": "largest per-prompt WER increase over the same prompt in the reference deploy",
     "worst_of_repeats_mean_wer": "mean over prompts of each prompt's worst WER over the repeats",
     "worst_of_repeats_requests_over": "prompts with WER over the threshold in at least one repeat",
-    "nonzero_offset_chunks": "non-zero-offset prefill chunks",
-    "cross_boundary_replays": "replays crossing the prompt boundary",
-    "multi_position_decode_spans": "multi-position decode spans",
-    "one_token_tails": "one-token prefill tails",
-    "row_count_mismatches": "row-count mismatches",
-    "misaligned_positions": "misaligned positions (both regions)",
-    "misaligned_text_positions": "misaligned positions in the text region",
-    "misaligned_end_positions": "misaligned positions in the end region",
+    **{m.name: m.label for m in COUNT_METRICS if m.gate},
     "preemptions": "preemptions",
     "errors": "requests that ended in an error",
 }
 WER_METRICS = ("mean_wer", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer")
 REFERENCE_METRICS = ("wer_delta", "worst_paired_delta")  # need reference_deploy
-MISALIGNED_METRICS = ("misaligned_positions", "misaligned_text_positions", "misaligned_end_positions")
+MISALIGNED_METRICS = tuple(MISALIGNED_COUNTS)
 # Bounds that show the bug is detected (an expect: fail rule needs one, and no max_ on a WER metric).
 DETECTION_METRICS = ("mean_wer", "requests_over", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer",
                      "worst_of_repeats_requests_over", "row_count_mismatches", *MISALIGNED_METRICS)
 NO_MAX_WHEN_FAIL = ("mean_wer", "requests_over", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer",
                     "worst_of_repeats_requests_over")
-STRESS_METRICS = ("nonzero_offset_chunks", "cross_boundary_replays")
 RULE_KEYS = {"name", "arm", "role", "deploy", "expect", "stress", "reference_deploy", "optional", "description"}
 TOP_KEYS = {"wer_threshold", "reference_deploy", "rules"}
 

@@ -8,12 +8,16 @@ keeps everything it measured (a torn last line is dropped on read).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from harness.metrics import span_flags
 
 REQUESTS_FILE = "requests.jsonl"
 SPANS_FILE = "spans.jsonl"
@@ -25,7 +29,7 @@ class SpanRecord:
     """One ``talker_preprocess`` call for one request (DESIGN.md "span").
 
     The event flags are not arguments: every record computes them from the phase contract
-    (``harness.contract.EVENTS``) when it is built, so no call site can get them wrong.
+    (``harness.metrics.EVENTS``) when it is built, so no call site can get them wrong.
     Misaligned positions (exact: rows that differ from the contract's) come in two regions,
     ``misaligned_text`` (prompt and reply positions up to and including text-EOS) and
     ``misaligned_end`` (after text-EOS); ``misaligned`` is their sum (given alone by records
@@ -53,8 +57,6 @@ class SpanRecord:
     row_mismatch: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        from harness.contract import span_flags  # contract imports records for its annotations only
-
         for name, value in span_flags(self.P, self.c, self.n, self.rows).items():
             setattr(self, name, value)
         if self.misaligned_text is not None or self.misaligned_end is not None:
@@ -63,7 +65,8 @@ class SpanRecord:
 
 @dataclass
 class EventCounts:
-    """Per-request (or per-cell) counts of the contract's events (see ``harness.contract.EVENT_COUNTS``)."""
+    """Per-request (or per-cell) counts of the contract's events: one field per ``harness.metrics.METRICS``
+    entry, in its order (``tests/test_metrics.py``)."""
 
     talker_calls: int = 0
     prefill_calls: int = 0
@@ -298,9 +301,7 @@ def truncate_torn_tail(path: Path) -> bool:
 
 def read_requests(run_dir: Path) -> list[RequestRecord]:
     """Every complete record; a record with a missing field or a field of the wrong type is a
-    ValueError naming the file and the line (``harness.recordcheck``)."""
-    from harness.recordcheck import request_record_problem
-
+    ValueError naming the file and the line (``request_record_problem``)."""
     path = run_dir / REQUESTS_FILE
     records = []
     for number, data in iter_jsonl_numbered(path):
@@ -353,3 +354,81 @@ def write_file_atomic(path: Path, data: str | bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+# --------------------------------------------------------------------------- a request record's JSON, checked
+# ``read_requests`` runs this on every line, so ``run --resume``, ``report``, ``compare`` and ``gate``
+# all refuse a hand-edited or foreign record (a missing field, ``"repeat": "one"``) with one line
+# naming the file, the line and the field, instead of a TypeError deep in the tables. It lives with
+# the record it checks: records import no checker (the contract and the gate import records).
+
+
+@functools.cache
+def _request_fields() -> tuple[dict[str, str], frozenset[str]]:
+    types = {f.name: str(f.type) for f in dataclasses.fields(RequestRecord) if f.init}
+    required = frozenset(f.name for f in dataclasses.fields(RequestRecord)
+                         if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    return types, required
+
+
+def request_record_problem(obj: Any) -> str | None:
+    """What is wrong with one parsed request record, or None."""
+    if not isinstance(obj, dict):
+        return f"expected a request record (a JSON object), got {_json_type(obj)}"
+    types, required = _request_fields()
+    missing = sorted(required - obj.keys())
+    if missing:
+        return f"record missing field{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}"
+    for name, value in obj.items():
+        declared = types.get(name)
+        if declared is not None and not _has_type(value, declared):
+            return f"{name}: expected {declared.replace('EventCounts', 'an object of counts')}, got {value!r:.60}"
+    return _range_problem(obj)
+
+
+def _range_problem(obj: dict[str, Any]) -> str | None:
+    """Every number of a record is finite and not negative: JSON readers take ``NaN`` and
+    ``Infinity``, and a NaN ``oracle_wer`` read as "not measured", a negative WER as better than
+    perfect (issue 24, case 16). Types are checked already."""
+    for name in sorted(obj):
+        value = obj[name]
+        if name == "events":
+            for key in sorted(value):
+                if value[key] < 0:
+                    return f"events.{key}: must be a count >= 0, got {value[key]!r}"
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isnan(value) or math.isinf(value) or value < 0:
+                kind = "a count" if isinstance(value, int) else "a finite number"
+                return f"{name}: must be {kind} >= 0, got {value!r}"
+    return None
+
+
+def _has_type(value: Any, declared: str) -> bool:
+    for part in (p.strip() for p in declared.split("|")):
+        if part == "None" and value is None:
+            return True
+        if part == "str" and isinstance(value, str):
+            return True
+        if part == "bool" and isinstance(value, bool):
+            return True
+        if part == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if part == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if part.startswith("list[") and isinstance(value, list):
+            inner = part[5:-1]
+            if inner == "int" and set(map(type, value)) <= {int}:  # codec_tokens: thousands of ints, one C pass
+                return True
+            return all(_has_type(v, inner) for v in value)
+        if part == "EventCounts" and isinstance(value, dict):
+            return all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in value.items())
+        if part not in ("None", "str", "bool", "int", "float", "EventCounts") and not part.startswith("list["):
+            return True  # a type this check does not know: not its business
+    return False
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number"}.get(type(value), type(value).__name__)

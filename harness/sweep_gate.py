@@ -25,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.metrics import STRESSED_POINT_METRICS
 from harness.gate import (
     STRESS_METRICS,
     WER_METRICS,
@@ -37,7 +38,7 @@ from harness.gate import (
 from harness.summary import CellSummary
 
 WER_BOUND_METRICS = (*WER_METRICS, "requests_over", "worst_of_repeats_requests_over")
-STRESS_EVENTS = ("nonzero_offset_chunks", "cross_boundary_replays", "multi_position_decode_spans")
+STRESS_EVENTS = STRESSED_POINT_METRICS  # harness.metrics: the counts that show a point stressed the Talker
 
 
 def stressed(cell: CellSummary) -> bool:

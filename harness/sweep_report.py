@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.backends import is_simulated
 from harness.errors import UserError
 from harness.gate import Rules
 from harness.records import MANIFEST_FILE
@@ -155,7 +156,7 @@ def light_run(run_dir: Path) -> Run:
         requests = read_requests(run_dir)
     except (OSError, ValueError, TypeError, UserError):
         return load_run(run_dir)  # it names the problem
-    if manifest.get("backend", "sim") != "sim" or not requests or any(r.schedule is None for r in requests):
+    if not is_simulated(manifest.get("backend", "sim")) or not requests or any(r.schedule is None for r in requests):
         return load_run(run_dir)
     torn = (REQUESTS_FILE,) if _torn_tail(run_dir / REQUESTS_FILE) else ()
     return Run(run_dir=run_dir, manifest=manifest, requests=requests, torn=torn)

@@ -24,7 +24,7 @@ from pathlib import Path
 from harness.audio.asr import make_transcriber
 from harness.audio.tts import DEFAULT_VOICE, Voice, speak, units_from_text
 from harness.config import load_prompts
-from harness.scoring import normalize, wer
+from harness.audio.scoring import normalize, wer
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"sim_over_scheduler": 2.0, "main_warm_s": 8.0, "asr_none_s": 8.0, "cold_s": 45.0,
            "whisper_over_floor": 1.5, "report_own_s": 1.0, "quick_command_s": 1.5}
-REPORT_FLOOR = ("import click, yaml, numpy, pandas; import harness.cli, harness.report, harness.summary, "
+REPORT_FLOOR = ("import click, yaml, numpy, pandas; import harness.cli, harness.report.tables, harness.report.summary, "
                 "harness.commands.report")
 # What an ``omni-stress run`` of the sim cannot avoid importing: the CLI, torch, vLLM's scheduler and what a
 # cell builds, and the report's pandas and matplotlib.

@@ -77,8 +77,8 @@ def main() -> int:
         cells = manifest.get("cells", [])
         sys.path.insert(0, str(ROOT))
         from harness.gate import DEFAULT_RULES, load_rules
-        from harness.summary import load_run
-        from harness.sweep_report import build_map, write_sweep_report
+        from harness.report.summary import load_run
+        from harness.sweep.report import build_map, write_sweep_report
 
         t1 = time.perf_counter()
         load_run(run_dir)

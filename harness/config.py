@@ -313,7 +313,7 @@ class Deploy:
     sim: SimSettings
     speculative: SpecDecodeSettings | None = None
     load: LoadSettings = DEFAULT_LOAD
-    # A sweep's grid point (harness/sweep.py): the (dotted key, value) pairs applied to ``path``'s
+    # A sweep's grid point (harness/sweep/grid.py): the (dotted key, value) pairs applied to ``path``'s
     # YAML. The config hash covers them, so --resume refuses a point whose values changed.
     overrides: tuple[tuple[str, Any], ...] = ()
     # The model family whose stage this deploy configures (harness.families); a deploy without a

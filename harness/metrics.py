@@ -66,7 +66,7 @@ class Metric:
     span_field: str | None = None  # else: sums this SpanRecord field (misaligned positions)
     stress: bool = False  # evidence that a stress deploy stressed: the gate's minimum-stress rules
     stressed_point: bool = False  # a map point counts as stressed when any such metric is > 0
-    plot: bool = False  # drawn in the events plot (harness.plots)
+    plot: bool = False  # drawn in the events plot (harness.report.plots)
     gate: bool = True  # a gate rule may bound it (max_NAME / min_NAME)
 
 

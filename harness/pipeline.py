@@ -309,7 +309,7 @@ class AudioScorer:
     @staticmethod
     def _scored(record: RequestRecord, transcript: str, seconds: float, cached: bool) -> AsrResult:
         from harness.audio.pipeline import AsrResult
-        from harness.scoring import wer
+        from harness.audio.scoring import wer
 
         return AsrResult(transcript, wer(record.reference_text, transcript), seconds, cached)
 
@@ -365,7 +365,7 @@ class RecordSink:
 def _mark_not_measurable(record: RequestRecord) -> None:
     """A request whose reference normalises to no words gets no WER, never a 0 (``scoring.measurable``);
     one place for both backends, the oracle and Whisper scores."""
-    from harness.scoring import measurable
+    from harness.audio.scoring import measurable
 
     if record.error is None and not measurable(record.reference_text):
         record.not_measurable = True

@@ -31,7 +31,7 @@ from harness.audio.tts import (
 )
 from harness.cli import main
 from harness.errors import UserError
-from harness.scoring import wer
+from harness.audio.scoring import wer
 
 SENTENCES = [
     "Keep your room dark, quiet and cool.",

@@ -18,7 +18,7 @@ from harness.cli import main
 from harness.config import DEPLOY_DIR
 from harness.errors import ConfigError
 from harness.records import EventCounts, JsonlWriter, RequestRecord, write_manifest
-from harness.summary import CellSummary
+from harness.report.summary import CellSummary
 
 
 def cell(arm: str, deploy: str, repeat: int = 1, wer: float = 0.0, over: int = 0, chunks: int = 0,
@@ -496,7 +496,7 @@ def test_ci_workflow_runs_the_matrix_and_the_gate() -> None:
 def test_a_pattern_reference_deploy_pairs_within_the_deploy_family() -> None:
     from types import SimpleNamespace as Cell
 
-    from harness.summary import resolve_reference_deploy
+    from harness.report.summary import resolve_reference_deploy
 
     cells = [Cell(arm="pr", deploy=d) for d in ("reference", "stress", "cpu-reference", "cpu-stress")]
     cells.append(Cell(arm="main", deploy="gpu2-reference"))

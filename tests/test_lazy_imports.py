@@ -131,7 +131,7 @@ def test_list_still_resolves_deploys(tmp_path):
 
 def test_report_imports_pandas_and_matplotlib_only(two_runs, tmp_path):
     _, run_dir = two_runs
-    (run_dir / "plots" / ".render-key.json").unlink()  # plots/*.png must be drawn (harness.plotcache)
+    (run_dir / "plots" / ".render-key.json").unlink()  # plots/*.png must be drawn (harness.report.plotcache)
     code, modules, out, err = _probe(tmp_path, "report", str(run_dir))
     assert code == 0, err
     assert "pandas" in modules and "matplotlib" in modules  # it draws plots/*.png

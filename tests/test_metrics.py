@@ -24,7 +24,8 @@ def test_each_metric_counts_known_flags_or_a_span_field():
 
 
 def test_the_gate_and_the_map_read_the_definitions():
-    from harness import gate, sweep_gate
+    from harness import gate
+    from harness.sweep import gate as sweep_gate
 
     assert gate.STRESS_METRICS == ("nonzero_offset_chunks", "cross_boundary_replays")
     assert sweep_gate.STRESS_EVENTS == ("nonzero_offset_chunks", "cross_boundary_replays",
@@ -36,7 +37,7 @@ def test_the_gate_and_the_map_read_the_definitions():
 
 
 def test_fidelity_labels_come_from_the_definitions():
-    from harness import fidelity
+    from harness.report import fidelity
 
     labels = {m.key: m.label for m in fidelity.METRICS}
     assert labels["cross_boundary_replays"] == metrics.BY_NAME["cross_boundary_replays"].short == "crossing replays"

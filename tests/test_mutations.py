@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import gate, summary
+from harness import gate
+from harness.report import summary
 from harness.config import DEPLOY_DIR
 from tests.conftest import REPO, SMALL_PROMPTS, invoke_cli
 

@@ -1,4 +1,4 @@
-"""``report`` reuses the PNGs a run drew only while nothing they show changed (harness.plotcache)."""
+"""``report`` reuses the PNGs a run drew only while nothing they show changed (harness.report.plotcache)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
-from harness import plotcache, report
+from harness.report import plotcache
+from harness.report import tables as report
 
 
 def _pngs(run_dir: Path) -> dict[str, bytes]:

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from harness.contract import EVENT_FIELDS, classify_spans
-from harness import report
+from harness.report import tables as report
 from harness.cli import main
 from harness.records import EventCounts, JsonlWriter, RequestRecord, SpanRecord, write_manifest
 
@@ -323,7 +323,7 @@ def test_spans_written_before_the_split_count_in_the_text_region(tmp_path: Path)
 
 
 def test_timeline_picks_a_stressed_request(seed_run: Path) -> None:
-    from harness import plots
+    from harness.report import plots
 
     run, _ = _cells(seed_run)
     deploy, _, prompt = plots.pick_stressed_request(run)

@@ -15,7 +15,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from harness import report
+from harness.report import tables as report
 from harness.conform.check import ModelResult
 from harness.conform.compare import Cell
 from harness.conform.report import Matrix, Report, format_html
@@ -171,7 +171,7 @@ def test_heatmaps_draw_a_colour_bar(tiny_sweep: Path, monkeypatch: pytest.Monkey
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    from harness import sweep_report
+    from harness.sweep import report as sweep_report
     from harness.gate import DEFAULT_RULES, load_rules
 
     seen = []

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from harness.scoring import WerSummary, normalize, summarize, wer
+from harness.audio.scoring import WerSummary, normalize, summarize, wer
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -20,7 +20,7 @@ import pytest
 from harness import speaking
 from harness.config import load_arms, load_deploy, load_prompts, resolve_arm
 from harness.errors import UserError
-from harness.fidelity import Side, compare, ratio, render_text
+from harness.report.fidelity import Side, compare, ratio, render_text
 from harness.records import EventCounts, RequestRecord
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, parse_babble
 from harness.sim.rows import NONE, UNKNOWN, RowSpace

@@ -14,7 +14,7 @@ import pytest
 
 from harness.config import ConfigError, LoadSettings, load_deploy, parse_deploy
 from harness.records import RequestRecord, read_manifest, read_requests, to_json
-from harness.sweep import load_sweep, parse_sweep
+from harness.sweep.grid import load_sweep, parse_sweep
 from conftest import REPO, invoke_cli
 from test_bad_input import assert_one_line_error
 
@@ -214,7 +214,7 @@ def test_latency_fields_are_written_only_when_measured() -> None:
 
 
 def test_percentiles_are_nearest_rank() -> None:
-    from harness.sweep_metrics import percentile
+    from harness.sweep.metrics import percentile
 
     values = [float(v) for v in range(1, 11)]
     assert [percentile(values, q) for q in (50, 90, 99)] == [5.0, 9.0, 10.0]
@@ -222,9 +222,9 @@ def test_percentiles_are_nearest_rank() -> None:
 
 
 def test_duration_flags_truncation_and_overrun() -> None:
-    from harness.summary import CellSummary
+    from harness.report.summary import CellSummary
     from harness.records import EventCounts
-    from harness.sweep_metrics import duration
+    from harness.sweep.metrics import duration
 
     def cell(deploy: str, tokens: list[int]) -> CellSummary:
         recs = [RequestRecord(arm="a", deploy=deploy, repeat=1, prompt_id=f"p{i}", backend="sim", reference_text="x",
@@ -313,8 +313,8 @@ def test_map_gate_fails_a_candidate_that_breaks_at_one_point(tiny_sweep: tuple[P
     import dataclasses
 
     from harness.gate import DEFAULT_RULES, load_rules
-    from harness.summary import load_run, summarize_cells
-    from harness.sweep_gate import evaluate_map
+    from harness.report.summary import load_run, summarize_cells
+    from harness.sweep.gate import evaluate_map
 
     run_dir, _ = tiny_sweep
     run = load_run(run_dir)
@@ -431,7 +431,7 @@ def test_specdec_cells_get_wer_rules(tmp_path: Path) -> None:
     from conftest import SMALL_PROMPTS
 
     from harness import gate
-    from harness.summary import load_run, summarize_cells
+    from harness.report.summary import load_run, summarize_cells
 
     res = invoke_cli("run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS), "--out", str(tmp_path),
                      "--run-id", "spec", "--arm", "onerow=tests.fixtures.mutants:OneRowPerSpan",
@@ -453,8 +453,8 @@ def test_real_backend_latency_columns_from_records(tiny_sweep: tuple[Path, str])
     import dataclasses
 
     from harness.gate import DEFAULT_RULES, load_rules
-    from harness.summary import load_run
-    from harness.sweep_report import build_map, latency_note, map_json, table_rows, terminal_map
+    from harness.report.summary import load_run
+    from harness.sweep.report import build_map, latency_note, map_json, table_rows, terminal_map
 
     run_dir, stdout = tiny_sweep
     sim_map = build_map(run_dir, load_rules(DEFAULT_RULES))

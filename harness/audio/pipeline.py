@@ -13,7 +13,7 @@ from pathlib import Path
 from harness.audio.asr import Transcriber
 from harness.audio.cache import TranscriptCache, sha256_file
 from harness.errors import UserError
-from harness.scoring import wer
+from harness.audio.scoring import wer
 
 
 @dataclass(frozen=True)

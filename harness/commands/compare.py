@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from harness import report, summary
+from harness.report import summary
+from harness.report import tables as report
 from harness.proc import printable_streams
 
 

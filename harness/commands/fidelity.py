@@ -30,7 +30,7 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
     """Measure the sim against the real server: requests matched by arm, deploy, repeat and prompt; per arm x
     deploy and per request, oracle WER, codec tokens and scheduler events, sim beside real with the ratio."""
     printable_streams()
-    from harness import fidelity, summary
+    from harness.report import fidelity, summary
     from harness.errors import UserError
     from harness.backends import is_simulated
     from harness.rundir import manifest_sim_talker

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import click
 
-from harness import gate, summary
+from harness import gate
+from harness.report import summary
 from harness.errors import UserError
 from harness.proc import printable_streams
 
@@ -51,8 +52,8 @@ def command(run_dir: Path, rules_path: str | None, junit_path: Path | None) -> N
 
 def _gate_map(run: summary.Run, rules: gate.Rules, junit_path: Path | None) -> None:
     """A sweep's run directory (``omni-stress sweep``): each grid point gated by the rules of its base
-    deploy, candidates in every stressed cell, the baseline failing in one (``harness.sweep_gate``)."""
-    from harness.sweep_gate import evaluate_map, format_map_verdict, map_junit_xml
+    deploy, candidates in every stressed cell, the baseline failing in one (``harness.sweep.gate``)."""
+    from harness.sweep.gate import evaluate_map, format_map_verdict, map_junit_xml
 
     verdict = evaluate_map(rules, summary.summarize_cells(run), run.manifest["sweep"])
     click.echo(format_map_verdict(verdict, verbose=True), nl=False)

@@ -57,7 +57,7 @@ def command(what: str) -> None:
             click.echo(f"  {ps.name:<10} {len(ps.prompts)} prompts; Talker prompt length P {min(lens)}-{max(lens)}; "
                        f"reply tokens {min(replies)}-{max(replies)}\n  {'':<10} {ps.description}")
     if what in ("all", "sweeps"):
-        from harness.sweep import list_sweeps, load_sweep
+        from harness.sweep.grid import list_sweeps, load_sweep
 
         click.echo("Sweeps (deploy_configs/sweeps/; omni-stress sweep NAME):")
         for name in list_sweeps():

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from harness import report, summary
+from harness.report import summary
+from harness.report import tables as report
 from harness.proc import printable_streams
 
 
@@ -47,7 +48,7 @@ def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_
             written = report.write_reports(run, cells)
             if isinstance(run.manifest.get("sweep"), dict):  # a sweep's run: its map too
                 from harness.gate import DEFAULT_RULES, load_rules
-                from harness.sweep_report import build_map, write_sweep_report
+                from harness.sweep.report import build_map, write_sweep_report
 
                 written.update(write_sweep_report(build_map(run, load_rules(DEFAULT_RULES))))
         except OSError as exc:  # a read-only run directory (a downloaded artifact), a full disk

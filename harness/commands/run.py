@@ -76,7 +76,7 @@ def _locked_run(run_dir: Path, resume: bool, arm_specs: list[ArmSpec], deploy_sp
         click.echo(f"run directory: {plan.run_dir}", err=True)
     times = execute(plan, state)
 
-    from harness.report import load_run, summarize_cells, terminal_table, write_reports
+    from harness.report.tables import load_run, summarize_cells, terminal_table, write_reports
 
     run = load_run(plan.run_dir)  # read once, for the files and the printed tables
     cells = summarize_cells(run)

@@ -1,4 +1,4 @@
-"""``omni-stress sweep SWEEP``: a grid of deploys x load (harness/sweep.py), every point an ordinary cell
+"""``omni-stress sweep SWEEP``: a grid of deploys x load (harness/sweep/grid.py), every point an ordinary cell
 of one run directory (resumable, reported, gated), then the map (``sweep.md``, ``sweep.html``, heatmaps)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def command(sweep_file: str, rules_path: str | None, no_plots: bool, **values: A
 
 def _sweep(sweep_file: str, args: RunArgs, rules_path: str | None, no_plots: bool) -> str:
     from harness.gate import load_rules, resolve_rules_path
-    from harness.sweep import load_sweep
+    from harness.sweep.grid import load_sweep
 
     sweep = load_sweep(sweep_file)
     rules = load_rules(resolve_rules_path(rules_path))  # a bad rules file is refused before anything runs
@@ -91,7 +91,7 @@ def _locked_sweep(run_dir: Path, resume: bool, sweep, arm_specs, prompts, option
                    f"{options.repeat} repeat{'s' if options.repeat > 1 else ''}, plus the reference)", err=True)
     times = execute(plan, state)
 
-    from harness.sweep_report import build_map, terminal_map, write_sweep_report
+    from harness.sweep.report import build_map, terminal_map, write_sweep_report
 
     sweep_map = build_map(plan.run_dir, rules)
     write_sweep_report(sweep_map, plots=not no_plots)

@@ -14,7 +14,7 @@ from harness.audio.asr import BACKENDS, make_transcriber
 from harness.audio.cache import TranscriptCache, default_transcript_dir
 from harness.audio.pipeline import transcribe_and_score
 from harness.errors import UserError
-from harness.scoring import summarize
+from harness.audio.scoring import summarize
 
 
 @click.command("transcribe")

@@ -40,7 +40,7 @@ from harness.contract import count_events
 from harness.errors import UserError
 from harness.families import get_family
 from harness.records import RequestRecord, SpanRecord, schedule_digest
-from harness.scoring import wer
+from harness.audio.scoring import wer
 from harness.speaking import decode as decode_codes
 from harness.serve import client as chat
 from harness.serve.deploy_args import DeployTranslation, detect_platform, translate_deploy

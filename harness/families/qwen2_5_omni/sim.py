@@ -130,7 +130,7 @@ def check_prompts(prompts: PromptSet, talker_mode: str) -> None:
     if talker_mode != "words":
         return
     from harness.errors import short_repr
-    from harness.scoring import spoken_mismatch
+    from harness.audio.scoring import spoken_mismatch
     from harness.tokenizer import is_spoken, tokenize
 
     for i, prompt in enumerate(prompts.prompts):

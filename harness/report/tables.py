@@ -1,9 +1,9 @@
 """Tables for a run directory: the seed's table first, then the extended, paired and per-request tables.
 
-Everything here is pure table building (pandas) over a loaded ``Run`` (``harness.summary``),
+Everything here is pure table building (pandas) over a loaded ``Run`` (``harness.report.summary``),
 except the entry points ``write_reports`` (writes every format) and ``terminal_table`` (reads and
 renders), which ``omni-stress run`` and ``omni-stress report`` call. The gate uses the same
-``summarize_cells`` (``harness.summary``), so the numbers it judges are the numbers the tables show.
+``summarize_cells`` (``harness.report.summary``), so the numbers it judges are the numbers the tables show.
 
 The WER a table shows is ``RequestRecord.score`` (Whisper's when present, else the oracle
 transcript's), and the source is always labelled. Misaligned positions are shown in their two
@@ -29,7 +29,7 @@ import pandas as pd
 from harness.backends import is_simulated
 from harness.errors import UserError
 from harness.records import RequestRecord, write_file_atomic
-from harness.summary import (  # re-exported: callers and tests use report.load_run & co.
+from harness.report.summary import (  # re-exported: callers and tests use report.load_run & co.
     DEFAULT_ROLE,
     ROLES,
     WER_THRESHOLD,
@@ -742,7 +742,7 @@ def write_reports(run: Run | Path, cells: list[CellSummary] | None = None) -> di
     Takes a loaded ``Run`` (and its cells, as ``omni-stress run`` does after printing them) or a
     run directory. Returns {kind: path}. Plots are written under ``plots/`` and embedded in the HTML.
     """
-    from harness import plotcache
+    from harness.report import plotcache
 
     run, cells = _loaded(run, cells)
     run_dir = run.run_dir
@@ -769,7 +769,7 @@ def write_reports(run: Run | Path, cells: list[CellSummary] | None = None) -> di
     key = plotcache.render_key(run, cells)
     images = plotcache.cached_images(plot_dir, key)  # the PNGs already there when nothing they show changed
     if images is None:
-        from harness import plots  # matplotlib is imported only when plots are drawn
+        from harness.report import plots  # matplotlib is imported only when plots are drawn
 
         images = plots.render_all(run, cells)
     for name, png in images.items():

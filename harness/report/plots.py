@@ -27,7 +27,7 @@ from matplotlib.ticker import FuncFormatter
 
 from harness.contract import span_regions
 from harness.records import SpanRecord
-from harness.summary import WER_THRESHOLD, CellSummary, Run
+from harness.report.summary import WER_THRESHOLD, CellSummary, Run
 
 matplotlib.use("Agg")  # headless: CI and servers have no display (safe here: no figure exists yet)
 

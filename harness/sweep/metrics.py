@@ -29,7 +29,7 @@ from harness.backends import is_simulated
 
 if TYPE_CHECKING:
     from harness.records import RequestRecord
-    from harness.summary import CellSummary, Run
+    from harness.report.summary import CellSummary, Run
 
 TRUNCATED = 0.9  # codec tokens below 90 % of the reference's: truncated
 OVERRUN = 1.1  # above 110 %: overrun

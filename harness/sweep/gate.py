@@ -35,7 +35,7 @@ from harness.gate import (
     Rules,
     check,
 )
-from harness.summary import CellSummary
+from harness.report.summary import CellSummary
 
 WER_BOUND_METRICS = (*WER_METRICS, "requests_over", "worst_of_repeats_requests_over")
 STRESS_EVENTS = STRESSED_POINT_METRICS  # harness.metrics: the counts that show a point stressed the Talker

@@ -6,7 +6,7 @@ report`` did on a run whose report files ``omni-stress run`` had just written. `
 ``plots/.render-key.json`` beside the PNGs: the render key and each PNG's sha256. ``cached_images``
 returns the PNGs in ``plots/`` only when the key is the same and every file still has the bytes it
 recorded; anything else (no key file, a changed record, new code, a PNG replaced or a symlink) and
-the plots are drawn again (``harness.plots.render_all``), so the bytes written are always the
+the plots are drawn again (``harness.report.plots.render_all``), so the bytes written are always the
 ones drawing would give.
 
 The render key covers what the pictures are drawn from: the bytes of the run's manifest, requests

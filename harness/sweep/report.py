@@ -3,7 +3,7 @@
 One row per arm x grid point (repeats pooled): WER, requests over 0.5, misaligned text positions,
 the scheduler events, latency percentiles (steps on the sim, seconds on the real backend), duration
 against the reference cell (truncated / overrun requests), whether the point stressed, and the map
-gate's verdict (``harness.sweep_gate``). Heatmaps: one PNG per arm x metric, x and y the first two
+gate's verdict (``harness.sweep.gate``). Heatmaps: one PNG per arm x metric, x and y the first two
 swept knobs, one panel per load (and per value of any further knob). matplotlib is imported only
 to draw them.
 """
@@ -22,9 +22,9 @@ from harness.backends import is_simulated
 from harness.errors import UserError
 from harness.gate import Rules
 from harness.records import MANIFEST_FILE
-from harness.summary import CellSummary, Run, load_run, run_problems, summarize_cells
-from harness.sweep_gate import MapVerdict, evaluate_map, stressed
-from harness.sweep_metrics import (
+from harness.report.summary import CellSummary, Run, load_run, run_problems, summarize_cells
+from harness.sweep.gate import MapVerdict, evaluate_map, stressed
+from harness.sweep.metrics import (
     PERCENTILES,
     Duration,
     Latency,
@@ -142,7 +142,7 @@ def light_run(run_dir: Path) -> Run:
     events come from the records (``gate`` checks they equal the spans' counts), and reading
     hundreds of megabytes of spans is most of the time the map takes. Otherwise ``load_run``."""
     from harness.records import REQUESTS_FILE, read_manifest, read_requests
-    from harness.summary import _torn_tail, _validate_manifest
+    from harness.report.summary import _torn_tail, _validate_manifest
 
     from harness.rundir import check_run_files
 
@@ -298,13 +298,13 @@ def schedules_line(m: SweepMap) -> str:
 
 
 def knee_lines(m: SweepMap) -> list[str]:
-    from harness.sweep_gate import knee_text
+    from harness.sweep.gate import knee_text
 
     return [f"{a.arm} [{a.role}]: {knee_text(a)}" for a in m.verdict.arms]
 
 
 def terminal_map(m: SweepMap) -> str:
-    from harness.sweep_gate import format_map_verdict
+    from harness.sweep.gate import format_map_verdict
 
     head, body = table_rows(m)
     note = latency_note(m)
@@ -347,7 +347,7 @@ def map_json(m: SweepMap) -> dict[str, Any]:
 
 
 def markdown(m: SweepMap, plots: dict[str, str]) -> str:
-    from harness.sweep_gate import format_map_verdict
+    from harness.sweep.gate import format_map_verdict
 
     head, body = table_rows(m)
     lines = [f"# Sweep {m.sweep.get('name')}: {m.run.run_id}", "",
@@ -500,7 +500,7 @@ def _png_width(data: bytes) -> int:
 
 
 def html_page(m: SweepMap, images: dict[str, bytes]) -> str:
-    from harness.sweep_gate import format_map_verdict
+    from harness.sweep.gate import format_map_verdict
 
     e = html.escape
     name = str(m.sweep.get("name"))

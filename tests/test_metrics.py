@@ -42,3 +42,13 @@ def test_fidelity_labels_come_from_the_definitions():
     labels = {m.key: m.label for m in fidelity.METRICS}
     assert labels["cross_boundary_replays"] == metrics.BY_NAME["cross_boundary_replays"].short == "crossing replays"
     assert labels["misaligned_text"] == "misaligned (text)"
+
+
+def test_the_seed_table_and_the_events_plot_read_the_definitions():
+    from harness.report import plots, tables
+
+    assert tables.SEED_COLUMNS[3:] == ["Non-zero-offset prefill chunks", "Replays crossing the prompt boundary"]
+    assert [name for name, _ in plots.EVENT_METRICS] == [
+        "nonzero_offset_chunks", "cross_boundary_replays", "multi_position_decode_spans", "one_token_tails",
+        "row_count_mismatches", "preemptions"]
+    assert dict(plots.EVENT_METRICS)["one_token_tails"] == metrics.BY_NAME["one_token_tails"].label

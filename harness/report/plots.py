@@ -25,6 +25,7 @@ from matplotlib.patches import Patch
 from matplotlib.path import Path
 from matplotlib.ticker import FuncFormatter
 
+from harness.metrics import METRICS
 from harness.contract import span_regions
 from harness.records import SpanRecord
 from harness.report.summary import WER_THRESHOLD, CellSummary, Run
@@ -91,14 +92,8 @@ def plot_wer(cells: list[CellSummary], threshold: float = WER_THRESHOLD) -> byte
     return _png(fig)
 
 
-EVENT_METRICS = [
-    ("nonzero_offset_chunks", "non-zero-offset prefill chunks"),
-    ("cross_boundary_replays", "replays crossing the prompt boundary"),
-    ("multi_position_decode_spans", "multi-position decode spans"),
-    ("one_token_tails", "one-token prefill tails"),
-    ("row_count_mismatches", "row-count mismatches"),
-    ("preemptions", "preemptions"),
-]
+# the counts harness.metrics marks for the events plot, then the cell's preemptions
+EVENT_METRICS = [*((m.name, m.label) for m in METRICS if m.plot), ("preemptions", "preemptions")]
 
 
 def plot_events(cells: list[CellSummary]) -> bytes:

@@ -28,6 +28,7 @@ import pandas as pd
 
 from harness.backends import is_simulated
 from harness.errors import UserError
+from harness.metrics import METRICS
 from harness.records import RequestRecord, write_file_atomic
 from harness.report.summary import (  # re-exported: callers and tests use report.load_run & co.
     DEFAULT_ROLE,
@@ -55,13 +56,9 @@ __all__ = ["DEFAULT_ROLE", "ROLES", "CellKey", "CellSummary", "PairedRow", "Run"
 NA = "n/a"
 NONE = "\u2013"  # a number that does not apply to the cell (accepted tokens/step without spec decode)
 
-SEED_COLUMNS = [
-    "Arm",
-    "WER (mean)",
-    f"Requests with WER > {WER_THRESHOLD}",
-    "Non-zero-offset prefill chunks",
-    "Replays crossing the prompt boundary",
-]
+# The seed's table: its WER columns, then the counts that show the stress happened (harness.metrics)
+SEED_METRICS = [m for m in METRICS if m.stress]
+SEED_COLUMNS = ["Arm", "WER (mean)", f"Requests with WER > {WER_THRESHOLD}", *(m.column for m in SEED_METRICS)]
 
 WER_SOURCE_TEXT = {
     "whisper": "Whisper",
@@ -142,8 +139,7 @@ def seed_table(cells: list[CellSummary]) -> pd.DataFrame:
             SEED_COLUMNS[0]: row_label(group),
             SEED_COLUMNS[1]: _join(fmt_wer(c.mean_wer) for c in group),
             SEED_COLUMNS[2]: _join(fmt_ratio(c.requests_over(), c.scored) for c in group),
-            SEED_COLUMNS[3]: _join(str(c.events.nonzero_offset_chunks) for c in group),
-            SEED_COLUMNS[4]: _join(str(c.events.cross_boundary_replays) for c in group),
+            **{m.column: _join(str(getattr(c.events, m.name)) for c in group) for m in SEED_METRICS},
         })
     return pd.DataFrame(rows, columns=SEED_COLUMNS, dtype=object)
 

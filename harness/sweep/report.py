@@ -20,6 +20,7 @@ from typing import Any
 
 from harness.backends import is_simulated
 from harness.errors import UserError
+from harness.metrics import STRESSED_POINT_METRICS
 from harness.gate import Rules
 from harness.records import MANIFEST_FILE
 from harness.report.summary import CellSummary, Run, load_run, run_problems, summarize_cells
@@ -79,8 +80,7 @@ class Row:
 
     @property
     def stress_events(self) -> int:
-        return sum(self.events(n) for n in ("nonzero_offset_chunks", "cross_boundary_replays",
-                                            "multi_position_decode_spans"))
+        return sum(self.events(n) for n in STRESSED_POINT_METRICS)
 
     @property
     def audio_seconds(self) -> float | None:

@@ -17,6 +17,12 @@ but never the run (docs/robustness.md, "Arms that misbehave").
   wherever it is (a loop, ``time.sleep``, a lock wait); a call stuck inside native code is
   interrupted when it returns to Python. The limit needs the main thread (signals are delivered
   there); elsewhere calls are not limited.
+* A call that does not return even then (an arm that ignores ``SIGALRM`` and swallows every exception,
+  or blocks in native code) cannot be ended inside its process. In a sim worker (``kill_when_stuck``,
+  set by ``harness.sim.pool``) the watchdog then writes which call of the cell is stuck to the pool's
+  report file and ends the worker, ``KILL_GRACE_S`` after the timeout was raised; the pool replaces the
+  worker and simulates the cell again with that call failed without being made (``set_doomed``): the
+  sim is deterministic, so the records are those of a call that timed out (issue 33, case 1).
 * The returned rows must be a 2-D tensor as wide as the Talker's hidden size; anything else
   fails the call before the runner copies a row.
 * Threads an arm starts and leaves running do not keep the run (or a sim worker) from exiting:
@@ -167,6 +173,46 @@ _watch_fired = False
 _watchdog_pid = 0  # the process whose watchdog thread runs (a forked worker starts its own)
 
 
+KILL_GRACE_S = 2.0  # after the watchdog raised the timeout into a call that still runs: the worker is ended
+_cell_calls = 0  # calls made in this cell (reset by ``prepare``): a call's index, the same in a replay
+_doomed: dict[int, str] = {}  # call index -> error: calls of this cell failed without being made
+_kill_report: str | None = None  # a sim worker: where to say which call was stuck before ending the process
+_cell_tag = ""  # the cell this worker simulates (the pool's key), written with a stuck call's index
+_stuck_since = 0.0  # monotonic time the watchdog raised the timeout into a call that has not returned; 0: none
+_stuck_call = 0
+
+
+def kill_when_stuck(report_path: str | None) -> None:
+    """In a sim worker: a call that stays stuck ``KILL_GRACE_S`` after its timeout was raised ends this
+    process, after appending ``TAG<TAB>CALL_INDEX`` to ``report_path`` (the pool then replaces it)."""
+    global _kill_report
+    _kill_report = report_path
+
+
+def set_cell(tag: str, doomed: dict[int, str] | None = None) -> None:
+    """The cell this process simulates next, and the calls of it to fail without making them."""
+    global _cell_tag, _doomed, _cell_calls
+    _cell_tag, _doomed, _cell_calls = tag, dict(doomed or {}), 0
+
+
+def stuck_message(limit_s: float) -> str:
+    return (f"ArmTimeout: talker_preprocess did not return within {limit_s:g} s (the per-call limit, --arm-timeout) "
+            f"and ignored the interruption; its sim worker was replaced")
+
+
+def _end_stuck_worker() -> None:
+    """Called by the watchdog, under ``_watch_lock``, when a call ignores its timeout in a sim worker."""
+    try:
+        fd = os.open(_kill_report or "", os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, f"{_cell_tag}\t{_stuck_call}\n".encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # the pool then reports a dead worker, as before
+    _real_exit(70)
+
+
 def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
     import ctypes
 
@@ -175,13 +221,16 @@ def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
 
 
 def _watchdog(main_id: int) -> None:
-    global _watch_deadline, _watch_fired
+    global _watch_deadline, _watch_fired, _stuck_since
     while True:
         time.sleep(WATCHDOG_POLL_S)
         with _watch_lock:
+            if _stuck_since and _kill_report and time.monotonic() >= _stuck_since + KILL_GRACE_S:
+                _end_stuck_worker()  # the call ignored the timeout: only ending the process ends it
             if not _watch_deadline or time.monotonic() < _watch_deadline:
                 continue
             _watch_deadline, _watch_fired = 0.0, True
+            _stuck_since = time.monotonic()
             _set_async_exc(main_id, ArmTimeout)  # raised at the call's next Python instruction
             if callable(signal.getsignal(signal.SIGALRM)):  # a Python handler (the arm's): wake a sleep
                 try:
@@ -201,9 +250,10 @@ def _arm_watchdog(seconds: float) -> None:
 
 
 def _disarm_watchdog() -> None:
-    global _watch_deadline, _watch_fired
+    global _watch_deadline, _watch_fired, _stuck_since
     with _watch_lock:
         _watch_deadline = 0.0
+        _stuck_since = 0.0
         if _watch_fired:  # the timeout may still be pending: it must not land outside the call
             _watch_fired = False
             _set_async_exc(threading.main_thread().ident or 0, None)
@@ -211,14 +261,21 @@ def _disarm_watchdog() -> None:
 
 
 def prepare() -> None:
-    """Called as a cell starts: (re)installs the handler, in case someone replaced it since."""
+    """Called as a cell starts: (re)installs the handler, in case someone replaced it since; counts the
+    cell's calls from 0."""
+    global _cell_calls
+    _cell_calls = 0
     if _limit_s > 0 and threading.current_thread() is threading.main_thread():
         _install()
 
 
 def call(fn: Any, /, **kwargs: Any) -> Any:
     """``fn(**kwargs)`` under the guards above; arm failures come out as ``ArmFailure``."""
-    global _armed
+    global _armed, _cell_calls, _stuck_call
+    index = _cell_calls
+    _cell_calls = index + 1
+    if _doomed and index in _doomed:  # this call hung its worker before: it fails without being made
+        raise ArmFailure(_doomed[index])
     main = threading.current_thread() is threading.main_thread()
     timed = _limit_s > 0 and main
     # ``_signal.getsignal``: the raw handler, without ``signal.getsignal``'s enum conversion (~10x its cost).
@@ -233,6 +290,7 @@ def call(fn: Any, /, **kwargs: Any) -> Any:
         if timed:
             if _signal.getsignal(signal.SIGALRM) is not _on_alarm:  # an arm may have replaced it
                 _install()
+            _stuck_call = index
             _arm_watchdog(_limit_s)
             _armed = True
             previous_delay, _ = signal.setitimer(signal.ITIMER_REAL, _limit_s)

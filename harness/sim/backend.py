@@ -230,9 +230,17 @@ class SimBackend:
 
         from harness.sim.pool import SimPool, default_workers
 
+        from harness.sim import armcall
+
         workers = self.options.sim_workers if self.options.sim_workers >= 0 else default_workers(len(jobs))
-        if workers < 2 or len(jobs) < 2 or threading.active_count() > 1:
+        if threading.active_count() > 1:
             return  # forking a process with other threads (a host application, a test runner) is unsafe
+        if workers < 2 or len(jobs) < 2:
+            if armcall.limit() <= 0:
+                return  # one cell at a time, in this process
+            # Under --arm-timeout the cells run in a worker even one at a time: an arm call that ignores its
+            # limit is ended by ending the process it runs in, which must not be the run's (issue 33, case 1).
+            workers = 1
         t0 = time.perf_counter()
         self.pool = SimPool(workers, jobs[0].deploy)  # imports vLLM: the in-process path pays it in its first cell
         self.warm_seconds = time.perf_counter() - t0

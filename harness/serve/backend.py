@@ -30,7 +30,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -384,6 +384,138 @@ def span_from_line(line: dict[str, Any], arm: str, deploy: str, repeat: int, pro
 # ---------------------------------------------------------------------------- run one cell
 
 
+@dataclass
+class ServeCell:
+    """One real cell, built and not yet run: the server's command line, environment, log and trace
+    folder, the requests to send, and what the trace has told so far (``build_cell``, ``step_cell``)."""
+
+    arm: ArmSpec
+    deploy: Deploy
+    repeat: int
+    run_dir: Path
+    options: ServeOptions
+    trace: Path
+    log_path: Path
+    env: dict[str, str]
+    specs: list[chat.RequestSpec]
+    collector: TraceCollector
+    codecs: dict[str, dict[int, int]] = field(default_factory=dict)  # prompt id -> position -> codec id
+    generated_at: dict[str, list[float]] = field(default_factory=dict)  # prompt id -> times of generated calls
+
+    @property
+    def label(self) -> str:
+        return f"vllm-omni server for arm '{self.arm.name}' deploy '{self.deploy.name}' (repeat {self.repeat})"
+
+    def spans_for(self, prompt_id: str) -> list[SpanRecord]:
+        """The request's traced spans not taken yet (its codec ids and generated-call times noted)."""
+        out = []
+        for line in self.collector.take(prompt_id):
+            _collect_codec(self.codecs.setdefault(prompt_id, {}), line)
+            if (at := generated_position_time(line)) is not None:
+                self.generated_at.setdefault(prompt_id, []).append(at)
+            span = span_from_line(line, self.arm.name, self.deploy.name, self.repeat, prompt_id)
+            if span is None:
+                self.collector.unusable += 1
+            else:
+                out.append(span)
+        return out
+
+    def record(self, res: chat.ChatResult, spans: list[SpanRecord]) -> RequestRecord:
+        return _record(self.arm, self.deploy, self.repeat, self.run_dir, res, spans,
+                       self.codecs.get(res.prompt_id, {}), self.options.speaking,
+                       self.generated_at.get(res.prompt_id, ()))
+
+
+def build_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, run_dir: Path,
+               options: ServeOptions) -> ServeCell:
+    """Everything a cell needs before its server starts; refuses an untranslatable deploy or an arm
+    environment without the trace plugin first, and clears a previous attempt's trace."""
+    serve = serve_settings(arm, options)
+    translation = options.translate(deploy)  # refuse untranslatable deploys first
+    run_dir = Path(run_dir).resolve()  # the server gets absolute paths whatever its working directory
+    if serve.python and not serve.command:
+        problem = check_plugin_installed(_resolve_python(serve.python))
+        if problem:
+            raise UserError(f"arm '{arm.name}': {problem}")
+    trace = cell_dir(run_dir, arm, deploy, repeat)
+    trace.mkdir(parents=True, exist_ok=True)
+    for stale in list(trace.glob(TRACE_GLOB)) + list(trace.glob(IMPLEMENTATION_GLOB)) + [trace / "attempts.jsonl"]:
+        stale.unlink(missing_ok=True)  # a rerun of this cell must not see the previous server's spans
+    (run_dir / "audio").mkdir(parents=True, exist_ok=True)
+    specs: list[chat.RequestSpec] = []
+    token_to_prompt: dict[str, str] = {}
+    for p in prompts.prompts:
+        tag = chat.make_tag(p.id)
+        token_to_prompt[chat.tag_token(tag)] = p.id
+        specs.append(chat.RequestSpec(
+            prompt_id=p.id, tag=tag, body=chat.build_body(options.model, prompts, p, deploy, tag, options.speaking),
+            audio_file=run_dir / audio_rel_path(arm, deploy, repeat, p.id),
+        ))
+    return ServeCell(arm, deploy, repeat, run_dir, options, trace, server_log_path(run_dir, arm, deploy),
+                     server_env(arm, trace, options, translation), specs, TraceCollector(trace, token_to_prompt))
+
+
+def step_cell(cell: ServeCell, on_request: Callable[[RequestRecord], None],
+              on_spans: Callable[[list[SpanRecord]], None], seed: int = 0) -> dict[str, float]:
+    """Start the cell's server, send its requests, emit records as they complete, stop the server;
+    returns where the time went (``server_start_s``, ``requests_s``, ``server_stop_s``)."""
+    arm, deploy, repeat, options = cell.arm, cell.deploy, cell.repeat, cell.options
+    emitted: list[RequestRecord] = []
+    launcher = ServerLauncher(
+        lambda port: server_argv(arm, deploy, options, port), cell.log_path, env=cell.env, label=cell.label,
+        health_timeout_s=options.health_timeout_s,
+    )
+    t0 = time.perf_counter()
+    times: dict[str, float] = {}
+    with launcher as server, open(cell.trace / "attempts.jsonl", "a", encoding="utf-8") as attempts_fh:
+        t_healthy = time.perf_counter()
+        times["server_start_s"] = round(t_healthy - t0, 1)
+
+        def gone() -> str:
+            code = server.proc.poll() if server.proc is not None else None
+            return f"server exited with code {code} during the run; log: {cell.log_path}"
+
+        def on_result(res: chat.ChatResult) -> None:
+            attempts_fh.writelines(
+                json.dumps({"prompt_id": res.prompt_id, **a}) + "\n" for a in res.attempts
+            )
+            attempts_fh.flush()
+            cell.collector.poll()
+            spans = cell.spans_for(res.prompt_id)
+            if spans:
+                on_spans(spans)
+            record = cell.record(res, spans)
+            emitted.append(record)
+            on_request(record)  # the caller shows per-request progress
+
+        asyncio.run(chat.run_requests(
+            server.base_url, cell.specs, request_timeout_s=options.request_timeout_s, retries=options.retries,
+            on_result=on_result, server_alive=server.alive, server_gone_message=gone,
+            load=deploy.load, seed=seed, path=get_family(deploy.family).request_api,
+        ))
+        times["requests_s"] = round(time.perf_counter() - t_healthy, 1)
+        t_stop = time.perf_counter()
+        cell.collector.poll()
+        leftovers = [s for pid in list(cell.collector.by_prompt) for s in cell.spans_for(pid)]
+        if leftovers:
+            on_spans(leftovers)
+        if not server.alive():
+            server.stop()
+            ok = sum(1 for r in emitted if r.error is None)
+            raise UserError(server.death_message(f"during the run ({ok}/{len(cell.specs)} requests completed)"))
+    times["server_stop_s"] = round(time.perf_counter() - t_stop, 1)
+
+    collector = cell.collector
+    if collector.total == 0 and any(r.error is None for r in emitted):
+        progress(f"warning: no Talker spans were traced for {arm.name}/{deploy.name} r{repeat}: is omni-stress "
+                 f"installed in the arm's environment (entry point {PLUGIN_GROUP}:{PLUGIN_NAME}) and is VLLM_PLUGINS "
+                 "unset or listing it? The event columns will read 0.")
+    elif collector.unmatched or collector.unusable:
+        print(f"omni-stress: {arm.name}/{deploy.name} r{repeat}: ignored {collector.unmatched} trace lines of "
+              f"unknown requests and {collector.unusable} without runner metadata", file=sys.stderr)
+    return times
+
+
 def run_cell(
     arm: ArmSpec,
     deploy: Deploy,
@@ -403,102 +535,7 @@ def run_cell(
     that dies mid-run: records already emitted stay, the rest get an error naming the log, then
     ``UserError`` (exit 2).
     """
-    serve = serve_settings(arm, options)
-    translation = options.translate(deploy)  # refuse untranslatable deploys first
-    run_dir = Path(run_dir).resolve()  # the server gets absolute paths whatever its working directory
-    if serve.python and not serve.command:
-        problem = check_plugin_installed(_resolve_python(serve.python))
-        if problem:
-            raise UserError(f"arm '{arm.name}': {problem}")
-    trace = cell_dir(run_dir, arm, deploy, repeat)
-    trace.mkdir(parents=True, exist_ok=True)
-    for stale in list(trace.glob(TRACE_GLOB)) + list(trace.glob(IMPLEMENTATION_GLOB)) + [trace / "attempts.jsonl"]:
-        stale.unlink(missing_ok=True)  # a rerun of this cell must not see the previous server's spans
-    (run_dir / "audio").mkdir(parents=True, exist_ok=True)
-    log_path = server_log_path(run_dir, arm, deploy)
-    env = server_env(arm, trace, options, translation)
-    label = f"vllm-omni server for arm '{arm.name}' deploy '{deploy.name}' (repeat {repeat})"
-
-    specs: list[chat.RequestSpec] = []
-    token_to_prompt: dict[str, str] = {}
-    for p in prompts.prompts:
-        tag = chat.make_tag(p.id)
-        token_to_prompt[chat.tag_token(tag)] = p.id
-        specs.append(chat.RequestSpec(
-            prompt_id=p.id, tag=tag, body=chat.build_body(options.model, prompts, p, deploy, tag, options.speaking),
-            audio_file=run_dir / audio_rel_path(arm, deploy, repeat, p.id),
-        ))
-    collector = TraceCollector(trace, token_to_prompt)
-    emitted: list[RequestRecord] = []
-    codecs: dict[str, dict[int, int]] = {}  # prompt id -> position -> codec id (the trace's codec_ids)
-    generated_at: dict[str, list[float]] = {}  # prompt id -> wall times of its Talker calls at generated positions
-
-    def spans_for(prompt_id: str) -> list[SpanRecord]:
-        out = []
-        for line in collector.take(prompt_id):
-            _collect_codec(codecs.setdefault(prompt_id, {}), line)
-            if (at := generated_position_time(line)) is not None:
-                generated_at.setdefault(prompt_id, []).append(at)
-            span = span_from_line(line, arm.name, deploy.name, repeat, prompt_id)
-            if span is None:
-                collector.unusable += 1
-            else:
-                out.append(span)
-        return out
-
-    launcher = ServerLauncher(
-        lambda port: server_argv(arm, deploy, options, port), log_path, env=env, label=label,
-        health_timeout_s=options.health_timeout_s,
-    )
-    t0 = time.perf_counter()
-    times: dict[str, float] = {}
-    with launcher as server, open(trace / "attempts.jsonl", "a", encoding="utf-8") as attempts_fh:
-        t_healthy = time.perf_counter()
-        times["server_start_s"] = round(t_healthy - t0, 1)
-
-        def gone() -> str:
-            code = server.proc.poll() if server.proc is not None else None
-            return f"server exited with code {code} during the run; log: {log_path}"
-
-        def on_result(res: chat.ChatResult) -> None:
-            attempts_fh.writelines(
-                json.dumps({"prompt_id": res.prompt_id, **a}) + "\n" for a in res.attempts
-            )
-            attempts_fh.flush()
-            collector.poll()
-            spans = spans_for(res.prompt_id)
-            if spans:
-                on_spans(spans)
-            record = _record(arm, deploy, repeat, run_dir, res, spans, codecs.get(res.prompt_id, {}),
-                             options.speaking, generated_at.get(res.prompt_id, ()))
-            emitted.append(record)
-            on_request(record)  # the caller shows per-request progress
-
-        asyncio.run(chat.run_requests(
-            server.base_url, specs, request_timeout_s=options.request_timeout_s, retries=options.retries,
-            on_result=on_result, server_alive=server.alive, server_gone_message=gone,
-            load=deploy.load, seed=seed, path=get_family(deploy.family).request_api,
-        ))
-        times["requests_s"] = round(time.perf_counter() - t_healthy, 1)
-        t_stop = time.perf_counter()
-        collector.poll()
-        leftovers = [s for pid in list(collector.by_prompt) for s in spans_for(pid)]
-        if leftovers:
-            on_spans(leftovers)
-        if not server.alive():
-            server.stop()
-            ok = sum(1 for r in emitted if r.error is None)
-            raise UserError(server.death_message(f"during the run ({ok}/{len(specs)} requests completed)"))
-    times["server_stop_s"] = round(time.perf_counter() - t_stop, 1)
-
-    if collector.total == 0 and any(r.error is None for r in emitted):
-        progress(f"warning: no Talker spans were traced for {arm.name}/{deploy.name} r{repeat}: is omni-stress "
-                 f"installed in the arm's environment (entry point {PLUGIN_GROUP}:{PLUGIN_NAME}) and is VLLM_PLUGINS "
-                 "unset or listing it? The event columns will read 0.")
-    elif collector.unmatched or collector.unusable:
-        print(f"omni-stress: {arm.name}/{deploy.name} r{repeat}: ignored {collector.unmatched} trace lines of "
-              f"unknown requests and {collector.unusable} without runner metadata", file=sys.stderr)
-    return times
+    return step_cell(build_cell(arm, deploy, prompts, repeat, run_dir, options), on_request, on_spans, seed)
 
 
 def _collect_codec(stream: dict[int, int], line: dict[str, Any]) -> None:

@@ -239,6 +239,106 @@ def _describe(exc: BaseException, timeout_s: float) -> str:
     return str(exc) or type(exc).__name__
 
 
+@dataclass
+class _Sender:
+    """One request, sent and retried: the answer's audio written to its file, every attempt noted."""
+
+    client: httpx.AsyncClient
+    url: str
+    request_timeout_s: float
+    retries: int
+    server_alive: Callable[[], bool]
+    server_gone_message: Callable[[], str]
+    retry_backoff_s: float
+
+    async def send(self, spec: RequestSpec) -> ChatResult:
+        res = ChatResult(prompt_id=spec.prompt_id, tag=spec.tag)
+        t0 = time.monotonic()
+        res.sent_at = time.time()
+        for attempt in range(1, self.retries + 2):
+            a0 = time.monotonic()
+            a0_wall = time.time()
+            try:
+                parsed = await _one_attempt(self.client, self.url, spec, self.request_timeout_s, attempt)
+                self._answered(res, spec, parsed, a0_wall)
+                res.attempts.append({"attempt": attempt, "request_id": attempt_id(spec.tag, attempt), "ok": True,
+                                     "wall_s": round(time.monotonic() - a0, 3)})
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - recorded per request
+                res.error = _describe(exc, self.request_timeout_s)
+                res.attempts.append({"attempt": attempt, "request_id": attempt_id(spec.tag, attempt), "ok": False,
+                                     "error": res.error,
+                                     "wall_s": round(time.monotonic() - a0, 3)})
+                if not self.server_alive():
+                    res.error = self.server_gone_message()
+                    break
+                if attempt > self.retries or not _retriable(exc):
+                    break
+                await asyncio.sleep(self.retry_backoff_s * attempt)
+        if res.error is not None and len(res.attempts) > 1:
+            res.error = f"{res.error} (after {len(res.attempts)} attempts)"
+        res.wall_s = time.monotonic() - t0
+        return res
+
+    @staticmethod
+    def _answered(res: ChatResult, spec: RequestSpec, parsed: Any, attempt_wall: float) -> None:
+        seconds = wav_seconds(parsed.audio)
+        spec.audio_file.parent.mkdir(parents=True, exist_ok=True)
+        spec.audio_file.write_bytes(parsed.audio)
+        res.thinker_text = parsed.text
+        res.audio_file = spec.audio_file
+        res.audio_seconds = seconds
+        res.finish_reason = parsed.finish_reason
+        res.response_id = parsed.response_id
+        res.error = None
+        res.answered_attempt_at = attempt_wall
+
+
+async def _collect(tasks: dict[asyncio.Future, RequestSpec], on_result: Callable[[ChatResult], None],
+                   server_alive: Callable[[], bool], server_gone_message: Callable[[], str],
+                   watch_interval_s: float) -> dict[str, ChatResult]:
+    """Each task's result handed to ``on_result`` as it finishes; if the server dies, the tasks still
+    in flight are cancelled (after a grace interval for responses already on the wire) and their
+    requests get ``server_gone_message()``."""
+    results: dict[str, ChatResult] = {}
+    started = time.monotonic()
+    pending = set(tasks)
+
+    async def watchdog() -> None:
+        while True:
+            await asyncio.sleep(watch_interval_s)
+            if not server_alive():
+                # let responses already on the wire land, then give up on the rest
+                await asyncio.sleep(watch_interval_s)
+                for t in list(pending):
+                    t.cancel()
+                return
+
+    dog = asyncio.ensure_future(watchdog())
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                pending.discard(task)
+                spec = tasks[task]
+                if task.cancelled():
+                    res = ChatResult(prompt_id=spec.prompt_id, tag=spec.tag, error=server_gone_message(),
+                                     wall_s=time.monotonic() - started)
+                else:
+                    res = task.result()
+                results[spec.prompt_id] = res
+                on_result(res)
+    finally:
+        dog.cancel()
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    return results
+
+
 async def run_requests(
     base_url: str,
     specs: list[RequestSpec],
@@ -262,92 +362,19 @@ async def run_requests(
     dies, the requests still in flight are cancelled and get ``server_gone_message()``.
     """
     url = base_url.rstrip("/") + path  # the family's request API (harness.families.Family.request_api)
-    results: dict[str, ChatResult] = {}
     limits = httpx.Limits(max_connections=len(specs) + 4, max_keepalive_connections=len(specs) + 4)
     timeout = httpx.Timeout(request_timeout_s + 5.0, connect=10.0)
 
     from harness.serve.load import ClientLoad
 
     pacing = ClientLoad(load, len(specs), seed)
-
     async with httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits) as client:
+        sender = _Sender(client, url, request_timeout_s, retries, server_alive, server_gone_message, retry_backoff_s)
 
-        async def one(spec: RequestSpec, index: int = 0) -> ChatResult:
+        async def one(spec: RequestSpec, index: int) -> ChatResult:
             async with pacing.slot(index):
-                return await _send(spec)
-
-        async def _send(spec: RequestSpec) -> ChatResult:
-            res = ChatResult(prompt_id=spec.prompt_id, tag=spec.tag)
-            t0 = time.monotonic()
-            res.sent_at = time.time()
-            for attempt in range(1, retries + 2):
-                a0 = time.monotonic()
-                a0_wall = time.time()
-                try:
-                    parsed = await _one_attempt(client, url, spec, request_timeout_s, attempt)
-                    seconds = wav_seconds(parsed.audio)
-                    spec.audio_file.parent.mkdir(parents=True, exist_ok=True)
-                    spec.audio_file.write_bytes(parsed.audio)
-                    res.thinker_text = parsed.text
-                    res.audio_file = spec.audio_file
-                    res.audio_seconds = seconds
-                    res.finish_reason = parsed.finish_reason
-                    res.response_id = parsed.response_id
-                    res.error = None
-                    res.answered_attempt_at = a0_wall
-                    res.attempts.append({"attempt": attempt, "request_id": attempt_id(spec.tag, attempt), "ok": True,
-                                         "wall_s": round(time.monotonic() - a0, 3)})
-                    break
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - recorded per request
-                    res.error = _describe(exc, request_timeout_s)
-                    res.attempts.append({"attempt": attempt, "request_id": attempt_id(spec.tag, attempt), "ok": False,
-                                         "error": res.error,
-                                         "wall_s": round(time.monotonic() - a0, 3)})
-                    if not server_alive():
-                        res.error = server_gone_message()
-                        break
-                    if attempt > retries or not _retriable(exc):
-                        break
-                    await asyncio.sleep(retry_backoff_s * attempt)
-            if res.error is not None and len(res.attempts) > 1:
-                res.error = f"{res.error} (after {len(res.attempts)} attempts)"
-            res.wall_s = time.monotonic() - t0
-            return res
+                return await sender.send(spec)
 
         tasks = {asyncio.ensure_future(one(spec, i)): spec for i, spec in enumerate(specs)}
-        started = time.monotonic()
-        pending = set(tasks)
-
-        async def watchdog() -> None:
-            while True:
-                await asyncio.sleep(watch_interval_s)
-                if not server_alive():
-                    # let responses already on the wire land, then give up on the rest
-                    await asyncio.sleep(watch_interval_s)
-                    for t in list(pending):
-                        t.cancel()
-                    return
-
-        dog = asyncio.ensure_future(watchdog())
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    pending.discard(task)
-                    spec = tasks[task]
-                    if task.cancelled():
-                        res = ChatResult(prompt_id=spec.prompt_id, tag=spec.tag, error=server_gone_message(),
-                                         wall_s=time.monotonic() - started)
-                    else:
-                        res = task.result()
-                    results[spec.prompt_id] = res
-                    on_result(res)
-        finally:
-            dog.cancel()
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
+        results = await _collect(tasks, on_result, server_alive, server_gone_message, watch_interval_s)
     return [results[s.prompt_id] for s in specs if s.prompt_id in results]

@@ -2,7 +2,7 @@
 
 Nothing here was chosen by looking at the seed's table; each constant is either a property of
 Qwen2.5-Omni (its released config), a property of the sim's own TTS voice, or a count of the
-sim's own tokenizer rule on the shipped prompt set. README "How the simulation works" repeats
+sim's own tokenizer rule on the shipped prompt set. docs/simulation.md repeats
 the derivations and ``tests/test_physics.py`` recomputes them from the code.
 
 Speaking rate R (codec frames per text token)::

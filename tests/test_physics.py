@@ -51,8 +51,8 @@ def test_codec_frame_rate_matches_qwen2_5_omni_config():
     assert physics.CODE2WAV_SAMPLE_RATE / samples_per_frame == physics.CODEC_FRAME_RATE_HZ == 50
 
 
-def test_readme_states_the_code_derivation():
-    readme = (ROOT / "README.md").read_text()
+def test_the_simulation_doc_states_the_code_derivation():
+    readme = (ROOT / "docs" / "simulation.md").read_text()
     p = physics
     line = (f"R = {p.CODEC_FRAME_RATE_HZ} * 60 / ({p.SPEAKING_RATE_WPM} * {p.REPLY_TOKENS}/{p.REPLY_WORDS}) = "
             f"{p.CODEC_FRAME_RATE_HZ * 60 / (p.SPEAKING_RATE_WPM * p.TOKENS_PER_WORD):.2f} -> {p.FRAMES_PER_TEXT_TOKEN}")

@@ -1,6 +1,6 @@
 """The simulated Talker: its speech depends only on the rows in its per-request KV.
 
-Rules (arm-agnostic; README "How the simulation works"):
+Rules (arm-agnostic; docs/simulation.md):
 
 1. KV: writing a span ``[c, c+n)`` stores the identified input row of each position and
    truncates the KV at ``c+n``; a preempted request's replay starts again at ``c = 0``, so

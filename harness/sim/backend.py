@@ -110,7 +110,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
                                       if verify_steps[rid] else None),
             wall_s=round(time.perf_counter() - started[rid], 4),
         )
-        from harness.scoring import wer
+        from harness.audio.scoring import wer
 
         record.oracle_wer = wer(record.reference_text, record.oracle_transcript or "")
         if latency:
@@ -197,7 +197,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
 def _preload_report_modules() -> None:
     import importlib
 
-    for name in ("harness.report", "harness.plots"):
+    for name in ("harness.report.tables", "harness.report.plots"):
         try:
             importlib.import_module(name)
         except Exception:  # the report imports them again itself, and says what is wrong

@@ -1,11 +1,23 @@
-"""Helpers shared by the bad-input tests (tests/test_bad_input_*.py): what a user sees of one failed
-command, and the Errors column of the run table. The CLI runners themselves are in conftest.py."""
+"""Helpers shared by the bad-input tests (tests/test_bad_input_*.py, grouped by what they protect): what a
+user sees of one failed command, the Errors column of the run table, the small prompt set, run directories
+copied, interrupted and edited, plugin sources. The CLI runners themselves are in conftest.py."""
 
 from __future__ import annotations
 
+import copy
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
 
-from conftest import CliResult
+import pytest
+import yaml
+
+from conftest import CliResult, REPO, SMALL_PROMPTS, invoke_cli
 
 
 def assert_one_line_error(res: CliResult, *needles: str) -> str:
@@ -34,3 +46,105 @@ def errors_column(table: str) -> dict[str, int]:
             break
         out[ln.split()[0]] = int(ln[lo:hi])
     return out
+
+
+SMALL = yaml.safe_load(SMALL_PROMPTS.read_text())
+
+
+PLUGINS = "tests.fixtures.plugins"
+
+
+def _copy_run(src: Path, tmp: Path, name: str = "copy") -> Path:
+    dst = tmp / name
+    shutil.copytree(src, dst)
+    (dst / ".lock").unlink(missing_ok=True)
+    return dst
+
+
+def _interrupt(run_dir: Path, keep: int) -> None:
+    """What a kill leaves: `keep` records, a torn line after them, finished null."""
+    lines = (run_dir / "requests.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "requests.jsonl").write_text("".join(lines[:keep]) + lines[keep][:30])
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["finished"] = None
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _edit_record(run_dir: Path, line: int, edit: Callable[[dict], None]) -> None:
+    path = run_dir / "requests.jsonl"
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[line - 1])
+    edit(record)
+    lines[line - 1] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _one_prompt(tmp: Path) -> str:
+    """The small prompt set cut to its first prompt: a sim run of one cell in a second or two."""
+    data = copy.deepcopy(SMALL)
+    data["prompts"] = data["prompts"][:1]
+    path = tmp / "one-prompt.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def _run_args(tmp: Path, *extra: str) -> list[str]:
+    return ["run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS), "--out", str(tmp / "out"), *extra]
+
+
+def _with_char(text: str, ch: str, line: int) -> str:
+    """``text`` with ``ch`` put at the end of its line ``line`` (1-based) (inside a comment or value)."""
+    lines = text.split("\n")
+    lines[line - 1] += ch
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory) -> Path:
+    """A finished sim run of one cell (main x reference, one prompt), copied by the tests that spoil it."""
+    tmp = tmp_path_factory.mktemp("round3-run")
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--arm", "main", "--deploy", "reference", "--sim-workers", "0",
+                     "--prompts", _one_prompt(tmp), "--out", str(tmp / "out"), "--run-id", "one")
+    assert res.exit_code == 0, res.stderr
+    return tmp / "out" / "one"
+
+
+def _copy_run_r3(run: Path, where: Path) -> Path:
+    shutil.copytree(run, where)
+    return where
+
+
+def _prompts(tmp: Path, count: int = 1) -> Path:
+    """The small prompt set cut to its first ``count`` prompts."""
+    data = copy.deepcopy(SMALL)
+    data["prompts"] = data["prompts"][:count]
+    path = tmp / f"prompts-{count}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _cli_in(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 300,
+            preexec_fn=None) -> subprocess.CompletedProcess:
+    """``omni-stress ARGS`` in a subprocess started in ``cwd`` (relative paths are the user's)."""
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, check=False, preexec_fn=preexec_fn,
+                          env={**os.environ, "PYTHONPATH": f"{cwd.parent}{os.pathsep}{REPO}", **(env or {})})
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / "requests.jsonl").read_text().splitlines()]
+
+
+_CHDIR_PLUGIN = """\
+import os
+
+from harness.talkers.pr import FixedTalker
+
+os.chdir(os.environ["CHDIR_TO"])  # at import (the run's pre-flight imports it before any directory exists)
+
+
+class ChangesDirectory(FixedTalker):
+    def talker_preprocess(self, input_ids, input_embeds, **info):
+        os.chdir(os.environ["CHDIR_TO"])  # and in every call, in the run's process or a sim worker
+        return super().talker_preprocess(input_ids, input_embeds, **info)
+"""

@@ -16,7 +16,7 @@ from harness.config import ConfigError, LoadSettings, load_deploy, parse_deploy
 from harness.records import RequestRecord, read_manifest, read_requests, to_json
 from harness.sweep.grid import load_sweep, parse_sweep
 from conftest import REPO, invoke_cli
-from test_bad_input import assert_one_line_error
+from clikit import assert_one_line_error
 
 DATA = REPO / "tests" / "data"
 TINY = DATA / "sweep_tiny.yaml"

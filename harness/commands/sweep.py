@@ -47,6 +47,11 @@ def _sweep(sweep_file: str, args: RunArgs, rules_path: str | None, no_plots: boo
     entry = get_backend(backend)
     if not entry.simulated and args.sim_talker != DEFAULT_SIM_TALKER:
         raise UserError(f"--sim-talker {args.sim_talker} applies to --backend sim")
+    if entry.simulated and any(axis.key == "sampling.seed" for axis in sweep.axes):
+        # the sim's Talker samples with the run's seed, never the deploy's: the axis would change nothing
+        raise UserError(f"{sweep.path}: axes.sampling.seed: the sim's Talker samples with the run's seed (--seed; "
+                        "repeat r uses seed + r - 1), not the deploy's sampling.seed; sweep seeds with --seed and "
+                        "--repeat (on the real backend the axis reaches the server)")
     deploys = sweep.deploys
     entry.prepare(args, options, None)
     for deploy in deploys:  # vLLM's scheduler rules, per point: the error names the sweep file and the point

@@ -103,6 +103,18 @@ def wer_source(cells: list[CellSummary]) -> str:
     return sources.pop() if len(sources) == 1 else "mixed"
 
 
+def oracle_origin(run: Run) -> str:
+    """What the oracle transcript is, by the backends that made the run's records: the sim's spoken
+    word sequence, or what the real server's Talker sampled read back through the speaking table."""
+    simulated = {is_simulated(r.backend) for r in run.requests}
+    parts = []
+    if True in simulated or not simulated:
+        parts.append("the sim's spoken word sequence before TTS")
+    if False in simulated:
+        parts.append("the real Talker's codec stream read back through the speaking checkpoint's table")
+    return "; ".join(parts)
+
+
 def wer_source_note(run: Run, cells: list[CellSummary]) -> str:
     """The line under the seed table saying where the WER came from."""
     source = wer_source(cells)
@@ -111,7 +123,7 @@ def wer_source_note(run: Run, cells: list[CellSummary]) -> str:
     if source in ("whisper", "mixed") and asr:
         note += f" ({_describe(asr)})"
     if source == "oracle":
-        note += " (the sim's spoken word sequence before TTS; no ASR ran)"
+        note += f" ({oracle_origin(run)}; no ASR ran)"
     if source == "mixed":
         per_cell = ", ".join(f"{c.arm}/{c.deploy}/run {c.run_number}: {c.wer_source}" for c in cells)
         note += f"; per cell: {per_cell}"

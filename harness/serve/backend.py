@@ -399,6 +399,7 @@ class ServeCell:
     env: dict[str, str]
     specs: list[chat.RequestSpec]
     collector: TraceCollector
+    replies: dict[str, str] = field(default_factory=dict)  # prompt id -> the prompt set's reply
     codecs: dict[str, dict[int, int]] = field(default_factory=dict)  # prompt id -> position -> codec id
     generated_at: dict[str, list[float]] = field(default_factory=dict)  # prompt id -> times of generated calls
 
@@ -423,7 +424,7 @@ class ServeCell:
     def record(self, res: chat.ChatResult, spans: list[SpanRecord]) -> RequestRecord:
         return _record(self.arm, self.deploy, self.repeat, self.run_dir, res, spans,
                        self.codecs.get(res.prompt_id, {}), self.options.speaking,
-                       self.generated_at.get(res.prompt_id, ()))
+                       self.generated_at.get(res.prompt_id, ()), self.replies.get(res.prompt_id))
 
 
 def build_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, run_dir: Path,
@@ -452,7 +453,8 @@ def build_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, ru
             audio_file=run_dir / audio_rel_path(arm, deploy, repeat, p.id),
         ))
     return ServeCell(arm, deploy, repeat, run_dir, options, trace, server_log_path(run_dir, arm, deploy),
-                     server_env(arm, trace, options, translation), specs, TraceCollector(trace, token_to_prompt))
+                     server_env(arm, trace, options, translation), specs, TraceCollector(trace, token_to_prompt),
+                     replies={p.id: p.reply for p in prompts.prompts})
 
 
 def step_cell(cell: ServeCell, on_request: Callable[[RequestRecord], None],
@@ -578,9 +580,21 @@ def time_to_first_codec(res: chat.ChatResult, generated_at: Iterable[float]) -> 
     return round(max(0.0, min(times) - res.sent_at), 3) if times else None
 
 
+def reply_mismatch(prompt_id: str, expected: str | None, said: str | None) -> str | None:
+    """The speaking checkpoint's Thinker is forced to say the prompt set's reply, which is then the
+    WER reference: a Thinker that said something else would be scored against the wrong text, so the
+    request is an error naming it (issue 32). ``None`` when they agree (up to surrounding space)."""
+    if expected is None or said is None or said.strip() == expected.strip():
+        return None
+    from harness.errors import short_repr
+
+    return (f"prompt {prompt_id!r}: the Thinker said {short_repr(said)}, not the prompt set's reply "
+            f"{short_repr(expected)} (the speaking checkpoint's reply forcer did not hold; not scored)")
+
+
 def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.ChatResult,
             spans: list[SpanRecord], stream: dict[int, int] | None = None, speaking: bool = False,
-            generated_at: Iterable[float] = ()) -> RequestRecord:
+            generated_at: Iterable[float] = (), expected_reply: str | None = None) -> RequestRecord:
     first = spans[0] if spans else None
     restarts = sum(1 for s in spans[1:] if s.c == 0)  # preemption by recompute resets c to 0
     audio = None
@@ -600,7 +614,10 @@ def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.
         record.schedule = schedule_digest(spans)
     codes = codec_stream(stream or {}, record.talker_prompt_len)
     record.codec_tokens, record.num_codec_tokens = codes, len(codes)
-    if speaking and res.error is None:  # the speaking model's oracle: its codec stream read back through the table
+    if speaking and res.error is None and (problem := reply_mismatch(res.prompt_id, expected_reply,
+                                                                     res.thinker_text)) is not None:
+        record.error = problem
+    elif speaking and res.error is None:  # the speaking model's oracle: its codec stream read back through the table
         record.oracle_transcript = decode_codes(codes).text
         record.oracle_wer = wer(record.reference_text, record.oracle_transcript)
     return record

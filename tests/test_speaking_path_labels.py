@@ -1,0 +1,44 @@
+"""Issue 32, item 5: the oracle's label says what the oracle is on each backend, the speaking
+checkpoint's reply is checked against the prompt set's, and a sweep axis the sim cannot honour
+(`sampling.seed`) is refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import REPO, invoke_cli
+from harness.report.tables import oracle_origin
+from harness.serve.backend import reply_mismatch
+
+
+class _Run:
+    def __init__(self, *backends: str) -> None:
+        self.requests = [type("R", (), {"backend": b})() for b in backends]
+
+
+def test_the_oracle_label_names_the_backend_that_made_it():
+    assert oracle_origin(_Run("sim", "sim")) == "the sim's spoken word sequence before TTS"
+    assert oracle_origin(_Run("vllm-omni")) == (
+        "the real Talker's codec stream read back through the speaking checkpoint's table")
+    assert oracle_origin(_Run("sim", "vllm-omni")).count(";") == 1
+
+
+def test_a_thinker_that_did_not_say_the_reply_is_named():
+    assert reply_mismatch("p1", "Go to bed.", "Go to bed.\n") is None
+    assert reply_mismatch("p1", None, "anything") is None  # no scripted reply: nothing to compare
+    assert reply_mismatch("p1", "Go to bed.", "You asked: sleep") == (
+        "prompt 'p1': the Thinker said 'You asked: sleep', not the prompt set's reply 'Go to bed.' "
+        "(the speaking checkpoint's reply forcer did not hold; not scored)")
+
+
+def test_a_sampling_seed_axis_is_refused_on_the_sim(tmp_path: Path):
+    sweep = tmp_path / "seeds.yaml"
+    sweep.write_text("name: seeds\nbase: stress\nreference: reference\naxes:\n  sampling.seed: [1, 2]\n")
+    res = invoke_cli("sweep", str(sweep), "--prompts", str(REPO / "tests" / "data" / "prompts_e2e.yaml"),
+                     "--out", str(tmp_path / "out"))
+    assert res.exit_code == 2
+    assert res.stderr.strip().splitlines() == [
+        f"omni-stress: error: {sweep}: axes.sampling.seed: the sim's Talker samples with the run's seed (--seed; "
+        "repeat r uses seed + r - 1), not the deploy's sampling.seed; sweep seeds with --seed and --repeat (on the "
+        "real backend the axis reaches the server)"]
+    assert not (tmp_path / "out").exists()

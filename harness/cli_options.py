@@ -108,8 +108,8 @@ _OPTIONS: tuple[_Opt, ...] = (
         "run": "Whisper worker processes (default: 2 on 2+ cores; 0: transcribe in the run's own process).",
         "sweep": "Whisper worker processes (default: 2 on 2+ cores)."}}),
     _Opt("--sim-workers", type=click.IntRange(0, 64), default=None, per_command={"help": {
-        "run": "Sim cells simulated at once in forked processes (default: 2 on 2+ cores; 0 or 1: one at a time, "
-               "in the run's own process).",
+        "run": "Sim cells simulated at once in forked processes (default: 2 on 2+ cores; 1: one at a time in one "
+               "worker; 0: in the run's own process, where an arm call that ignores --arm-timeout cannot be ended).",
         "sweep": "Sim cells simulated at once in forked processes (default: 2 on 2+ cores)."}}),
     _Opt("--cache-dir", type=click.Path(path_type=Path), default=None,
          help="Transcript/model cache (default $OMNI_STRESS_CACHE_DIR or ~/.cache/omni-stress)."),

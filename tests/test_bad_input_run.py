@@ -89,7 +89,7 @@ def test_F4_F5_F6_misbehaving_arms_fail_their_request_and_the_run_goes_on(tmp_pa
     """In the run's own process (the in-process CLI): wrong-width and 1-D rows, sys.exit(0/3),
     os._exit(0) and a call that never returns each fail p03-sleep's request only."""
     args = ["run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS), "--out", str(tmp_path),
-            "--run-id", "r", "--deploy", "stress", "--sim-workers", "1", "--arm-timeout", "1"]
+            "--run-id", "r", "--deploy", "stress", "--sim-workers", "0", "--arm-timeout", "1"]
     for arm, (attr, *_rest) in MISBEHAVING.items():
         args += ["--arm", f"{arm}={MIS}:{attr}"]
     res = invoke_cli(*args)
@@ -121,7 +121,7 @@ def test_F5_F6_in_sim_workers_and_stdout_is_the_table_alone(tmp_path):
 
 def test_plugin_print_stays_off_stdout_in_process(tmp_path):
     res = invoke_cli("run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS), "--out", str(tmp_path),
-                     "--run-id", "r", "--deploy", "reference", "--arm", f"noisy={MIS}:Prints")
+                     "--run-id", "r", "--deploy", "reference", "--arm", f"noisy={MIS}:Prints", "--sim-workers", "0")
     assert res.exit_code == 0, res.stderr
     assert "plugin print" not in res.stdout and "plugin write" not in res.stdout and res.stdout.startswith("Run r: ")
     assert "plugin print" in res.stderr

@@ -236,8 +236,8 @@ class SimBackend:
         if threading.active_count() > 1:
             return  # forking a process with other threads (a host application, a test runner) is unsafe
         if workers < 2 or len(jobs) < 2:
-            if armcall.limit() <= 0:
-                return  # one cell at a time, in this process
+            if armcall.limit() <= 0 or self.options.sim_workers == 0:
+                return  # one cell at a time, in this process (--sim-workers 0, or no per-call limit)
             # Under --arm-timeout the cells run in a worker even one at a time: an arm call that ignores its
             # limit is ended by ending the process it runs in, which must not be the run's (issue 33, case 1).
             workers = 1

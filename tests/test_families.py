@@ -108,7 +108,8 @@ def test_a_second_family_drives_the_sim_through_its_own_hook(tmp_path, toy):
     family) runs as it does under Qwen2.5-Omni: the same records as the default family's run."""
     deploy = _deploy(tmp_path, "toy-stress", "toy")
     prompts = _toy_prompts(tmp_path)
-    common = ("run", "--asr", "none", "--quiet", "--sim-workers", "0", "--arm", "fix=harness.talkers.pr:FixedTalker",
+    common = ("run", "--asr", "none", "--quiet", "--sim-workers", "0", "--arm-timeout", "0",
+              "--arm", "fix=harness.talkers.pr:FixedTalker",
               "--out", str(tmp_path / "out"))
     res = invoke_cli(*common, "--run-id", "toy", "--deploy", str(deploy), "--prompts", str(prompts))
     assert res.exit_code == 0, res.stderr
@@ -161,7 +162,20 @@ def test_list_families_shows_each_familys_chain_hook_and_defaults():
         "Model families (harness/families/; a deploy's family:, or --family):",
         "  qwen2.5-omni thinker -> talker -> code2wav; talker's talker_preprocess under test",
         "               real server: /v1/chat/completions, trace "
-        "vllm_omni.model_executor.models.qwen2_5_omni.qwen2_5_omni:Qwen2_5OmniForConditionalGeneration",
+        "vllm_omni.model_executor.models.qwen2_5_omni.qwen2_5_omni:Qwen2_5OmniForConditionalGeneration; "
+        "conform model qwen2.5-omni",
         "               defaults: --arm main --arm pr --deploy reference --deploy stress --prompts default; "
         "sim Talkers words, speaking",
     ]
+
+
+def test_a_sim_talker_the_family_has_not_is_refused(tmp_path, toy, monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setattr(toy, "FAMILY", replace(toy.FAMILY, sim_talkers=("words",)))
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--sim-talker", "speaking", "--arm",
+                     "fix=harness.talkers.pr:FixedTalker", "--deploy", str(_deploy(tmp_path, "toy-stress", "toy")),
+                     "--prompts", str(_toy_prompts(tmp_path)), "--out", str(tmp_path / "out"))
+    assert res.exit_code == 2
+    assert res.stderr.strip().splitlines() == [
+        "omni-stress: error: --sim-talker speaking: the toy family's sim has the Talkers words"]

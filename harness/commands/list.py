@@ -26,7 +26,8 @@ def command(what: str) -> None:
         for name in family_names():
             fam = get_family(name)
             click.echo(f"  {fam.name:<12} {' -> '.join(fam.stages)}; {fam.stage}'s {fam.hook} under test\n"
-                       f"  {'':<12} real server: {fam.request_api}, trace {fam.trace_target}\n"
+                       f"  {'':<12} real server: {fam.request_api}, trace {fam.trace_target}; conform model "
+                       f"{fam.conform_model}\n"
                        f"  {'':<12} defaults: --arm {' --arm '.join(fam.default_arms)} --deploy "
                        f"{' --deploy '.join(fam.default_deploys)} --prompts {fam.default_prompts}; sim Talkers "
                        f"{', '.join(fam.sim_talkers)}")

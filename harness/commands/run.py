@@ -65,6 +65,9 @@ def resolve_arm_specs(args: RunArgs, deploys: list[Deploy], prompts: PromptSet) 
     if len(set(names)) != len(names):
         raise UserError(f"--arm: arm names must be unique, got {', '.join(names)}")
     fam = choose_family(args.family, deploys, prompts, arm_specs)
+    if get_backend(args.backend).simulated and args.sim_talker not in fam.sim_talkers:
+        raise UserError(f"--sim-talker {args.sim_talker}: the {fam.name} family's sim has the Talkers "
+                        f"{', '.join(fam.sim_talkers)}")
     return [replace(a, family=fam.name) if a.source == "--arm" else a for a in arm_specs]
 
 

@@ -137,7 +137,8 @@ def run_cli(name: str, args: argparse.Namespace, out: Path, cache: Path) -> RunR
 
 def steady_sim(args: argparse.Namespace) -> SteadyResult:
     """The sim cells in this process, after one warm-up cell: the simulation's own throughput."""
-    from harness.config import load_arms, load_deploy, load_prompts, resolve_arm
+    from harness.config import load_arms, load_deploy, load_prompts
+    from harness.talkers import resolve_arm
     from harness.sim.backend import run_cell
 
     known = load_arms()

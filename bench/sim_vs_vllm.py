@@ -107,7 +107,8 @@ def _time_arm() -> dict[str, float]:
 
 
 def sim_cells(args: argparse.Namespace) -> list[dict]:
-    from harness.config import load_arms, load_deploy, load_prompts, resolve_arm
+    from harness.config import load_arms, load_deploy, load_prompts
+    from harness.talkers import resolve_arm
     from harness.sim.backend import run_cell
 
     known = load_arms()

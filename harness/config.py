@@ -544,31 +544,6 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
     return arms
 
 
-def resolve_arm(text: str, arms: dict[str, ArmSpec]) -> ArmSpec:
-    """``NAME`` from arms.yaml, ``NAME=package.module:attr`` for a plugin arm, or
-    ``NAME=vllm-omni:<source>`` for upstream vLLM-Omni code (checked here, before any cell runs)."""
-    if "=" in text:
-        name, _, target = text.partition("=")
-        if not name or ":" not in target or target == "vllm-omni:":
-            raise ConfigError(f"--arm {text!r}: expected NAME, NAME=package.module:attr or NAME=vllm-omni:<source>")
-        if (bad := check_name(name)) is not None:
-            raise ConfigError(f"--arm {text!r}: arm name {bad}")
-        base = arms.get(name)
-        upstream = target.startswith("vllm-omni:")
-        arm = ArmSpec(name=name, talker=target, description="upstream vLLM-Omni code" if upstream else "plugin arm",
-                      source="--arm", serve=base.serve if base else None)
-    elif text not in arms:
-        known = ", ".join(sorted(arms)) or "none"
-        raise ConfigError(f"--arm {text!r}: unknown arm (known: {known}; or use NAME=package.module:attr)")
-    else:
-        arm = arms[text]
-    if arm.talker.startswith("vllm-omni:"):
-        from harness.talkers.upstream import load_upstream  # local: keeps config import-light
-
-        load_upstream(arm)
-    return arm
-
-
 # --------------------------------------------------------------------------- prompts
 
 

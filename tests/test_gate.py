@@ -460,7 +460,8 @@ def test_gate_reads_roles_from_the_run(tmp_path: Path) -> None:
 
 
 def test_arm_roles_in_arms_yaml(tmp_path: Path) -> None:
-    from harness.config import load_arms, resolve_arm
+    from harness.config import load_arms
+    from harness.talkers import resolve_arm
 
     arms = load_arms()
     assert (arms["main"].role, arms["pr"].role) == ("baseline", "candidate")

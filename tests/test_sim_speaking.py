@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from harness import speaking
-from harness.config import load_arms, load_deploy, load_prompts, resolve_arm
+from harness.config import load_arms, load_deploy, load_prompts
+from harness.talkers import resolve_arm
 from harness.errors import UserError
 from harness.report.fidelity import Side, compare, ratio, render_text
 from harness.records import EventCounts, RequestRecord

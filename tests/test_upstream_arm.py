@@ -18,7 +18,8 @@ from click.testing import CliRunner
 from simkit import FakeRequest
 
 from harness.cli import main as cli_main
-from harness.config import ArmSpec, load_arms, load_prompts, resolve_arm
+from harness.config import ArmSpec, load_arms, load_prompts
+from harness.talkers import resolve_arm
 from harness.errors import ConfigError
 from harness.records import read_requests
 from harness.sim.model import bind_arm

@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 
-from harness.config import ArmSpec, Deploy, PromptSet, load_arms, load_deploy, load_prompts, resolve_arm
+from harness.config import ArmSpec, Deploy, PromptSet, load_arms, load_deploy, load_prompts
+from harness.talkers import resolve_arm
 from harness.errors import UserError
 from harness.families import choose_family
 from harness.cli_options import finite_seconds as _finite  # noqa: F401 - its old name

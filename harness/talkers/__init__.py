@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from harness.config import ArmSpec
+from harness.config import ArmSpec, check_name
 from harness.errors import ConfigError
 
 
@@ -60,3 +60,30 @@ def _load(arm: ArmSpec) -> Any:
     elif not callable(obj):
         raise ConfigError(f"{where}: {attr!r} is not callable")
     return obj
+
+
+def resolve_arm(text: str, arms: dict[str, ArmSpec]) -> ArmSpec:
+    """``NAME`` from arms.yaml, ``NAME=package.module:attr`` for a plugin arm, or
+    ``NAME=vllm-omni:<source>`` for upstream vLLM-Omni code (checked here, before any cell runs). Here
+    and not in ``harness.config``: resolving an upstream arm loads its code, and config stays below
+    the arms."""
+    if "=" in text:
+        name, _, target = text.partition("=")
+        if not name or ":" not in target or target == "vllm-omni:":
+            raise ConfigError(f"--arm {text!r}: expected NAME, NAME=package.module:attr or NAME=vllm-omni:<source>")
+        if (bad := check_name(name)) is not None:
+            raise ConfigError(f"--arm {text!r}: arm name {bad}")
+        base = arms.get(name)
+        upstream = target.startswith("vllm-omni:")
+        arm = ArmSpec(name=name, talker=target, description="upstream vLLM-Omni code" if upstream else "plugin arm",
+                      source="--arm", serve=base.serve if base else None)
+    elif text not in arms:
+        known = ", ".join(sorted(arms)) or "none"
+        raise ConfigError(f"--arm {text!r}: unknown arm (known: {known}; or use NAME=package.module:attr)")
+    else:
+        arm = arms[text]
+    if arm.talker.startswith("vllm-omni:"):
+        from harness.talkers.upstream import load_upstream  # local: the upstream extractor is heavy
+
+        load_upstream(arm)
+    return arm

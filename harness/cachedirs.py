@@ -27,38 +27,52 @@ def _cache_base() -> Path:
     return Path(xdg).expanduser() if xdg else Path.home() / ".cache"
 
 
-def _library_dirs() -> list[tuple[str, str, Path]]:
+#: The libraries each command imports that write a cache (the others are left alone, and nothing is said).
+USES = {"run": ("vLLM", "matplotlib"), "sweep": ("vLLM", "matplotlib"), "report": ("matplotlib",),
+        "conform": ("vLLM",)}
+
+
+def _library_dirs(libraries: tuple[str, ...]) -> list[tuple[str, str, Path]]:
     """(library, environment variable, the folder it will write) for each library cache handled here."""
     base = _cache_base()
     vllm = os.environ.get("VLLM_CACHE_ROOT")
     mpl = os.environ.get("MPLCONFIGDIR")
-    return [("vLLM", "VLLM_CACHE_ROOT", Path(vllm).expanduser() if vllm else base / "vllm"),
+    dirs = [("vLLM", "VLLM_CACHE_ROOT", Path(vllm).expanduser() if vllm else base / "vllm"),
             ("matplotlib", "MPLCONFIGDIR", Path(mpl).expanduser() if mpl else base / "matplotlib")]
+    return [d for d in dirs if d[0] in libraries]
 
 
 def unwritable(path: Path) -> str | None:
     """Why ``path`` (existing or not) cannot be made and written, or None. Nothing is created: the nearest
     existing folder on its way must be a folder this process may write into."""
     p = path if path.is_absolute() else Path.cwd() / path
-    while not p.exists():
-        if p.is_symlink():
-            return f"{p} is a dangling symbolic link"
-        if p.parent == p:
-            break
-        p = p.parent
-    if not p.is_dir():
-        return f"{p} is not a folder"
+    try:
+        while not p.exists():
+            if p.is_symlink():
+                return f"{p} is a dangling symbolic link"
+            if p.parent == p:
+                break
+            p = p.parent
+        if not p.is_dir():
+            return f"{p} is not a folder"
+    except OSError as exc:  # a folder on the way this user may not enter (HOME=/root for another user)
+        return f"{p}: {exc.strerror or exc}"
     if not os.access(p, os.W_OK | os.X_OK):
         return f"{p} is not writable"
     return None
 
 
-def redirect_unwritable() -> None:
-    """Points each library cache that cannot be written at a folder that can, saying so once."""
+def redirect_unwritable(command: str | None = None) -> None:
+    """Points each cache that ``command``'s libraries write and that cannot be written at a folder that can,
+    saying so once (``USES``: the caches of libraries the command does not use are left alone)."""
     for env in ("VLLM_CACHE_ROOT", "MPLCONFIGDIR"):
         if os.environ.get(env) == "":  # set but empty: vLLM would write its caches into the working folder
             del os.environ[env]
-    bad = [(lib, env, path, why) for lib, env, path in _library_dirs() if (why := unwritable(path)) is not None]
+    libraries = USES.get(command or "", ())
+    if not libraries:
+        return
+    bad = [(lib, env, path, why) for lib, env, path in _library_dirs(libraries)
+           if (why := unwritable(path)) is not None]
     if not bad:
         return
     own_env = os.environ.get(CACHE_ENV)

@@ -132,7 +132,7 @@ def main() -> None:
     """Stress-test the Qwen2.5-Omni Talker and score its speech with Whisper."""
     from harness.cachedirs import redirect_unwritable
 
-    redirect_unwritable()  # before any library writes its cache (issue 33, case 8)
+    redirect_unwritable(click.get_current_context().invoked_subcommand)  # before a library writes its cache
 
 
 if __name__ == "__main__":

@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import pytest
 import yaml
 
-from conftest import CliResult, REPO, SMALL_PROMPTS, invoke_cli
+from conftest import CliResult, REPO, SMALL_PROMPTS
 
 
 def assert_one_line_error(res: CliResult, *needles: str) -> str:
@@ -97,16 +96,6 @@ def _with_char(text: str, ch: str, line: int) -> str:
     lines = text.split("\n")
     lines[line - 1] += ch
     return "\n".join(lines)
-
-
-@pytest.fixture(scope="module")
-def one_run(tmp_path_factory) -> Path:
-    """A finished sim run of one cell (main x reference, one prompt), copied by the tests that spoil it."""
-    tmp = tmp_path_factory.mktemp("round3-run")
-    res = invoke_cli("run", "--asr", "none", "--quiet", "--arm", "main", "--deploy", "reference", "--sim-workers", "0",
-                     "--prompts", _one_prompt(tmp), "--out", str(tmp / "out"), "--run-id", "one")
-    assert res.exit_code == 0, res.stderr
-    return tmp / "out" / "one"
 
 
 def _copy_run_r3(run: Path, where: Path) -> Path:

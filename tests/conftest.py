@@ -59,3 +59,15 @@ def small_run(tmp_path_factory) -> Path:
                      "--run-id", "full")
     assert res.exit_code == 0, res.stderr
     return out / "full"
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory) -> Path:
+    """A finished sim run of one cell (main x reference, one prompt), copied by the tests that spoil it."""
+    from clikit import _one_prompt
+
+    tmp = tmp_path_factory.mktemp("one-run")
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--arm", "main", "--deploy", "reference", "--sim-workers", "0",
+                     "--prompts", _one_prompt(tmp), "--out", str(tmp / "out"), "--run-id", "one")
+    assert res.exit_code == 0, res.stderr
+    return tmp / "out" / "one"

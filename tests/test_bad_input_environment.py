@@ -48,11 +48,15 @@ def test_unwritable_cache_folder_is_one_line_and_the_run_succeeds(tmp_path: Path
         f"vLLM's and matplotlib's caches go to {own}/libraries for this command"], res.stderr
     assert (tmp_path / "out" / "r" / "report.html").is_file()
     # omni-stress's own cache cannot be written either: a temporary folder, said so
-    tmp = run_cli("list", env={"XDG_CACHE_HOME": str(xdg), "OMNI_STRESS_CACHE_DIR": "", "VLLM_CACHE_ROOT": "",
-                               "MPLCONFIGDIR": ""})
+    env = {"XDG_CACHE_HOME": str(xdg), "OMNI_STRESS_CACHE_DIR": "", "VLLM_CACHE_ROOT": "", "MPLCONFIGDIR": ""}
+    tmp = run_cli("report", "--no-write", str(tmp_path / "out" / "r"), env=env)
     assert tmp.exit_code == 0, tmp.stderr
     [line] = tmp.stderr.splitlines()
-    assert "caches go to " in line and "(a temporary folder, removed at exit) for this command" in line
+    assert line.startswith(f"omni-stress: warning: cache folder {xdg}/matplotlib cannot be written "
+                           f"({tmp_path / 'a-file'} is not a folder); matplotlib's cache goes to "), line
+    assert line.endswith(" (a temporary folder, removed at exit) for this command"), line
+    # a command that uses neither library says nothing
+    assert "cache folder" not in run_cli("gate", str(tmp_path / "out" / "r"), env=env).stderr
 
 
 # ----------------------------------------------------------------------------- --ray-address that does not answer

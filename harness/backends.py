@@ -14,6 +14,7 @@ file-name alphabet, so no prompt id or arm name can place a file outside ``audio
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,8 +109,10 @@ BACKENDS: dict[str, str] = {
 }
 
 
+@functools.cache
 def get_backend(name: str) -> Any:
-    """The entry of backend ``name``; an unknown name is one line naming ``--backend``."""
+    """The entry of backend ``name``; an unknown name is one line naming ``--backend``. Cached: the
+    report and the sweep's metrics ask ``is_simulated`` once per record."""
     import importlib
 
     from harness.errors import UserError

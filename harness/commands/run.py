@@ -42,9 +42,6 @@ def _run(args: RunArgs) -> str:
     arm_specs = resolve_arm_specs(args, deploy_specs, prompts)
     options = args.run_options()
     entry = get_backend(args.backend)
-    if not entry.simulated and args.sim_talker != DEFAULT_SIM_TALKER:
-        raise UserError(f"--sim-talker {args.sim_talker} applies to --backend sim (the real server runs its own "
-                        "Talker: the speaking tiny checkpoint speaks by the same rules)")
     entry.prepare(args, options, prompts)
     if args.dry_run:
         run_dir = (args.resume_dir or args.out / (args.run_id or new_run_id(arm_specs, deploy_specs)))
@@ -59,14 +56,19 @@ def _run(args: RunArgs) -> str:
 
 def resolve_arm_specs(args: RunArgs, deploys: list[Deploy], prompts: PromptSet) -> list[ArmSpec]:
     """``--arm`` resolved in the arms file, names unique, every arm of the run's model family
-    (``harness.families.choose_family``); a command-line arm takes the run's family."""
+    (``harness.families.choose_family``); a command-line arm takes the run's family. ``--sim-talker``
+    is checked here too: it names a Talker of the family's sim, and only the sim has one."""
     known = load_arms(args.arms_file) if args.arms_file else load_arms()
     arm_specs = [resolve_arm(a, known) for a in args.arms]
     names = [a.name for a in arm_specs]
     if len(set(names)) != len(names):
         raise UserError(f"--arm: arm names must be unique, got {', '.join(names)}")
     fam = choose_family(args.family, deploys, prompts, arm_specs)
-    if get_backend(args.backend).simulated and args.sim_talker not in fam.sim_talkers:
+    simulated = get_backend(args.backend).simulated
+    if not simulated and args.sim_talker != DEFAULT_SIM_TALKER:
+        raise UserError(f"--sim-talker {args.sim_talker} applies to --backend sim (the real server runs its own "
+                        "Talker: the speaking tiny checkpoint speaks by the same rules)")
+    if simulated and args.sim_talker not in fam.sim_talkers:
         raise UserError(f"--sim-talker {args.sim_talker}: the {fam.name} family's sim has the Talkers "
                         f"{', '.join(fam.sim_talkers)}")
     return [replace(a, family=fam.name) if a.source == "--arm" else a for a in arm_specs]

@@ -12,7 +12,7 @@ from harness.cli_options import RunArgs, shared_run_options
 from harness.commands.run import _preflight, resolve_arm_specs
 from harness.config import load_prompts
 from harness.errors import UserError
-from harness.backends import DEFAULT_SIM_TALKER, RunOptions, get_backend
+from harness.backends import RunOptions, get_backend
 from harness.pipeline import RunPlan, execute, manifest_for, new_run_id
 from harness.proc import printable_streams, stdout_to_stderr
 from harness.rundir import in_run_dir, open_run_dir, start_manifest
@@ -45,8 +45,6 @@ def _sweep(sweep_file: str, args: RunArgs, rules_path: str | None, no_plots: boo
     options = args.run_options(latency=True)
     backend = args.backend
     entry = get_backend(backend)
-    if not entry.simulated and args.sim_talker != DEFAULT_SIM_TALKER:
-        raise UserError(f"--sim-talker {args.sim_talker} applies to --backend sim")
     if entry.simulated and any(axis.key == "sampling.seed" for axis in sweep.axes):
         # the sim's Talker samples with the run's seed, never the deploy's: the axis would change nothing
         raise UserError(f"{sweep.path}: axes.sampling.seed: the sim's Talker samples with the run's seed (--seed; "

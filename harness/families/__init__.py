@@ -39,7 +39,6 @@ class Family:
     imported on first use so that naming a family costs nothing."""
 
     name: str  # the deploy's ``family:`` and ``--family``
-    title: str  # for tables and reports
     stages: tuple[str, ...]  # the stage chain, in order (the real server's stage ids are the indices)
     stage_under_test: int  # index in ``stages`` of the stage whose hook is traced and bound
     hook: str  # the method the runner calls with the phase metadata (``talker_preprocess``)

@@ -25,7 +25,6 @@ from harness.families import Family
 
 FAMILY = Family(
     name="qwen2.5-omni",
-    title="Qwen2.5-Omni",
     stages=("thinker", "talker", "code2wav"),
     stage_under_test=1,
     hook="talker_preprocess",

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from harness.config import Deploy, PromptSet, SamplingSettings
+from harness.contract import misaligned_regions
 from harness.errors import ConfigError, UserError
 from harness.sim.cell import SimCell
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, CodecVocab, collapse, oracle_transcript
@@ -97,8 +98,6 @@ class SimContract:
                    text_ids: np.ndarray, codec_ids: np.ndarray) -> tuple[int, int]:
         """Positions whose row differs from the contract's expected row (exact, by identity), as
         (text region, end region) counts (``contract.misaligned_regions``)."""
-        from harness.contract import misaligned_regions
-
         eos_k = out.output_rows.shape[0] - 1  # len(thinker_result[1:])
         exp_text, exp_codec = self.expected_ids(kv, out, span_ids, c, n)
         wrong = (exp_text != text_ids) | (exp_codec != codec_ids)

@@ -14,7 +14,9 @@ class attributes) the arm's classes define themselves, walking its MRO up to (no
 ``harness.talkers.qwen2_5_omni.Qwen25OmniTalkerHelpers`` (the sim's port of upstream helpers: the
 real ones stay); for a function arm, the function as ``talker_preprocess``. The model's own method
 stays reachable as ``_omni_stress_upstream_talker_preprocess``. ``describe`` says what ran, for the
-manifest.
+manifest. Before anything is set, the model class's members are captured for the worker's contract
+check (``harness.serve.worker_contract.capture_release``): the expected rows come from the release's
+helpers, never from an arm's override of them.
 
 A class arm keeps its own class semantics, as in the sim: the arm class is inserted into the model
 class's bases, so every model instance *is* an instance of the arm class and a method that calls
@@ -101,6 +103,9 @@ def bind(model_cls: type, spec: str, redirect_helpers: bool = False) -> dict[str
     """Binds the arm named by ``spec`` onto ``model_cls``; returns ``describe``'s record.
     ``redirect_helpers``: in a server worker (the trace plugin), ``super()`` chains end at the real
     helpers (``_adopt``); never in a process that also runs the sim."""
+    from harness.serve.worker_contract import capture_release
+
+    capture_release(model_cls)  # the contract's yardstick: the release's members, before any is replaced
     arm = _load(spec)
     methods = methods_of(arm)
     originals = dict(vars(model_cls))  # the installed model's own members, before any is replaced

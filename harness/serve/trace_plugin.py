@@ -361,6 +361,12 @@ def install(directory: str | None, target: str = DEFAULT_TARGET, arm: str | None
         if cls is None:
             _warn(f"{module_name} has no class {class_name}; nothing traced")
             return
+        try:  # the contract's yardstick, before an arm can replace any member
+            from harness.serve.worker_contract import capture_release
+
+            capture_release(cls)
+        except Exception as exc:  # noqa: BLE001 - never break vLLM's import
+            _warn(f"cannot capture {class_name}'s members for the contract: {type(exc).__name__}: {exc}")
         if arm:
             _bind_arm(cls, arm, directory)
         if writer is not None:

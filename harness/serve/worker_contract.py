@@ -5,7 +5,13 @@ Why in the worker: the rows a Talker position is conditioned on exist only there
 was given and what the runner will copy into the span (vLLM-Omni 0.30.0's
 ``gpu_model_runner.py``: ``req_embeds[:min(n, rows)]`` into positions ``c..c+seg-1``; positions
 past ``seg`` keep the runner's ``inputs_embeds`` slice, as the call left it). The expected rows
-are built from the same payload with the model's own helpers (DESIGN.md "expected conditioning"):
+are built from the same payload with the *release's* helpers (DESIGN.md "expected conditioning"):
+the class members of the installed model class captured by :func:`capture_release` before any arm
+is bound (``harness.serve.arm_binding.bind`` binds every member an arm class defines, so an arm that
+overrides ``_thinker_to_talker_prefill``, ``_get_embed_text_spk_token`` or any other helper would
+otherwise move the delivered rows and the expected rows together). The model is read through
+:class:`ReleaseView`: class members from that capture, instance state (the special-token embeddings
+the release's loader computed, ``voice_type``) from the instance, submodules (``talker``) from torch:
 
 * ``p < P``: row ``p`` of ``model._thinker_to_talker_prefill(...)`` (Thinker prompt embeddings,
   speaker + codec PAD, first reply row + codec BOS), the prompt the fixed talker reconstructs;
@@ -31,6 +37,64 @@ from harness.contract import misaligned_regions
 
 ULPS = 4
 
+_RELEASES: dict[type, dict[str, Any]] = {}  # model class -> its members as the release defined them
+
+
+def capture_release(model_cls: type) -> dict[str, Any]:
+    """The members of ``model_cls`` and its bases (nearest first) as they are now, kept for the
+    contract; call before any arm is bound. The first capture of a class wins: a later call on a
+    class already captured, or on a subclass of one (the class an arm binding builds), returns that
+    capture, never the bound members."""
+    for klass in model_cls.__mro__:
+        if klass in _RELEASES:
+            return _RELEASES[klass]
+    members: dict[str, Any] = {}
+    for klass in model_cls.__mro__:
+        for name, value in vars(klass).items():
+            members.setdefault(name, value)
+    members["__release_class__"] = model_cls
+    _RELEASES[model_cls] = members
+    return members
+
+
+class ReleaseView:
+    """``model`` as the release sees it: attribute lookup follows Python's order (data descriptors,
+    then the instance's own attributes, then other class members) over the *captured* release
+    members, then torch's submodules/parameters/buffers; an arm's bound members are never seen.
+    Methods found here are bound to the view, so the helpers they call are the release's too."""
+
+    __slots__ = ("_model", "_members")
+
+    def __init__(self, model: Any, members: dict[str, Any]) -> None:
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_members", members)
+
+    def __getattr__(self, name: str) -> Any:
+        model, members = self._model, self._members
+        value = members.get(name, _MISSING)
+        own = getattr(model, "__dict__", {})
+        if value is not _MISSING and hasattr(type(value), "__set__"):  # property: beats the instance
+            return value.__get__(self, members["__release_class__"])
+        if name in own:
+            return own[name]
+        if value is not _MISSING:
+            if hasattr(value, "__get__"):  # functions, static and class methods
+                return value.__get__(self, members["__release_class__"])
+            return value
+        import torch
+
+        if isinstance(model, torch.nn.Module):
+            return torch.nn.Module.__getattr__(model, name)
+        raise AttributeError(f"the release's {type(model).__name__} has no attribute {name!r}")
+
+
+_MISSING = object()
+
+
+def release_view(model: Any) -> ReleaseView:
+    """``model`` through its release's captured members (captured now if nothing bound an arm first)."""
+    return ReleaseView(model, capture_release(type(model)))
+
 
 def _payload(info: dict[str, Any]) -> tuple[Any, Any, list[int], list[int]]:
     embed = info.get("embed") or {}
@@ -44,6 +108,7 @@ def expected_rows(model: Any, info: dict[str, Any], ids: Any, P: int, c: int, n:
     give them."""
     import torch
 
+    model = release_view(model)
     prefill, thinker_result, prompt_ids, output_ids = _payload(info)
     if not isinstance(thinker_result, torch.Tensor) or thinker_result.ndim != 2 or thinker_result.shape[0] == 0:
         raise ValueError("no Thinker output rows (hidden_states.output)")

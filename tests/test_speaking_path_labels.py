@@ -7,13 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import REPO, invoke_cli
-from harness.report.tables import oracle_origin
+from harness.report.tables import SPEAKING_BLIND_SPOTS, oracle_origin, wer_source_note
 from harness.serve.backend import reply_mismatch
 
 
 class _Run:
-    def __init__(self, *backends: str) -> None:
+    def __init__(self, *backends: str, sim_talker: str | None = None) -> None:
         self.requests = [type("R", (), {"backend": b})() for b in backends]
+        self.manifest = {"backend": backends[0], "asr": None, **({"sim_talker": sim_talker} if sim_talker else {})}
+
+
+class _Cell:
+    wer_source, not_measurable = "oracle", 0
 
 
 def test_the_oracle_label_names_the_backend_that_made_it():
@@ -42,3 +47,17 @@ def test_a_sampling_seed_axis_is_refused_on_the_sim(tmp_path: Path):
         "repeat r uses seed + r - 1), not the deploy's sampling.seed; sweep seeds with --seed and --repeat (on the "
         "real backend the axis reaches the server)"]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_oracle_note_lists_what_the_speaking_talker_cannot_hear():
+    """Issue 32, item 4: where the oracle comes from the speaking Talker (real backend, or the sim with
+    --sim-talker speaking) the note under the seed table says which wrong rows only the misaligned
+    columns count; the default words sim's note is unchanged."""
+    words = "WER source: oracle transcript (the sim's spoken word sequence before TTS; no ASR ran)"
+    assert wer_source_note(_Run("sim"), [_Cell()]) == words
+    assert wer_source_note(_Run("sim", sim_talker="speaking"), [_Cell()]) == (
+        words + "; " + SPEAKING_BLIND_SPOTS)
+    assert wer_source_note(_Run("vllm-omni"), [_Cell()]) == (
+        "WER source: oracle transcript (the real Talker's codec stream read back through the speaking "
+        "checkpoint's table; no ASR ran); " + SPEAKING_BLIND_SPOTS)
+    assert SPEAKING_BLIND_SPOTS.startswith("the speaking Talker hears only whether a codec-BOS row exists")

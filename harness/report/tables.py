@@ -115,6 +115,24 @@ def oracle_origin(run: Run) -> str:
     return "; ".join(parts)
 
 
+# What the speaking Talker (harness/speaking.py) cannot hear: wrong rows there change nothing it says,
+# so only the misaligned columns count them (docs/speaking-model.md, "What only the contract check sees").
+SPEAKING_BLIND_SPOTS = (
+    "the speaking Talker hears only whether a codec-BOS row exists, the byte of the row at each sampled "
+    "position and the low 5 bits of the byte before it; wrong rows elsewhere (Thinker prompt rows before "
+    "P-2, which speaker row, codec ids other than BOS, the high bits of the previous byte, text-EOS vs "
+    "text-PAD vs no text, a row's scale) are counted only by the misaligned columns")
+
+
+def speaks_with_the_speaking_talker(run: Run) -> bool:
+    """Whether the run's oracle comes from the speaking Talker: a real-backend record (the oracle exists
+    only with the speaking checkpoint) or a sim run with ``--sim-talker speaking``."""
+    from harness.rundir import manifest_sim_talker
+
+    return (any(not is_simulated(r.backend) for r in run.requests)
+            or manifest_sim_talker(run.manifest) == "speaking")
+
+
 def wer_source_note(run: Run, cells: list[CellSummary]) -> str:
     """The line under the seed table saying where the WER came from."""
     source = wer_source(cells)
@@ -124,6 +142,8 @@ def wer_source_note(run: Run, cells: list[CellSummary]) -> str:
         note += f" ({_describe(asr)})"
     if source == "oracle":
         note += f" ({oracle_origin(run)}; no ASR ran)"
+        if speaks_with_the_speaking_talker(run):
+            note += f"; {SPEAKING_BLIND_SPOTS}"
     if source == "mixed":
         per_cell = ", ".join(f"{c.arm}/{c.deploy}/run {c.run_number}: {c.wer_source}" for c in cells)
         note += f"; per cell: {per_cell}"

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from harness.errors import ConfigError, short_repr
-from harness.families import DEFAULT_FAMILY, FAMILY_PACKAGES
+from harness.families import DEFAULT_FAMILY, FAMILY_PACKAGES, TEXT_INPUT_FAMILIES
 from harness.physics import FRAMES_PER_TEXT_TOKEN
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +44,8 @@ _INT_LIMITS = {  # field name -> largest value accepted (the smallest is 1, seed
     "frames_per_text_token": 1000, "default_max_num_batched_tokens": MAX_BATCHED_TOKENS,
     "default_max_model_len": MAX_MODEL_LEN, "max_steps": 10_000_000, "num_speculative_tokens": 64,
 }
+
+_CHOICES = {"model_runner": ("v1", "v2")}  # string settings: the values accepted
 
 _LIMIT_WHY = {  # said next to the limit, so the user knows what it protects
     "max_num_batched_tokens": "8x vLLM-Omni's Talker default; the sim's profile run allocates 256 bytes per token",
@@ -247,6 +249,10 @@ class TalkerSettings:
     max_model_len: int | None = None
     enable_prefix_caching: bool = False  # vLLM-Omni's qwen2_5_omni deploy sets false on every stage
     gpu_memory_utilization: float | None = None
+    # vLLM-Omni's model runner for this stage (a deploy's ``model_runner:``): ``v1`` (gpu_model_runner.py, every
+    # platform) or ``v2`` (MRV2, worker_v2/omni_model_runner.py, CUDA only). They differ on a preemption: V1 keeps
+    # the request's intermediate buffer, MRV2 drops it and the resumed request starts from its payload again.
+    model_runner: str = "v1"
 
 
 @dataclass(frozen=True)
@@ -385,6 +391,11 @@ def _dataclass_from(fields: _Fields, cls: type, floats: dict[str, tuple[float, f
             kwargs[f.name] = value
         elif isinstance(default, float):
             kwargs[f.name] = fields.float_(f.name, None, 0.0, 1e9)
+        elif f.name in _CHOICES:
+            value = fields.data[f.name]
+            if value not in _CHOICES[f.name]:
+                raise fields.fail(f.name, f"must be one of {', '.join(_CHOICES[f.name])}, got {short_repr(value)}")
+            kwargs[f.name] = value
         else:
             minimum = 0 if f.name == "seed" else 1
             kwargs[f.name] = fields.int_(f.name, None, minimum=minimum, maximum=_INT_LIMITS.get(f.name),
@@ -580,7 +591,11 @@ def load_prompts(name_or_path: str) -> PromptSet:
     path = _resolve(name_or_path, PROMPT_DIR, "prompt set")
     top = _Fields(path, load_yaml(path))
     top.reject_unknown({"name", "description", "system_prompt", "prompts", "family"})
-    system = top.str_("system_prompt", required=True)
+    family = _family_field(top)
+    # A TTS prompt set has no Thinker: each prompt is the ``text`` to say (its WER reference), and the set
+    # needs no system prompt. Its family's stage takes the text itself (``harness.families``).
+    tts = family in TEXT_INPUT_FAMILIES
+    system = top.str_("system_prompt", required=not tts, default="")
     items = top.data.get("prompts")
     if not isinstance(items, list) or not items:
         raise top.fail("prompts", "must be a non-empty list")
@@ -588,10 +603,14 @@ def load_prompts(name_or_path: str) -> PromptSet:
     prompts = []
     for i, item in enumerate(items):
         f = _Fields(path, item, f"prompts[{i}].")
-        f.reject_unknown({"id", "user", "reply", "audio_seconds"})
         pid = f.str_("id", required=True)
-        user = f.str_("user", required=True)
-        reply = f.str_("reply", required=True)
+        if tts:
+            f.reject_unknown({"id", "text"})
+            user = reply = f.str_("text", required=True)
+        else:
+            f.reject_unknown({"id", "user", "reply", "audio_seconds"})
+            user = f.str_("user", required=True)
+            reply = f.str_("reply", required=True)
         assert pid and user and reply
         if (bad := check_name(pid)) is not None:
             raise f.fail("id", bad)
@@ -608,7 +627,7 @@ def load_prompts(name_or_path: str) -> PromptSet:
     assert system is not None
     return PromptSet(name=top.str_("name", default=path.stem) or path.stem,
                      description=top.str_("description", default="") or "",
-                     system_prompt=system, prompts=tuple(prompts), path=path, family=_family_field(top))
+                     system_prompt=system, prompts=tuple(prompts), path=path, family=family)
 
 
 # What the sim's tokenizer (harness.tokenizer: ASCII letters and digits make words, every other

@@ -43,3 +43,11 @@ REPLY_TOKENS, REPLY_WORDS = 1011, 903
 TOKENS_PER_WORD = REPLY_TOKENS / REPLY_WORDS
 
 FRAMES_PER_TEXT_TOKEN = round(CODEC_FRAME_RATE_HZ * 60 / (SPEAKING_RATE_WPM * TOKENS_PER_WORD))  # R = 19
+
+# Qwen3-TTS's codec (Qwen3-TTS-Tokenizer-12Hz) runs at 12.5 frames per second. Source: vLLM-Omni
+# 0.30.0, models/qwen3_tts/tokenizer_12hz/configuration_qwen3_tts_tokenizer_v2.py: output_sample_rate
+# 24000 and decode_upsample_rate 1920 samples per codec frame, 24000 / 1920 = 12.5.
+QWEN3_TTS_SAMPLE_RATE, QWEN3_TTS_UPSAMPLE = 24_000, 1920
+QWEN3_TTS_FRAME_RATE_HZ = QWEN3_TTS_SAMPLE_RATE / QWEN3_TTS_UPSAMPLE  # 12.5
+# The same speaking rate and tokenizer rule: R = 12.5 * 60 / (140 * 1011/903) = 4.79 -> 5 frames per text token.
+QWEN3_TTS_FRAMES_PER_TEXT_TOKEN = round(QWEN3_TTS_FRAME_RATE_HZ * 60 / (SPEAKING_RATE_WPM * TOKENS_PER_WORD))  # R = 5

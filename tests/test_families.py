@@ -34,14 +34,19 @@ def test_qwen2_5_omni_is_the_default_family_and_names_its_parts():
 def test_unknown_family_is_one_line_naming_where():
     with pytest.raises(UserError) as exc:
         get_family("qwen9", "deploy_configs/x.yaml: family")
-    assert str(exc.value) == "deploy_configs/x.yaml: family: unknown model family 'qwen9' (known: qwen2.5-omni)"
+    assert str(exc.value) == "deploy_configs/x.yaml: family: unknown model family 'qwen9' (known: qwen2.5-omni, qwen3-tts)"
 
 
 def test_shipped_configs_belong_to_the_default_family():
     for name in ("reference", "stress", "specdec", "cpu-reference", "cpu-stress"):
         assert load_deploy(name).family == "qwen2.5-omni"
     assert load_prompts("default").family == "qwen2.5-omni"
-    assert {a.family for a in load_arms().values()} == {"qwen2.5-omni"}
+    by_family = {a.name: a.family for a in load_arms().values()}
+    assert by_family == {"main": "qwen2.5-omni", "pr": "qwen2.5-omni", "tts-0.30.0": "qwen3-tts",
+                         "tts-0.32.0rc1": "qwen3-tts", "tts-fix": "qwen3-tts"}
+    for name in ("qwen3-tts-reference", "qwen3-tts-stress", "qwen3-tts-mrv2-reference", "qwen3-tts-mrv2-stress"):
+        assert load_deploy(name).family == "qwen3-tts"
+    assert load_prompts("qwen3_tts").family == "qwen3-tts"
 
 
 def _deploy(tmp_path: Path, name: str, family: str | None):
@@ -57,7 +62,7 @@ def test_a_deploys_family_field_is_checked_against_the_registry(tmp_path):
     path = _deploy(tmp_path, "odd", "qwen9")
     with pytest.raises(ConfigError) as exc:
         load_deploy(str(path))
-    assert str(exc.value) == f"{path}: family: unknown model family 'qwen9' (known: qwen2.5-omni)"
+    assert str(exc.value) == f"{path}: family: unknown model family 'qwen9' (known: qwen2.5-omni, qwen3-tts)"
 
 
 @pytest.fixture
@@ -166,6 +171,12 @@ def test_list_families_shows_each_familys_chain_hook_and_defaults():
         "conform model qwen2.5-omni",
         "               defaults: --arm main --arm pr --deploy reference --deploy stress --prompts default; "
         "sim Talkers words, speaking",
+        "  qwen3-tts    talker -> code2wav; talker's preprocess under test",
+        "               real server: /v1/audio/speech, trace "
+        "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker:Qwen3TTSTalkerForConditionalGeneration; "
+        "conform model qwen3-tts (not driven by --backend vllm-omni yet)",
+        "               defaults: --arm tts-0.30.0 --arm tts-fix --deploy qwen3-tts-reference --deploy qwen3-tts-stress "
+        "--deploy qwen3-tts-mrv2-reference --deploy qwen3-tts-mrv2-stress --prompts qwen3_tts; sim Talkers words",
     ]
 
 

@@ -27,7 +27,7 @@ def command(what: str) -> None:
             fam = get_family(name)
             click.echo(f"  {fam.name:<12} {' -> '.join(fam.stages)}; {fam.stage}'s {fam.hook} under test\n"
                        f"  {'':<12} real server: {fam.request_api}, trace {fam.trace_target}; conform model "
-                       f"{fam.conform_model}\n"
+                       f"{fam.conform_model}{' (not driven by --backend vllm-omni yet)' if fam.serve_missing else ''}\n"
                        f"  {'':<12} defaults: --arm {' --arm '.join(fam.default_arms)} --deploy "
                        f"{' --deploy '.join(fam.default_deploys)} --prompts {fam.default_prompts}; sim Talkers "
                        f"{', '.join(fam.sim_talkers)}")

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from harness.config import ArmSpec, Deploy, PromptSet, load_arms, load_deploy, load_prompts
-from harness.talkers import resolve_arm
+from harness.talkers import load_impl, resolve_arm
 from harness.errors import UserError
 from harness.families import choose_family
 from harness.cli_options import finite_seconds as _finite  # noqa: F401 - its old name
@@ -71,7 +71,11 @@ def resolve_arm_specs(args: RunArgs, deploys: list[Deploy], prompts: PromptSet) 
     if simulated and args.sim_talker not in fam.sim_talkers:
         raise UserError(f"--sim-talker {args.sim_talker}: the {fam.name} family's sim has the Talkers "
                         f"{', '.join(fam.sim_talkers)}")
-    return [replace(a, family=fam.name) if a.source == "--arm" else a for a in arm_specs]
+    arm_specs = [replace(a, family=fam.name) if a.source == "--arm" else a for a in arm_specs]
+    for a in arm_specs:  # an upstream arm's code is read and compiled now, for its family's hook and stand-in
+        if a.talker.startswith("vllm-omni:"):
+            load_impl(a)
+    return arm_specs
 
 
 def _locked_run(run_dir: Path, resume: bool, arm_specs: list[ArmSpec], deploy_specs: list[Deploy], prompts,

@@ -29,8 +29,12 @@ from harness.errors import UserError
 # elsewhere (imported only when the family is used)
 FAMILY_PACKAGES: dict[str, str] = {
     "qwen2.5-omni": "qwen2_5_omni",
+    "qwen3-tts": "qwen3_tts",
 }
 DEFAULT_FAMILY = "qwen2.5-omni"
+# Families whose stage under test takes the user's text itself (no Thinker): their prompt sets give each
+# prompt's ``text`` (what to say, the WER reference) instead of ``user`` + ``reply`` (harness.config).
+TEXT_INPUT_FAMILIES = frozenset({"qwen3-tts"})
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,11 @@ class Family:
     sim_talkers: tuple[str, ...]  # the sim's Talker modes for this family (--sim-talker); first = default
     sim_cell: str  # ``module:function`` building a sim cell (``harness.sim.cell.SimCell``)
     sim_check_prompts: str  # ``module:function(prompts, talker_mode)``: refuse prompts the sim would mis-score
+    # ``module:function(arm) -> impl``: how an arm of this family is loaded (its hook's name, upstream files);
+    # None: Qwen2.5-Omni's ``talker_preprocess`` arms (``harness.talkers``)
+    load_arm: str | None = None
+    # None: the real backend (``--backend vllm-omni``) drives this family; else why it does not, said to the user
+    serve_missing: str | None = None
 
     @property
     def stage(self) -> str:

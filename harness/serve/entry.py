@@ -45,13 +45,16 @@ class ServeEntry:
     def dry_run(arm_specs: list, deploy_specs: list, run_dir: Path, options: Any) -> str:
         from harness.serve.backend import describe_cell
 
+        check_deploys(deploy_specs)
         return "\n".join(describe_cell(a, d, run_dir, options.serve) for a in arm_specs for d in deploy_specs)
 
     @staticmethod
     def preflight(arm_specs: list, deploy_specs: list, options: Any, prompts: Any = None) -> None:
-        """An arm whose server cannot be started (no interpreter, no vLLM-Omni there)."""
+        """A family or runner this backend does not drive; an arm whose server cannot be started (no
+        interpreter, no vLLM-Omni there)."""
         from harness.serve.backend import preflight_arm
 
+        check_deploys(deploy_specs)
         for arm in arm_specs:
             preflight_arm(arm, options.serve)
 
@@ -77,3 +80,19 @@ class ServeEntry:
     @staticmethod
     def ray_worker_setup(payload: Any) -> None:
         """Nothing: the server's own limits travel in ``options.serve``."""
+
+
+def check_deploys(deploy_specs: list) -> None:
+    """One line, exit 2, for a deploy the real server cannot run here: a family it does not drive yet
+    (``Family.serve_missing``), or MRV2 (``talker.model_runner: v2``: vLLM-Omni runs MRV2 on CUDA only,
+    and the real backend on this machine is the CPU platform's V1 runner)."""
+    from harness.errors import UserError
+    from harness.families import get_family
+
+    for d in deploy_specs:
+        family = get_family(d.family, f"{d.path}: family")
+        if family.serve_missing:
+            raise UserError(f"{d.path}: family {family.name}: {family.serve_missing}")
+        if d.talker.model_runner != "v1":
+            raise UserError(f"{d.path}: talker.model_runner: {d.talker.model_runner}: MRV2 runs on CUDA only; the "
+                            "vllm-omni backend's CPU platform runs the V1 runner (run MRV2 deploys on --backend sim)")

@@ -61,3 +61,4 @@ class SimCell:
     contract: SimContract
     stop_token_ids: list[int]
     speak: Any  # Callable[[list[int]], tuple[list[int], str, list[str]]]
+    runner_class: Any = None  # the runner calling the family's hook (None: harness.sim.runner.SimRunner)

@@ -46,7 +46,7 @@ class SimRunner:
         armcall.prepare()  # the per-call time limit's signal handler, once per cell
         # The sim's own Talker module embeds ids as rows of the codec table: read them straight from
         # the table (``RowSpace.embed_numpy``); any other module is called as the runner always did.
-        self._embed = space.embed_numpy if type(model.talker) is _TalkerModule else None
+        self._embed = space.embed_numpy if type(getattr(model, "talker", None)) is _TalkerModule else None
         self._decode_flags = span_flags(1, 1, 1, 1)  # a decode span's flags (c >= P, n == rows == 1)
 
     def add_request(self, out: Any, payload: dict[str, Any], capacity: int) -> None:
@@ -56,6 +56,21 @@ class SimRunner:
 
     def remove_request(self, request_id: str) -> None:
         self.buffer.pop(request_id, None)
+
+    def resumed(self, out: Any, payload: dict[str, Any]) -> None:
+        """A preempted request is scheduled again under MRV2 (``talker.model_runner: v2``): its model state
+        was dropped with the preemption (worker_v2/omni_model_runner.py ``finish_requests``) and it comes
+        back as a new request, its buffer rebuilt from its payload. V1 keeps the buffer: the backend calls
+        this only for v2."""
+        self.buffer[out.request_id] = payload
+
+    def invoke(self, span_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_infos: dict[str, Any],
+               is_prefill: bool, n: int) -> Any:
+        """The runner's call of the family's hook for one span, fenced (``armcall``): ``(ids, rows,
+        update_dict)``. Qwen2.5-Omni's runner calls ``talker_preprocess`` for every span; a family whose
+        runner path differs (Qwen3-TTS: a batched decode hook and the MTP text row) overrides this."""
+        return armcall.call(self.model.talker_preprocess, input_ids=span_ids, input_embeds=inputs_embeds,
+                            **req_infos)
 
     def _update_buffer(self, request_id: str, upd: Any) -> None:
         if not isinstance(upd, dict) or not upd:
@@ -94,8 +109,7 @@ class SimRunner:
         inputs_embeds = (self._embed(ids_np) if self._embed is not None
                          else self.model.talker.embed_input_ids(span_ids))
         try:  # the arm's failure (an exception, sys.exit, a hang, bad rows) is this request's, not the run's
-            result = armcall.call(self.model.talker_preprocess, input_ids=span_ids,
-                                  input_embeds=inputs_embeds, **req_infos)
+            result = self.invoke(span_ids, inputs_embeds, req_infos, c < P, n)
             try:
                 _ids, req_embeds, update_dict = result
                 rows = armcall.check_rows(req_embeds, inputs_embeds.shape[1])

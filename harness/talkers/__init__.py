@@ -18,12 +18,12 @@ from harness.config import ArmSpec, check_name
 from harness.errors import ConfigError
 
 
-_LOADED: dict[tuple[str, str, str], Any] = {}
+_LOADED: dict[tuple[str, str, str, str], Any] = {}
 
 
 def load_impl(arm: ArmSpec) -> Any:
     """The arm's implementation, loaded once per process so every cell runs the same code."""
-    key = (arm.name, arm.talker, arm.source)
+    key = (arm.name, arm.talker, arm.source, arm.family)
     if key not in _LOADED:
         _LOADED[key] = _load(arm)
     return _LOADED[key]
@@ -38,6 +38,11 @@ def _importable_from_cwd() -> None:
 
 
 def _load(arm: ArmSpec) -> Any:
+    from harness.families import get_family
+
+    family = get_family(arm.family, f"arm {arm.name!r} ({arm.source}): family")
+    if family.load_arm is not None:  # another family's hook (Qwen3-TTS: preprocess), loaded its own way
+        return family.hook_fn("load_arm")(arm)
     if arm.talker.startswith("vllm-omni:"):  # the real upstream code, extracted from its source
         from harness.talkers.upstream import load_upstream
 
@@ -82,8 +87,4 @@ def resolve_arm(text: str, arms: dict[str, ArmSpec]) -> ArmSpec:
         raise ConfigError(f"--arm {text!r}: unknown arm (known: {known}; or use NAME=package.module:attr)")
     else:
         arm = arms[text]
-    if arm.talker.startswith("vllm-omni:"):
-        from harness.talkers.upstream import load_upstream  # local: the upstream extractor is heavy
-
-        load_upstream(arm)
     return arm

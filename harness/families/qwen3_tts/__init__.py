@@ -1,0 +1,41 @@
+"""Qwen3-TTS: Talker (with its code predictor) -> Code2Wav; the Talker's ``preprocess`` is under test.
+
+No Thinker: the input is the text (plus a speaker). What is specific to this family and where it lives:
+
+* the contract's rows (``p < P``: the release's prompt builder's rows in the streaming-text layout;
+  ``p >= P``: the position's codec row + ``trailing_text[p - P]``, then ``tts_pad``):
+  ``harness.families.qwen3_tts.contract`` (pure) and ``harness.families.qwen3_tts.sim.TTSContract``;
+* the sim's cell, stand-in model, runner path (the batched decode hook and the MTP text row; V1 or
+  MRV2 on a preemption, by the deploy's ``talker.model_runner``) and the Talker's start rows:
+  ``harness.families.qwen3_tts.sim``;
+* arms: the release's own hooks (``tts-0.30.0``, ``tts-0.32.0rc1``, any ``vllm-omni:SOURCE``), the fix
+  (``tts-fix``, ``harness.families.qwen3_tts.fix``), plugins over the release
+  (``harness.families.qwen3_tts.arms``);
+* deploys ``qwen3-tts-reference``, ``qwen3-tts-stress`` (V1) and their ``-mrv2`` twins; prompt set
+  ``qwen3_tts``.
+
+The real server (``/v1/audio/speech``, a speaking tiny Qwen3-TTS checkpoint) is not driven yet.
+"""
+
+from __future__ import annotations
+
+from harness.families import Family
+
+FAMILY = Family(
+    name="qwen3-tts",
+    stages=("talker", "code2wav"),
+    stage_under_test=0,
+    hook="preprocess",
+    trace_target="vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker:Qwen3TTSTalkerForConditionalGeneration",
+    request_api="/v1/audio/speech",
+    conform_model="qwen3-tts",
+    default_arms=("tts-0.30.0", "tts-fix"),
+    default_deploys=("qwen3-tts-reference", "qwen3-tts-stress", "qwen3-tts-mrv2-reference", "qwen3-tts-mrv2-stress"),
+    default_prompts="qwen3_tts",
+    sim_talkers=("words",),
+    sim_cell="harness.families.qwen3_tts.sim:build_cell",
+    sim_check_prompts="harness.families.qwen3_tts.sim:check_prompts",
+    load_arm="harness.families.qwen3_tts.arms:load_arm",
+    serve_missing=("the vllm-omni backend does not drive the qwen3-tts family yet (its /v1/audio/speech client and a "
+                   "speaking tiny Qwen3-TTS checkpoint are not built); run it on --backend sim"),
+)

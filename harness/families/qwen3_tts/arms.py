@@ -1,0 +1,77 @@
+"""Qwen3-TTS arms: the release's own ``preprocess`` / ``preprocess_decode_batch``, the fix, plugins.
+
+* ``vllm-omni:SOURCE`` (``tts-0.30.0``, ``tts-0.32.0rc1`` in ``deploy_configs/arms.yaml``): the
+  release's ``qwen3_tts_talker.py`` (an installed, cached, vendored or given file, checkout or
+  wheel; ``harness.conform.adapter.read_model_source``), its hooks and every method they reach
+  compiled unchanged by ``harness.talkers.upstream.build_mixin`` onto the sim's stand-in
+  (``harness.families.qwen3_tts.sim.Qwen3TTSSimModel``), as ``omni-stress conform`` compiles them.
+* ``package.module:attr`` (``tts-fix``, a user's plugin): a class whose methods replace the
+  release's methods of the same name, over vLLM-Omni 0.30.0's (the vendored copy), as a class bound
+  into the real server would be: a plugin that defines only ``preprocess`` still runs the release's
+  ``preprocess_decode_batch`` for one-token decode spans. A function is taken as ``preprocess``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from harness.config import ArmSpec
+from harness.errors import ConfigError
+
+PREFIX = "vllm-omni:"
+MEMBER = "vllm_omni/model_executor/models/qwen3_tts/qwen3_tts_talker.py"
+CLASS_NAME = "Qwen3TTSTalkerForConditionalGeneration"
+MODULE_NAME = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker"
+ENTRIES = ("preprocess", "preprocess_decode_batch")
+PLUGIN_BASE = "0.30.0"  # the release a plugin arm's class is laid over
+
+_RELEASES: dict[tuple[str, str], type] = {}
+
+
+def release_mixin(spec: str, base_dir: Path | None = None) -> type:
+    """The release's hooks named by ``vllm-omni:<spec>``, compiled onto the sim's stand-in (once per process)."""
+    key = (spec, str(base_dir))
+    if key not in _RELEASES:
+        from harness.conform.adapter import RELEASE_SHIMS, read_model_source
+        from harness.families.qwen3_tts.sim import Qwen3TTSSimModel
+        from harness.talkers.upstream import build_mixin
+
+        source = read_model_source(spec, MEMBER, base_dir)
+        _RELEASES[key] = build_mixin(source, Qwen3TTSSimModel, class_name=CLASS_NAME, entries=ENTRIES,
+                                     module_name=MODULE_NAME, shims=RELEASE_SHIMS)
+    return _RELEASES[key]
+
+
+def load_arm(arm: ArmSpec) -> Any:
+    """The implementation of a Qwen3-TTS arm (``harness.families.Family.load_arm``)."""
+    where = f"arm {arm.name!r} ({arm.talker}, from {arm.source})"
+    arms_file = Path(arm.source)
+    base = arms_file.parent if arm.source not in ("--arm", "builtin") and arms_file.is_file() else None
+    if arm.talker.startswith(PREFIX):
+        try:
+            return release_mixin(arm.talker[len(PREFIX):], base)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    from harness.talkers import _importable_from_cwd
+
+    module_name, _, attr = arm.talker.partition(":")
+    _importable_from_cwd()
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 -- any import failure is the plugin's problem
+        raise ConfigError(f"{where}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        if not callable(getattr(obj, "preprocess", None)):
+            raise ConfigError(f"{where}: class {attr!r} has no preprocess method (the hook the qwen3-tts runner calls)")
+        cls = obj
+    elif callable(obj):
+        cls = type(f"{attr}Arm", (), {"preprocess": obj})
+    else:
+        raise ConfigError(f"{where}: {attr!r} is neither a class nor a function")
+    return type(f"Plugin{cls.__name__}", (cls, release_mixin(PLUGIN_BASE)), {})

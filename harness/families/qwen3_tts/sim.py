@@ -1,0 +1,319 @@
+"""Qwen3-TTS on the sim: its requests, its stand-in model, its runner path, its Talker's start rule
+and its contract over the sim's row identities.
+
+What the sim models (docs/simulation.md "Qwen3-TTS"):
+
+* **Requests**: no Thinker; each prompt's ``text`` is tokenised by the sim's rule
+  (``harness.tokenizer``) into ``T`` text tokens, one registered text row each. All requests reach
+  the Talker when sent (``sim.thinker_steps_per_token: 0`` in the family's deploys).
+* **The prompt builder** (``_PromptBuilder``): the release's ``build_prompt_embeds`` layout in the
+  streaming-text mode (``non_streaming_mode: false``, the layout that feeds text one row per
+  decode step), built from the sim's rows: ``P = 9`` prompt rows and a ``trailing_text`` queue of
+  ``T`` rows (``harness.families.qwen3_tts.contract``). The release's builder tokenises the text and
+  runs the speaker encoder; the sim's returns the request's registered rows, so what an arm is
+  judged on is how ``preprocess`` slices, queues and places them.
+* **The runner path** (``TTSRunner``): vLLM-Omni 0.30.0's ``_preprocess`` for a model with
+  ``preprocess_decode_batch`` and ``talker_mtp``: a one-token decode span goes through the batched
+  hook (a batch of one) and runs with its codec row plus the ``text_step`` row the hook returns;
+  every other span calls ``preprocess``. V1 keeps a preempted request's buffer, MRV2
+  (``talker.model_runner: v2``) rebuilds it from the payload (``SimRunner.resumed``).
+* **The Talker** (``harness.sim.talker.SimTalker``, the words Talker's rules unchanged) with
+  Qwen3-TTS's start rows (``TTSKV``): it speaks only if positions ``P-3 .. P-1`` hold ``tts_pad`` +
+  the request's speaker codec, ``tts_bos`` + codec PAD, and this request's first text token +
+  codec BOS; then codec token ``g`` speaks the text row at ``P - 1 + floor(g / R)`` (text token
+  ``j`` sits at ``P - 1 + j``: the first in the prompt, the rest in the decode positions' text
+  steps), and ``tts_eos`` / ``tts_pad`` end it. ``R`` is Qwen3-TTS's (``harness.physics``).
+
+Codec ids are the sim's codec vocabulary (``harness.sim.codec``: PAD 8292, BOS 8293, EOS 8294), not
+Qwen3-TTS's (2148-2150); the think and speaker ids below are the sim's too. Only their
+distinctness matters to the rows.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from harness.config import Deploy, Prompt, PromptSet, SamplingSettings
+from harness.contract import misaligned_regions
+from harness.errors import ConfigError, UserError
+from harness.families.qwen3_tts.contract import PROMPT_LEN, ROLE_ROWS
+from harness.sim import armcall
+from harness.sim.cell import SimCell
+from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, CodecVocab, collapse, oracle_transcript
+from harness.sim.rows import DIM, NONE, RowSpace
+from harness.sim.runner import SimRunner
+from harness.sim.talker import SimTalker, TalkerKV
+from harness.tokenizer import tokenize
+
+CODEC_NOTHINK, CODEC_THINK_BOS, CODEC_THINK_EOS = 8300, 8301, 8302
+# CustomVoice speakers (Qwen3-TTS-12Hz-*-CustomVoice's ``spk_id`` names); the ids are the sim's
+SPEAKER_CODECS = {"vivian": 8310, "serena": 8311, "uncle_fu": 8312, "dylan": 8313, "eric": 8314,
+                  "ryan": 8315, "aiden": 8316, "ono_anna": 8317, "sohee": 8318}
+DEFAULT_SPEAKER = "Vivian"
+NUM_CODE_GROUPS = 16  # Qwen3-TTS-Tokenizer-12Hz: 16 codebooks per frame
+
+
+@dataclass
+class Specials:
+    """The request-independent text rows (registered once per cell): the role header and the tts tokens."""
+
+    role: torch.Tensor  # [3, DIM]
+    pad: torch.Tensor  # [1, DIM] tts_pad
+    bos: torch.Tensor  # [1, DIM] tts_bos
+    eos: torch.Tensor  # [1, DIM] tts_eos
+    role_first_id: int
+    pad_id: int
+    bos_id: int
+    eos_id: int
+
+    @classmethod
+    def make(cls, space: RowSpace) -> Specials:
+        role, role_first = space.make("role", [None] * ROLE_ROWS, None)
+        pad, pad_id = space.make("text_pad", [None], None)  # the Talker's END class: tts_pad ends speech
+        bos, bos_id = space.make("text_bos", [None], None)
+        eos, eos_id = space.make("text_eos", [None], None)
+        return cls(role, pad, bos, eos, role_first, pad_id, bos_id, eos_id)
+
+
+@dataclass
+class TTSRequest:
+    """One request's input to the Talker (``harness.sim.cell.SimRequest``)."""
+
+    prompt: Prompt
+    request_id: str
+    reply_tokens: list[str]  # the text's tokens (Arrivals reads their count)
+    speaker: str
+    text_first_id: int  # registry id of the text's first token row
+    prompt_rows: torch.Tensor  # [P, DIM] what build_prompt_embeds returns as the prompt
+    trailing_rows: torch.Tensor  # [T, DIM] its trailing_text queue
+    prompt_text_ids: np.ndarray  # [P] the prompt rows' identities
+    prompt_codec_ids: np.ndarray  # [P]
+    arrival_step: int = 0
+
+    @property
+    def T(self) -> int:  # noqa: N802 -- the contract's name
+        return len(self.reply_tokens)
+
+    @property
+    def P(self) -> int:  # noqa: N802
+        return int(self.prompt_rows.shape[0])
+
+    @property
+    def talker_prompt_ids(self) -> list[int]:
+        """The scheduler's placeholder prompt: ``P`` codec-PAD ids (the rows come from the builder)."""
+        return [CODEC_PAD] * self.P
+
+    @property
+    def reference_text(self) -> str:
+        return self.prompt.reply
+
+    def payload(self, token_ids: dict[str, int]) -> dict:
+        """What the serving layer puts in the request's buffer (``additional_information``, flattened)."""
+        return {"text": [self.prompt.reply], "task_type": ["CustomVoice"], "speaker": [self.speaker],
+                "language": ["Auto"], "non_streaming_mode": [False]}
+
+
+def make_requests(prompts: PromptSet, space: RowSpace, specials: Specials) -> list[TTSRequest]:
+    out = []
+    for prompt in prompts.prompts:
+        rid = prompt.id
+        tokens = tokenize(prompt.reply)
+        if not tokens:
+            raise UserError(f"{prompts.path}: prompt {rid!r}: the text has no tokens")
+        text_rows, first = space.make("output", list(tokens), rid)
+        spk = SPEAKER_CODECS[DEFAULT_SPEAKER.lower()]
+        codecs = [NONE] * ROLE_ROWS + [CODEC_NOTHINK, CODEC_THINK_BOS, CODEC_THINK_EOS, spk, CODEC_PAD, CODEC_BOS]
+        texts = ([specials.role_first_id + i for i in range(ROLE_ROWS)] + [specials.pad_id] * 4
+                 + [specials.bos_id, first])
+        rows = torch.zeros(PROMPT_LEN, DIM)
+        rows[:ROLE_ROWS] = specials.role
+        rows[ROLE_ROWS:ROLE_ROWS + 4] = specials.pad
+        rows[ROLE_ROWS + 4] = specials.bos[0]
+        rows[ROLE_ROWS + 5] = text_rows[0]
+        rows[ROLE_ROWS:] += space.embed_codec(torch.tensor(codecs[ROLE_ROWS:], dtype=torch.long))
+        trailing = torch.cat([text_rows[1:], specials.eos])
+        out.append(TTSRequest(prompt, rid, list(tokens), DEFAULT_SPEAKER, first, rows, trailing,
+                              np.array(texts, dtype=np.int64), np.array(codecs, dtype=np.int64)))
+    return out
+
+
+class _PromptBuilder:
+    """``Qwen3TTSPromptEmbedsBuilder.build_prompt_embeds`` over the sim's rows: the request's prompt
+    rows and ``trailing_text`` queue (new tensors each call, as the release's builder makes them)."""
+
+    def __init__(self, requests: list[TTSRequest]) -> None:
+        self._by_id = {r.request_id: r for r in requests}
+        self._by_text = {r.prompt.reply: r for r in requests}
+
+    def build_prompt_embeds(self, *, task_type: str, info_dict: dict[str, Any]) -> tuple[Any, Any, None, None]:
+        req = self._by_id.get(info_dict.get("request_id"))  # type: ignore[arg-type]
+        if req is None:
+            text = (info_dict.get("text") or [""])[0]
+            req = self._by_text.get(text)
+            if req is None:
+                raise ValueError(f"the sim's prompt builder knows no request with text {text[:40]!r}")
+        return req.prompt_rows.clone(), req.trailing_rows.clone(), None, None
+
+
+class Qwen3TTSSimModel:
+    """What Qwen3-TTS's ``preprocess`` / ``preprocess_decode_batch`` touch, from the sim's rows; an arm's
+    class (the release's methods, the fix, a plugin) is mixed in before it."""
+
+    def __init__(self, space: RowSpace, specials: Specials | None = None, requests: list[TTSRequest] | None = None,
+                 model_runner: str = "v1") -> None:
+        specials = specials or Specials.make(space)
+        self._space = space
+        self._prompt_builder = _PromptBuilder(requests or [])
+        self._embedding_dtype = torch.float32
+        self._tts_pad_embed = specials.pad[0].clone()
+        self._codebook_vocab_size = CODEC_PAD  # content codes lie below the specials
+        self._use_v2_model_runner = model_runner == "v2"
+        self.talker_config = SimpleNamespace(codec_pad_id=CODEC_PAD, codec_bos_id=CODEC_BOS, codec_eos_token_id=CODEC_EOS,
+                                             num_code_groups=NUM_CODE_GROUPS)
+
+    def embed_input_ids(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
+        return self._space.embed_codec(input_ids.long())
+
+    def profile_run(self, num_tokens: int) -> None:
+        """Qwen3-TTS keeps no model-level pool for the profile run to size."""
+
+
+def bind_arm(impl: Any, space: RowSpace, specials: Specials, requests: list[TTSRequest], model_runner: str) -> Any:
+    """A fresh stand-in with the arm's class mixed in first (``impl`` from ``harness.families.qwen3_tts.arms``)."""
+    if isinstance(impl, type):
+        cls = type(f"Sim{impl.__name__}", (impl, Qwen3TTSSimModel), {})
+        model = cls.__new__(cls)
+        Qwen3TTSSimModel.__init__(model, space, specials, requests, model_runner)
+        return model
+    model = Qwen3TTSSimModel(space, specials, requests, model_runner)
+    model.preprocess = types.MethodType(impl, model)  # type: ignore[attr-defined]
+    return model
+
+
+class TTSRunner(SimRunner):
+    """vLLM-Omni 0.30.0's runner around Qwen3-TTS's hooks (gpu_model_runner.py l.1760-1925)."""
+
+    def __init__(self, model: Any, space: RowSpace, cell: tuple[str, str, int], contract: Any) -> None:
+        super().__init__(model, space, cell, contract)
+        # a span starts from the stand-in's embeddings of its ids (the codec table), or an arm's own embed_input_ids
+        if type(model).embed_input_ids is Qwen3TTSSimModel.embed_input_ids:
+            self._embed = space.embed_numpy
+        else:
+            self._embed = lambda ids: model.embed_input_ids(torch.from_numpy(ids))
+
+    def invoke(self, span_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_infos: dict[str, Any],
+               is_prefill: bool, n: int) -> Any:
+        model = self.model
+        if n == 1 and not is_prefill:  # the talker_mtp path: the position runs with its row + text_step
+            batch = getattr(model, "preprocess_decode_batch", None)
+            if callable(batch):
+                return armcall.call(_decode_batch_of_one, hook=batch, span_ids=span_ids, req_infos=req_infos)
+            return armcall.call(_decode_scalar, hook=model.preprocess, span_ids=span_ids,
+                                inputs_embeds=inputs_embeds, req_infos=req_infos)
+        return armcall.call(model.preprocess, input_ids=span_ids, input_embeds=inputs_embeds, **req_infos)
+
+
+def _decode_batch_of_one(hook: Any, span_ids: torch.Tensor, req_infos: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """``flush_decode_batch`` for one request: the hook's codec row plus its ``text_step`` row."""
+    ids, rows, _past_hidden, text_step, updates = hook(input_ids=span_ids, req_infos=[req_infos])
+    return ids, rows.reshape(1, -1) + text_step.reshape(1, -1).to(rows.dtype), updates[0]
+
+
+def _decode_scalar(hook: Any, span_ids: torch.Tensor, inputs_embeds: torch.Tensor,
+                   req_infos: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """A model without the batched hook: ``preprocess`` returns ``mtp_inputs`` in its update, which the
+    runner pops (l.1899-1905); the MTP forward then runs the position with the text step added."""
+    ids, rows, update = hook(input_ids=span_ids, input_embeds=inputs_embeds, **req_infos)
+    _past_hidden, text_step = update.pop("mtp_inputs")
+    return ids, rows.reshape(1, -1) + text_step.reshape(1, -1).to(rows.dtype), update
+
+
+@dataclass
+class TTSKV(TalkerKV):
+    """The Talker's KV with Qwen3-TTS's start rows: ``spk_id`` is the speaker's codec id,
+    ``out0_id`` the request's first text row."""
+
+    pad_id: int = NONE
+    bos_id: int = NONE
+
+    def _check_started(self) -> bool:
+        P, text, codec = self.P, self._text_np, self._codec_np
+        return bool(self.length >= P and text[P - 3] == self.pad_id and codec[P - 3] == self.spk_id
+                    and text[P - 2] == self.bos_id and codec[P - 2] == CODEC_PAD
+                    and text[P - 1] == self.out0_id and codec[P - 1] == CODEC_BOS)
+
+
+class TTSContract:
+    """``harness.families.qwen3_tts.contract`` as array arithmetic over row identities."""
+
+    def __init__(self, specials: Specials) -> None:
+        self.pad_id, self.bos_id, self.eos_id = specials.pad_id, specials.bos_id, specials.eos_id
+
+    def new_kv(self, out: TTSRequest, capacity: int) -> TTSKV:
+        return TTSKV(out.request_id, out.P, SPEAKER_CODECS[out.speaker.lower()], out.text_first_id, capacity,
+                     pad_id=self.pad_id, bos_id=self.bos_id)
+
+    def misaligned_one(self, kv: TTSKV, out: TTSRequest, span_id: int, c: int, t_id: int,
+                       k_id: int) -> tuple[int, int]:
+        P, T = out.P, out.T
+        if c >= P:
+            k = c - P
+            want = out.text_first_id + 1 + k if k < T - 1 else self.eos_id if k == T - 1 else self.pad_id
+            bad = int(t_id != want or k_id != span_id)
+            return (bad, 0) if k < T else (0, bad)
+        exp_text, exp_codec = self.expected_ids(kv, out, np.array((span_id,), dtype=np.int64), c, 1)
+        return int(int(exp_text[0]) != t_id or int(exp_codec[0]) != k_id), 0
+
+    def misaligned(self, kv: TTSKV, out: TTSRequest, span_ids: np.ndarray, c: int, n: int,
+                   text_ids: np.ndarray, codec_ids: np.ndarray) -> tuple[int, int]:
+        exp_text, exp_codec = self.expected_ids(kv, out, span_ids, c, n)
+        wrong = (exp_text != text_ids) | (exp_codec != codec_ids)
+        return misaligned_regions(np.flatnonzero(wrong) + c, out.P, out.T - 1)
+
+    def expected_ids(self, kv: TTSKV, out: TTSRequest, span_ids: np.ndarray, c: int,
+                     n: int) -> tuple[np.ndarray, np.ndarray]:
+        P, T = out.P, out.T
+        p = np.arange(c, c + n)
+        k = p - P
+        prompt = p < P
+        q = np.minimum(p, P - 1)
+        exp_text = np.where(prompt, out.prompt_text_ids[q],
+                            np.select([k < T - 1, k == T - 1], [out.text_first_id + 1 + k, self.eos_id], self.pad_id))
+        exp_codec = np.where(prompt, out.prompt_codec_ids[q], span_ids)
+        return exp_text, exp_codec
+
+
+def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_mode: str) -> SimCell:
+    if talker_mode != "words":
+        raise UserError(f"--sim-talker {talker_mode!r}: the qwen3-tts family's sim has the words Talker only")
+    space = RowSpace(seed)
+    specials = Specials.make(space)
+    requests = make_requests(prompts, space, specials)
+    model = bind_arm(impl, space, specials, requests, deploy.talker.model_runner)
+    frames = deploy.sim.frames_per_text_token
+    vocab = CodecVocab.build(t for r in requests for t in r.reply_tokens)
+    sampling = SamplingSettings(**{**deploy.sampling.__dict__, "seed": seed})
+    talker = SimTalker(space, vocab, sampling, frames)
+    talker.freeze()
+
+    def speak(codes: list[int]) -> tuple[list[int], str, list[str]]:
+        units = collapse(codes, vocab, frames)
+        return codes, oracle_transcript(units), units
+
+    return SimCell(requests=requests, token_ids={}, space=space, model=model, talker=talker,
+                   contract=TTSContract(specials), stop_token_ids=[CODEC_EOS], speak=speak, runner_class=TTSRunner)
+
+
+def check_prompts(prompts: PromptSet, talker_mode: str) -> None:
+    """The words Talker says each text's tokens as Qwen2.5-Omni's says a reply: the same check."""
+    if talker_mode != "words":
+        raise ConfigError(f"--sim-talker {talker_mode}: the qwen3-tts family's sim has the words Talker only")
+    from harness.families.qwen2_5_omni.sim import check_prompts as check_words
+
+    check_words(prompts, talker_mode)

@@ -45,7 +45,8 @@ from harness.speaking import decode as decode_codes
 from harness.serve import client as chat
 from harness.serve.deploy_args import DeployTranslation, detect_platform, translate_deploy
 from harness.serve.launcher import HOST, ServerLauncher, progress
-from harness.serve.trace_plugin import DEFAULT_TARGET, ENV_ARM, ENV_DIR, ENV_TARGET, IMPLEMENTATION_GLOB, TRACE_GLOB
+from harness.serve.trace_plugin import (DEFAULT_TARGET, ENV_ARM, ENV_DIR, ENV_ROW_IDS, ENV_TARGET, IMPLEMENTATION_GLOB,
+                                        TRACE_GLOB)
 
 BACKEND = "vllm-omni"
 CLI_MODULE = "vllm.entrypoints.cli.main"  # `vllm serve ... --omni` delegates to vllm_omni (maybe_run_omni)
@@ -203,6 +204,8 @@ def server_env_overrides(arm: ArmSpec, trace_dir: Path, options: ServeOptions | 
     env[ENV_DIR] = str(trace_dir)
     if binds_arm(arm, options):
         env[ENV_ARM] = arm.talker
+    if options is not None and options.speaking:  # its rows leave ROW_ID_DIMS at zero: identities (issue 32)
+        env[ENV_ROW_IDS] = "1"
     target = get_family(arm.family).trace_target
     if target != DEFAULT_TARGET:  # the plugin's default is Qwen2.5-Omni's Talker
         env[ENV_TARGET] = target

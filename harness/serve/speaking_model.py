@@ -16,6 +16,10 @@ Dimensions of the 64-wide rows (Thinker hidden = Talker embedding = Talker hidde
   (the Talker reads none of them), so their rows carry no text yet differ from a row with no text
   component at all: the worker's contract check (which compares rows numerically) can still tell
   0.30.0's missing text-EOS/PAD rows from the contract's.
+* ``ROW_ID`` (60-63): zero in every row this checkpoint makes (Thinker embeddings, hence its hidden
+  states; codec embeddings; the special-token rows), checked at build time. The worker's contract
+  check lends them to identity codes on the Thinker rows it hands the arm and zeroes them before the
+  runner copies the rows (``harness.serve.worker_contract``: rows compared by identity, issue 32).
 
 Thinker: byte tokens embed to their code, every other token to zero; its layers add nothing
 (``o_proj`` and ``down_proj`` zero), so its last hidden state, which vLLM-Omni ships to the Talker as
@@ -57,6 +61,7 @@ PREV_TEXT = 21
 STARTED = 24
 # tts_text_end / tts_text_pad / tts_text_start and the two speakers vLLM-Omni knows (Ethan, Chelsie)
 MARKS = {151861: 40, 151859: 41, 151860: 42, 151870: 43, 151872: 44}
+ROW_ID = [60, 61, 62, 63]  # never written: the worker's row identity codes (worker_contract.ROW_ID_DIMS)
 MAX_DISTANCE = 4096
 # head 0's rotary pair weights (pairs 0-7): maximise the score gap of distance 1 over every other
 # distance in [0, MAX_DISTANCE] (scipy linprog, rounded; the gap is re-checked in prev_head_gap)
@@ -195,4 +200,7 @@ def apply(state: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     head[speaking.BABBLE, STARTED] = BABBLE_STARTED / started_ref
     head[speaking.CODEC_EOS, :] = 0.0
     head[speaking.CODEC_EOS, ONE] = EOS_LOGIT / CODE
+    for name in ("thinker.model.embed_tokens.weight", "talker.model.embed_tokens.weight"):
+        if bool(state[name][:, ROW_ID].any()):  # the identity codes need rows that are zero there
+            raise RuntimeError(f"speaking model: {name} writes the row-identity dims {ROW_ID}")
     return state

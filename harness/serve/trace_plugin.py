@@ -38,7 +38,10 @@ Two more jobs, both in the Talker worker and both off unless the launcher asks:
 * The contract check (on while tracing; ``OMNI_STRESS_CONTRACT=0`` turns it off): each line also
   carries ``misaligned_text``/``misaligned_end``, the positions whose delivered row differs from the
   contract's (``harness.serve.worker_contract``), or ``contract_error`` when the payload could not
-  give the expected rows. It imports torch lazily, only inside the worker's calls.
+  give the expected rows. It imports torch lazily, only inside the worker's calls. With
+  ``OMNI_STRESS_ROW_IDS=1`` (the speaking checkpoint) the arm gets Thinker rows carrying identity codes
+  and the check compares identities; the codes are zeroed before the runner copies the rows
+  (``worker_contract.tag_payload`` / ``strip_ids``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ ENV_DIR = "OMNI_STRESS_TRACE"
 ENV_TARGET = "OMNI_STRESS_TRACE_TARGET"
 ENV_ARM = "OMNI_STRESS_ARM"
 ENV_CONTRACT = "OMNI_STRESS_CONTRACT"
+ENV_ROW_IDS = "OMNI_STRESS_ROW_IDS"  # "1": identity-coded Thinker rows (harness.serve.worker_contract)
 IMPLEMENTATION_GLOB = "implementation-*.json"
 DEFAULT_TARGET = "vllm_omni.model_executor.models.qwen2_5_omni.qwen2_5_omni:Qwen2_5OmniForConditionalGeneration"
 METHOD = "talker_preprocess"
@@ -186,13 +190,29 @@ def _contract_enabled() -> bool:
     return os.environ.get(ENV_CONTRACT, "1") != "0"
 
 
-def _check_contract(model: Any, info: dict, ids_before: Any, result: Any, embeds_after: Any) -> dict[str, Any] | None:
+def _row_ids_enabled() -> bool:
+    return os.environ.get(ENV_ROW_IDS, "0") == "1"
+
+
+def _tag(info: dict) -> dict | None:
+    """The payload with identity-coded Thinker rows (``worker_contract.tag_payload``), or None."""
+    try:
+        from harness.serve.worker_contract import tag_payload
+
+        return tag_payload(info)
+    except Exception as exc:  # noqa: BLE001 - untagged rows are still compared by value
+        _warn(f"cannot tag rows: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _check_contract(model: Any, info: dict, ids_before: Any, result: Any, embeds_after: Any,
+                    row_ids: bool = False) -> dict[str, Any] | None:
     if ids_before is None or not (isinstance(result, tuple) and len(result) >= 2):
         return None
     try:
         from harness.serve.worker_contract import count_misaligned
 
-        return count_misaligned(model, info, ids_before, result, embeds_after)
+        return count_misaligned(model, info, ids_before, result, embeds_after, row_ids)
     except Exception as exc:  # noqa: BLE001 - the check must never break generation
         return {"contract_error": f"{type(exc).__name__}: {exc}"}
 
@@ -235,12 +255,18 @@ def wrap_talker_preprocess(cls: type, writer: TraceWriter, method: str = METHOD)
         info = kwargs
         check = _contract_enabled()
         ids_before = input_ids.clone() if hasattr(input_ids, "clone") else None
+        tagged = _tag(kwargs) if check and _row_ids_enabled() else None
         try:
-            result = original(self, *args, **kwargs)
+            result = original(self, *args, **(tagged if tagged is not None else kwargs))
         except BaseException as exc:
             _safe_record(writer, info, input_ids, None, f"{type(exc).__name__}: {exc}", failed)
             raise
-        contract = _check_contract(self, info, ids_before, result, input_embeds) if check else None
+        contract = _check_contract(self, tagged if tagged is not None else info, ids_before, result, input_embeds,
+                                   tagged is not None) if check else None
+        if tagged is not None:  # the codes never reach the Talker: the runner copies untagged rows
+            from harness.serve.worker_contract import strip_ids
+
+            result = strip_ids(result, input_embeds)
         codec = _codec_ids(info, ids_before)
         if codec:
             contract = {**(contract or {}), **codec}

@@ -27,6 +27,25 @@ where the arm may sum in float32 and round once, or round each term), while a ro
 position, request or region differs by the size of the row itself. Counts are split into the text and end regions
 (``harness.contract.misaligned_regions``). Exact and audio-free: it means something on a random
 model too.
+
+Row identities (issue 32): compared by value alone, a row from the wrong offset that happens to hold
+the same values counts as aligned, and in the speaking checkpoint a Thinker row depends only on its
+byte. With ``OMNI_STRESS_ROW_IDS=1`` (the launcher sets it for the speaking checkpoint) the trace
+plugin hands the arm copies of the Thinker rows (``embed.prefill``, ``hidden_states.output``) that
+carry a code in :data:`ROW_ID_DIMS`, dimensions every row of that checkpoint leaves at exactly zero
+(``harness.serve.speaking_model.ROW_ID``): which kind of row (prompt or output), which request,
+which index (:func:`tag_payload`). The codes ride along whatever the arm does with the rows (slices,
+concatenation, sums with special-token and codec embeddings, queues kept in the payload), so the
+delivered row says where it came from; the expected row is built from the same tagged payload; a
+position is then misaligned when its other dimensions differ beyond the tolerance *or* its code is
+not the expected one (exactly: the codes are small integers, exact in bfloat16). Before the runner
+copies anything the codes are zeroed again (:func:`strip_ids`), so the Talker's forward receives
+exactly the rows it would have without them. Rows nobody tags (the special-token embeddings, codec
+embeddings, 0.30.0's zero fallback pool) carry code 0 and are still compared by value; they are
+unique by value in that checkpoint except codec embeddings, which are zero there except codec-BOS.
+The payload is left untagged (value comparison, as on a random model) when any of its Thinker rows
+is non-zero in those dimensions. An arm that mixes dimensions (normalises a row, projects it) would
+spread the code; the shipped arms and upstream slice, concatenate and add.
 """
 
 from __future__ import annotations
@@ -36,6 +55,67 @@ from typing import Any
 from harness.contract import misaligned_regions
 
 ULPS = 4
+ROW_ID_DIMS = (60, 61, 62, 63)  # kind, request code, index // 256, index % 256 (speaking_model.ROW_ID)
+KIND_PROMPT, KIND_OUTPUT = 1, 2
+ENV_ROW_IDS = "OMNI_STRESS_ROW_IDS"
+
+
+def request_code(request_id: Any) -> int:
+    """1..255 from the request id (crc32): rows of another request carry another code, mostly."""
+    import zlib
+
+    return 1 + zlib.crc32(str(request_id).encode("utf-8")) % 255
+
+
+def _tagged(rows: Any, kind: int, code: int) -> Any:
+    import torch
+
+    out = rows.clone()
+    idx = torch.arange(rows.shape[0], device=rows.device)
+    dims = list(ROW_ID_DIMS)
+    out[:, dims[0]] = kind
+    out[:, dims[1]] = code
+    out[:, dims[2]] = (idx // 256).to(out.dtype)
+    out[:, dims[3]] = (idx % 256).to(out.dtype)
+    return out
+
+
+def tag_payload(info: dict[str, Any]) -> dict[str, Any] | None:
+    """``info`` with tagged copies of its Thinker prompt and output rows (the runner's own dicts are not
+    touched), or None when the rows cannot carry codes (missing, too narrow, or non-zero in
+    :data:`ROW_ID_DIMS`: not the speaking checkpoint)."""
+    import torch
+
+    embed, hs = info.get("embed"), info.get("hidden_states")
+    if not isinstance(embed, dict) or not isinstance(hs, dict):
+        return None
+    prefill, output = embed.get("prefill"), hs.get("output")
+    dims = list(ROW_ID_DIMS)
+    for rows in (prefill, output):
+        if not isinstance(rows, torch.Tensor) or rows.ndim != 2 or rows.shape[1] <= max(dims) or rows.shape[0] > 65535:
+            return None
+        if bool(rows[:, dims].any()):
+            return None
+    code = request_code(info.get("request_id"))
+    return {**info, "embed": {**embed, "prefill": _tagged(prefill, KIND_PROMPT, code)},
+            "hidden_states": {**hs, "output": _tagged(output, KIND_OUTPUT, code)}}
+
+
+def strip_ids(result: Any, input_embeds: Any) -> Any:
+    """What the runner must copy: the arm's result with the codes zeroed in a copy of its rows, and the
+    runner's own slice (which an arm may have written in place) zeroed there too. Every row of the
+    checkpoint is zero in those dimensions, so this restores exactly the rows an untagged call gives."""
+    import torch
+
+    dims = list(ROW_ID_DIMS)
+    if isinstance(input_embeds, torch.Tensor) and input_embeds.ndim == 2 and input_embeds.shape[1] > max(dims):
+        input_embeds[:, dims] = 0
+    if not (isinstance(result, tuple) and len(result) >= 2 and isinstance(result[1], torch.Tensor)
+            and result[1].ndim == 2 and result[1].shape[1] > max(dims)):
+        return result
+    rows = result[1].clone()
+    rows[:, dims] = 0
+    return (result[0], rows, *result[2:])
 
 _RELEASES: dict[type, dict[str, Any]] = {}  # model class -> its members as the release defined them
 
@@ -155,10 +235,12 @@ def delivered_rows(result: Any, embeds_after: Any, n: int) -> tuple[Any, int]:
     return torch.cat(parts, dim=0), undefined
 
 
-def count_misaligned(model: Any, info: dict[str, Any], ids_before: Any, result: Any, embeds_after: Any
-                     ) -> dict[str, Any]:
+def count_misaligned(model: Any, info: dict[str, Any], ids_before: Any, result: Any, embeds_after: Any,
+                     row_ids: bool = False) -> dict[str, Any]:
     """``{"misaligned_text": t, "misaligned_end": e}`` (plus ``first_misaligned``, the first such position,
-    when there is one) for one call, or ``{"contract_error": why}``."""
+    when there is one) for one call, or ``{"contract_error": why}``. ``row_ids``: ``info`` is the tagged
+    payload the arm saw (:func:`tag_payload`) and ``result`` still carries the codes: they must match
+    exactly, the other dimensions within the tolerance."""
     import torch
 
     try:
@@ -170,8 +252,17 @@ def count_misaligned(model: Any, info: dict[str, Any], ids_before: Any, result: 
         defined = got.shape[0]
         want = want[:defined]
         eps = torch.finfo(got.dtype).eps if got.dtype.is_floating_point else 0.0
+        got = got.float()
+        same_id = None
+        if row_ids:
+            dims = list(ROW_ID_DIMS)
+            same_id = (got[:, dims] == want[:, dims]).all(dim=1)
+            keep = [d for d in range(want.shape[1]) if d not in ROW_ID_DIMS]
+            got, want = got[:, keep], want[:, keep]
         tol = ULPS * eps * (want.abs() + want.abs().mean(dim=1, keepdim=True))
-        close = ((got.float() - want).abs() <= tol).all(dim=1)
+        close = ((got - want).abs() <= tol).all(dim=1)
+        if same_id is not None:
+            close &= same_id
         # one device-to-host copy per call (a GPU worker would otherwise sync once per position)
         bad = [c + int(i) for i in (~close).nonzero().flatten().tolist()] + [c + defined + i for i in range(undefined)]
         _, thinker_result, _, _ = _payload(info)

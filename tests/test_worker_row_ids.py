@@ -1,0 +1,114 @@
+"""Issue 32, item 2: the worker's contract check compares row identities on the speaking checkpoint.
+
+Compared by value alone, a row from the wrong offset that holds the same values counts as aligned (the
+speaking checkpoint's Thinker rows depend only on their byte). With identity codes in the Thinker rows
+the arm is handed (``tag_payload``), the delivered row says where it came from; the codes are zeroed
+before the runner copies the rows (``strip_ids``). Run on the sim's model host, with a payload whose
+Thinker prompt rows are all equal by value (the extreme of 'same byte')."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.config import load_prompts
+from harness.serve.worker_contract import (KIND_OUTPUT, KIND_PROMPT, ROW_ID_DIMS, count_misaligned, request_code,
+                                           strip_ids, tag_payload)
+from harness.sim.model import bind_arm
+from harness.sim.rows import RowSpace
+from harness.sim.thinker import run_thinker, token_id_table
+from harness.talkers.main import MainTalker
+from harness.talkers.pr import FixedTalker
+
+DIMS = list(ROW_ID_DIMS)
+
+
+def _payload(same_values: bool) -> tuple[dict, object, RowSpace]:
+    space = RowSpace(0)
+    out = run_thinker(load_prompts("default"), space, 1.0)[0]
+    info = {**out.payload(token_id_table([out])), "_omni_prompt_len": out.P, "request_id": out.request_id}
+    prefill = info["embed"]["prefill"].clone()
+    output = info["hidden_states"]["output"].clone()
+    prefill[:, DIMS] = 0  # the speaking checkpoint's rows are zero there
+    output[:, DIMS] = 0
+    if same_values:
+        prefill[:] = prefill[0]  # every Thinker prompt row equal by value
+    info["embed"] = {**info["embed"], "prefill": prefill}
+    info["hidden_states"] = {**info["hidden_states"], "output": output}
+    return info, out, space
+
+
+def _check(impl: type, c: int, n: int, tagged: bool, same_values: bool = True) -> dict:
+    info, out, space = _payload(same_values)
+    model = bind_arm(impl, space)
+    model.profile_run(64)
+    ids = torch.tensor(list(out.talker_prompt_ids)[c:c + n], dtype=torch.int64)
+    embeds = model.talker.embed_input_ids(ids)
+    call = {**info, "_omni_num_computed_tokens": c, "_omni_is_prefill": c < out.P}
+    seen = tag_payload(call) if tagged else call
+    assert seen is not None
+    result = model.talker_preprocess(input_ids=ids, input_embeds=embeds, **seen)
+    return count_misaligned(model, seen, ids.clone(), result, embeds, row_ids=tagged)
+
+
+def test_the_codes_name_kind_request_and_index() -> None:
+    info, out, _ = _payload(False)
+    tagged = tag_payload(info)
+    code = request_code(out.request_id)
+    assert 1 <= code <= 255 and request_code(out.request_id) == code
+    prompt, output = tagged["embed"]["prefill"], tagged["hidden_states"]["output"]
+    assert prompt[3, DIMS].tolist() == [KIND_PROMPT, code, 0, 3]
+    assert output[1, DIMS].tolist() == [KIND_OUTPUT, code, 0, 1]
+    assert info["embed"]["prefill"][:, DIMS].abs().sum().item() == 0  # the runner's payload untouched
+    keep = [d for d in range(prompt.shape[1]) if d not in ROW_ID_DIMS]
+    assert torch.equal(prompt[:, keep], info["embed"]["prefill"][:, keep])
+
+
+def test_rows_not_zero_in_the_code_dims_are_left_untagged() -> None:
+    info, _, _ = _payload(False)
+    assert tag_payload(info) is not None
+    info["hidden_states"]["output"][2, ROW_ID_DIMS[1]] = 0.25  # a checkpoint whose rows use those dims
+    assert tag_payload(info) is None
+    assert tag_payload({"request_id": "x"}) is None
+
+
+def test_main_copying_equal_valued_rows_from_the_wrong_offset_is_misaligned_by_identity() -> None:
+    # main's chunk at c = 16 copies prompt rows 0..31 into positions 16..47: equal by value here
+    assert _check(MainTalker, 16, 32, tagged=False) == {"misaligned_text": 0, "misaligned_end": 0}
+    assert _check(MainTalker, 16, 32, tagged=True) == {"misaligned_text": 32, "misaligned_end": 0,
+                                                       "first_misaligned": 16}
+    # with distinct rows, value and identity agree
+    assert _check(MainTalker, 16, 32, tagged=False, same_values=False)["misaligned_text"] == 32
+
+
+def test_pr_is_aligned_by_identity_and_the_runner_gets_untagged_rows() -> None:
+    for c, n in ((0, 32), (32, 29), (50, 11)):
+        assert _check(FixedTalker, c, n, tagged=True) == {"misaligned_text": 0, "misaligned_end": 0}, (c, n)
+    info, out, space = _payload(False)
+    model = bind_arm(FixedTalker, space)
+    ids = torch.tensor(list(out.talker_prompt_ids)[:16], dtype=torch.int64)
+    call = {**info, "_omni_num_computed_tokens": 0, "_omni_is_prefill": True}
+    plain = model.talker_preprocess(input_ids=ids, input_embeds=model.talker.embed_input_ids(ids), **call)
+    embeds = model.talker.embed_input_ids(ids)
+    tagged = model.talker_preprocess(input_ids=ids, input_embeds=embeds, **tag_payload(call))
+    assert tagged[1][:, DIMS].abs().sum().item() > 0
+    stripped = strip_ids(tagged, embeds)
+    keep = [d for d in range(plain[1].shape[1]) if d not in ROW_ID_DIMS]
+    assert torch.equal(stripped[1][:, keep], plain[1][:, keep]) and stripped[1][:, DIMS].abs().sum().item() == 0
+    assert tagged[1][:, DIMS].abs().sum().item() > 0  # the arm's own tensor is not modified
+    assert embeds[:, DIMS].abs().sum().item() == 0  # the runner's slice: zeroed in place
+
+
+def test_fidelity_names_requests_with_identical_spans_whose_counts_differ() -> None:
+    from harness.report.fidelity import RequestComparison, Value, _same_schedule_notes
+
+    def req(prompt: str, same_schedule: bool, text: tuple[int, int]) -> RequestComparison:
+        values = {"misaligned_text_positions": Value(*text), "misaligned_end_positions": Value(0, 0)}
+        return RequestComparison(("main", "cpu-stress", 1, prompt), values, True, same_schedule)
+
+    assert _same_schedule_notes([req("a", False, (3, 2))]) == []
+    assert _same_schedule_notes([req("a", True, (3, 3)), req("b", False, (3, 2))]) == [
+        "1 matched request(s) ran identical spans on both sides; their misaligned counts are equal"]
+    assert _same_schedule_notes([req("a", True, (864, 819)), req("b", True, (4, 4))]) == [
+        "2 matched request(s) ran identical spans on both sides; their misaligned counts differ on 1: "
+        "main/cpu-stress/1/a (rows compared by value on the real side: a checkpoint without identity codes, "
+        "docs/fidelity.md)"]

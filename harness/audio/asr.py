@@ -381,15 +381,28 @@ class OpenAIWhisperTranscriber:
 
 
 def make_transcriber(backend: str = "faster-whisper", model: str = "base", beam_size: int = 1,
-                     cpu_threads: int = CPU_THREADS) -> Transcriber:
-    """The transcriber for ``--asr BACKEND --asr-model MODEL --beam-size N`` (UserError on bad input).
+                     cpu_threads: int = CPU_THREADS, batch: int = 0) -> Transcriber:
+    """The transcriber for ``--asr BACKEND --asr-model MODEL --beam-size N [--asr-batch B]`` (UserError
+    on bad input). ``batch`` 0: per clip (the default); B > 0: faster-whisper's batched pipeline, up to
+    B chunks per decode (``harness.audio.batched``; its transcripts differ from per clip's).
 
     ``cpu_threads`` is not part of the cache key: it only splits the same float32 work across
     threads (measured: identical transcripts of the default run on 1 and 2 threads)."""
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or not 1 <= beam_size <= 20:
         raise UserError(f"--beam-size {beam_size!r}: must be an integer from 1 to 20")
+    if batch:
+        from harness.audio.batched import check_batch
+
+        check_batch(batch)
+        if backend != "faster-whisper":
+            raise UserError(f"--asr-batch {batch}: the batched pipeline is faster-whisper's (--asr faster-whisper)")
     if backend == "faster-whisper":
         name, folder = _faster_whisper_model(model)
+        if batch:
+            from harness.audio.batched import BatchedWhisperTranscriber
+
+            return BatchedWhisperTranscriber(model_name=name, model_dir=folder, batch_size=batch, beam_size=beam_size,
+                                             cpu_threads=cpu_threads)
         return FasterWhisperTranscriber(model_name=name, model_dir=folder, beam_size=beam_size, cpu_threads=cpu_threads)
     if backend == "openai-whisper":
         name, checkpoint = _openai_checkpoint(model)

@@ -21,15 +21,22 @@ from harness.proc import printable_streams
 @click.command("gate")
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--rules", "rules_path", default=None, metavar="PATH",
-              help="Rules YAML (default deploy_configs/gates.yaml; a bare name is looked up there).")
+              help="Rules YAML (default: the run's model family's, deploy_configs/gates.yaml for Qwen2.5-Omni; "
+                   "a bare name is looked up in deploy_configs/).")
 @click.option("--junit", "junit_path", type=click.Path(path_type=Path), default=None,
               help="Also write JUnit XML (one testcase per rule x cell) for CI.")
 def command(run_dir: Path, rules_path: str | None, junit_path: Path | None) -> None:
     """Check RUN_DIR against the gate rules and exit 0 (pass), 1 (a rule failed) or 2 (could not evaluate)."""
     printable_streams()
     try:
-        rules = gate.load_rules(gate.resolve_rules_path(rules_path))
+        rules = gate.load_rules(gate.resolve_rules_path(rules_path)) if rules_path is not None else None
         run = summary.load_run(run_dir)
+        if rules is None:  # the run's family's rules (Qwen2.5-Omni's: deploy_configs/gates.yaml)
+            from harness.families import get_family
+            from harness.rundir import manifest_family
+
+            family = get_family(manifest_family(run.manifest), f"{run_dir}/manifest.json: family")
+            rules = gate.load_rules(gate.resolve_rules_path(family.gate_rules))
         problems = summary.run_problems(run) + summary.event_problems(run)
         if problems:
             raise UserError(f"{summary.problems_line(run, problems)}; not gated")

@@ -60,6 +60,9 @@ class Family:
     load_arm: str | None = None
     # None: the real backend (``--backend vllm-omni``) drives this family; else why it does not, said to the user
     serve_missing: str | None = None
+    # the gate's default rules for a run of this family (``omni-stress gate`` without --rules; a name in
+    # deploy_configs/): the seed's bounds are Qwen2.5-Omni's, another model's bug may show in other measures
+    gate_rules: str = "gates"
 
     @property
     def stage(self) -> str:

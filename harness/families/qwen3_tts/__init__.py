@@ -38,4 +38,5 @@ FAMILY = Family(
     load_arm="harness.families.qwen3_tts.arms:load_arm",
     serve_missing=("the vllm-omni backend does not drive the qwen3-tts family yet (its /v1/audio/speech client and a "
                    "speaking tiny Qwen3-TTS checkpoint are not built); run it on --backend sim"),
+    gate_rules="gates-qwen3-tts",
 )

@@ -221,3 +221,45 @@ def test_identities_are_numpy_ints():
     cell, _runner, out = _cell("tts-fix", "qwen3-tts-reference")
     assert out.prompt_text_ids.dtype == np.int64 and out.prompt_codec_ids.dtype == np.int64
     assert out.P == PROMPT_LEN and out.T == len(out.trailing_rows)
+
+
+# --------------------------------------------------------------------------- conform beside the run
+
+def _span(step, c, n, P=9, mis=0, **flags):
+    return {"arm": "a", "deploy": "d", "request": "r1", "step": step, "c": c, "n": n, "P": P, "misaligned": mis,
+            "cross_boundary": False, "multi_decode": False, "one_token_tail": False, "nonzero_offset": False,
+            "error": None, **flags}
+
+
+def test_cell_evidence_classifies_spans_and_finds_the_first_wrong_one():
+    from harness.conform.beside import cell_evidence
+
+    spans = [_span(0, 0, 5), _span(1, 5, 4, nonzero_offset=True), _span(2, 9, 1), _span(3, 10, 1),
+             _span(9, 0, 11, mis=11, cross_boundary=True), _span(10, 11, 1, mis=1), _span(11, 12, 1),
+             _span(12, 13, 3, mis=3, multi_decode=True)]
+    ev = cell_evidence(reversed(spans))  # any order: sorted by step per request
+    assert (ev["chunk"].spans, ev["chunk"].wrong, ev["chunk"].requests) == (1, 0, {})
+    assert (ev["cross_replay"].spans, ev["cross_replay"].wrong, ev["cross_replay"].requests) == (1, 1, {"r1": (9, 0, 11)})
+    # decode steps after the replay (steps 10, 11), not the ones before it (steps 2, 3)
+    assert (ev["restart"].spans, ev["restart"].wrong, ev["restart"].requests) == (2, 1, {"r1": (10, 11, 1)})
+    assert (ev["multi_decode"].spans, ev["multi_decode"].requests) == (1, {"r1": (12, 13, 3)})
+    assert ev["tail"].spans == 0
+    assert ev["restart"].describe({"r1": 0.5}) == ("2 spans, 1 misaligned; 1 requests, worst r1 (WER 0.500, first wrong "
+                                                   "span step 10 c=11 n=1)")
+
+
+def test_conform_beside_a_run_puts_the_verdicts_next_to_the_sims_spans(tmp_path):
+    res = run_cli("run", "--family", "qwen3-tts", "--deploy", "qwen3-tts-stress", "--arm", "tts-0.30.0", "--asr", "none",
+                  "--quiet", "--no-cache", "--out", str(tmp_path), "--run-id", "b")
+    assert res.exit_code == 0, res.stderr[-2000:]
+    conform = run_cli("conform", "--beside", str(tmp_path / "b"), "--source", "vllm-omni:0.30.0", "--deploy", "none",
+                      "--requests", "1")
+    assert conform.exit_code == 1, conform.stderr[-2000:]  # the release does not conform
+    table = conform.stdout[conform.stdout.index("conform beside run"):].splitlines()
+    # the conform column of the runner the run's deploy uses (V1) only
+    assert table[2] == "| situation | conform qwen3-tts (V1) | sim tts-0.30.0 / qwen3-tts-stress |"
+    assert table[7] == ("| cross-boundary replay | differs @0 | 23 spans, 23 misaligned; 12 requests, "
+                        "worst p11-volcano (WER 0.967, first wrong span step 1245 c=0 n=17) |")
+    assert table[8] == ("| decode after a replay (conform: restart after preemption) | no restart | "
+                        "3796 spans, 154 misaligned; 6 requests, worst p11-volcano (WER 0.967, first wrong span step "
+                        "1246 c=17 n=1) |")

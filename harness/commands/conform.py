@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -42,12 +43,16 @@ def _finite_seconds(ctx: click.Context, param: click.Parameter, value: float | N
                    "also one that needs changed settings (any).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the matrix as JSON.")
 @click.option("--html", "html_path", type=click.Path(path_type=Path), default=None, help="Also write an HTML page.")
+@click.option("--beside", "beside_dir", type=click.Path(path_type=Path), default=None, metavar="RUN_DIR",
+              help="Also print, per situation, the conform verdict beside what the run in RUN_DIR shows of it (spans "
+                   "of that kind, misaligned ones, the worst request's WER and first wrong span), for the run's model "
+                   "family's conform model.")
 @click.option("--arm-timeout", type=click.FloatRange(0, 86400), callback=_finite_seconds, default=10.0,
               show_default=True, help="Seconds one preprocess call may take before it fails its schedule (the cell "
                                       "says raised; 0: no limit).")
 def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[str, ...], num_requests: int, generated: int,
             deploy_generated: int, fail_on: str, json_path: Path | None, html_path: Path | None,
-            arm_timeout: float) -> None:
+            beside_dir: Path | None, arm_timeout: float) -> None:
     """Check each model's preprocess for schedule invariance: model x situation."""
     from harness.conform.check import DEFAULT_DEPLOYS, check_model, modes_for
     from harness.conform.models import CALIBRATION, MODELS, UPSTREAM_MODELS, resolve_model
@@ -55,6 +60,9 @@ def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[st
     from harness.conform.report import Matrix, Report, format_html, format_json, format_text
     from harness.config import load_deploy
 
+    beside_run = _load_beside(beside_dir) if beside_dir is not None else None  # a bad run is refused first
+    if beside_run is not None and not models:
+        models = (beside_run[0],)  # the run's family's model
     unknown = [m for m in models if resolve_model(m) is None]
     if unknown:
         raise UserError(f"--model {unknown[0]}: unknown model; known: {', '.join(MODELS)}, or MODEL:package.module:attr "
@@ -101,6 +109,8 @@ def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[st
                                fail_on))
     report = Report(matrices)
     click.echo(format_text(report), nl=False)
+    if beside_run is not None:
+        click.echo(_beside(report, *beside_run), nl=False)
     for path, text in ((json_path, format_json(report) if json_path else None),
                        (html_path, format_html(report) if html_path else None)):
         if path is None or text is None:
@@ -112,3 +122,39 @@ def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[st
             raise UserError(f"{path}: cannot write ({exc.strerror})") from None
         say(f"wrote {path}")
     sys.exit(report.exit_code)
+
+
+def _load_beside(run_dir: Path) -> tuple[str, Any, list[tuple[str, str, str]]]:
+    """(the run's family's conform model, the run, its (arm, deploy, runner) cells) of ``--beside RUN_DIR``."""
+    from harness.config import load_deploy
+    from harness.errors import ConfigError
+    from harness.families import get_family
+    from harness.report import summary
+    from harness.rundir import manifest_family
+
+    run = summary.load_run(run_dir)
+    family = get_family(manifest_family(run.manifest), f"{run_dir}/manifest.json: family")
+    cells: list[tuple[str, str, str]] = []
+    for arm, deploy in dict.fromkeys((r.arm, r.deploy) for r in run.requests):
+        try:
+            runner = load_deploy(deploy).talker.model_runner  # the shipped deploy of that name
+        except ConfigError:
+            runner = "v1"  # a deploy file not at hand: vLLM-Omni's default runner off CUDA
+        cells.append((arm, deploy, runner))
+    return family.conform_model, run, cells
+
+
+def _beside(report: Any, model: str, run: Any, cells: list[tuple[str, str, str]]) -> str:
+    import json
+
+    from harness.conform.beside import beside_table
+    from harness.records import read_spans
+
+    spans = [dict(s.__dict__) for s in read_spans(run.run_dir)]
+    wer = {(r.arm, r.deploy, r.prompt_id): r.wer if r.wer is not None else r.oracle_wer for r in run.requests}
+    data = report.to_json()
+    out = []
+    for matrix in data.get("releases", [data]):
+        out.append(f"\nconform beside run {run.run_dir} ({matrix['source']}):\n\n"
+                   + beside_table(matrix, model, cells, spans, wer))
+    return "".join(out)

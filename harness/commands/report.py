@@ -47,10 +47,13 @@ def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_
         try:
             written = report.write_reports(run, cells)
             if isinstance(run.manifest.get("sweep"), dict):  # a sweep's run: its map too
-                from harness.gate import DEFAULT_RULES, load_rules
+                from harness.families import get_family
+                from harness.gate import load_rules, resolve_rules_path
+                from harness.rundir import manifest_family
                 from harness.sweep.report import build_map, write_sweep_report
 
-                written.update(write_sweep_report(build_map(run, load_rules(DEFAULT_RULES))))
+                rules = resolve_rules_path(get_family(manifest_family(run.manifest)).gate_rules)  # the family's
+                written.update(write_sweep_report(build_map(run, load_rules(rules))))
         except OSError as exc:  # a read-only run directory (a downloaded artifact), a full disk
             where = exc.filename or run_dir
             click.echo(f"omni-stress: warning: {run_dir}: could not rewrite the report files ({where}: "

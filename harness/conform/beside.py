@@ -1,0 +1,131 @@
+"""Conform beside a run: for each situation ``conform`` checks, what a sim (or real) run shows of it.
+
+``conform`` says statically whether a release's hook gives every position the same row under every
+schedule (chunk, tail, multi-position decode, cross-boundary replay, restart after preemption). A run
+says what the scheduler actually produced under a deploy, and what the Talker then said. This module
+puts the two side by side: per situation, the conform verdict of the family's conform model on the
+deploy's runner (``qwen3-tts`` for V1, ``qwen3-tts@mrv2`` for MRV2), and for each arm x deploy of the
+run the spans of that kind, how many of them delivered misaligned rows, the requests affected and
+the worst of them (its WER and its first wrong span).
+
+Pure: the conform matrix as its JSON (``harness.conform.report.Matrix.to_json``) and the run's span
+and request records as dicts in, a markdown table out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+SITUATIONS: tuple[tuple[str, str], ...] = (  # conform's column key, what the table calls it
+    ("chunk", "non-zero-offset chunk"),
+    ("tail", "one-token tail"),
+    ("multi_decode", "multi-position decode"),
+    ("cross_replay", "cross-boundary replay"),
+    ("restart", "decode after a replay (conform: restart after preemption)"),
+)
+
+
+@dataclass
+class Evidence:
+    """What one cell of a run shows of one situation."""
+
+    spans: int = 0  # spans of this kind
+    wrong: int = 0  # of them, spans whose rows were misaligned
+    requests: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # request -> first wrong (step, c, n)
+
+    def describe(self, wer: dict[str, float | None]) -> str:
+        if not self.spans:
+            return "not reached (0 spans)"
+        text = f"{self.spans} spans, {self.wrong} misaligned"
+        if not self.requests:
+            return text
+        worst = max(self.requests, key=lambda r: (wer.get(r) or 0.0, r))
+        step, c, n = self.requests[worst]
+        w = wer.get(worst)
+        return (f"{text}; {len(self.requests)} requests, worst {worst} (WER {w:.3f}, first wrong span step {step} "
+                f"c={c} n={n})" if w is not None else f"{text}; {len(self.requests)} requests, worst {worst}")
+
+
+def _kind(span: dict[str, Any], replayed: bool) -> str | None:
+    if span.get("cross_boundary"):
+        return "cross_replay"
+    if span.get("multi_decode"):
+        return "multi_decode"
+    if span.get("one_token_tail"):
+        return "tail"
+    if span.get("nonzero_offset"):
+        return "chunk"
+    if replayed and span["c"] >= span["P"] and span["n"] == 1:
+        return "restart"  # a decode step after the request's first replay: a restarted or shifted hook errs here
+    return None
+
+
+def cell_evidence(spans: Iterable[dict[str, Any]]) -> dict[str, Evidence]:
+    """Per situation, the evidence of one cell's spans (any order: sorted by step per request here)."""
+    out = {key: Evidence() for key, _ in SITUATIONS}
+    by_request: dict[str, list[dict[str, Any]]] = {}
+    for s in spans:
+        by_request.setdefault(s["request"], []).append(s)
+    for rid, rows in by_request.items():
+        rows.sort(key=lambda s: s["step"])
+        decoded = replayed = False
+        for s in rows:
+            if s["c"] >= s["P"]:
+                decoded = True
+            elif decoded:  # a prefill span after a decode: a replay after a preemption
+                replayed = True
+            kind = _kind(s, replayed)
+            if kind is None:
+                continue
+            ev = out[kind]
+            ev.spans += 1
+            if s.get("misaligned", 0) > 0 or s.get("error"):
+                ev.wrong += 1
+                ev.requests.setdefault(rid, (s["step"], s["c"], s["n"]))
+    return out
+
+
+def conform_rows(matrix: dict[str, Any], model: str) -> dict[str, dict[str, str]]:
+    """``{runner: {situation: summary}}`` of ``model``'s rows in one conform matrix (JSON form)."""
+    rows: dict[str, dict[str, str]] = {}
+    for m in matrix.get("models", []):
+        name = m.get("model", "")
+        if name == model:
+            runner = "v1"
+        elif name == f"{model}@mrv2":
+            runner = "v2"
+        else:
+            continue
+        cells = m.get("cells") or {}
+        rows[runner] = {key: (cells.get(key) or {}).get("summary", "not checked") for key, _ in SITUATIONS}
+    return rows
+
+
+def beside_table(matrix: dict[str, Any], model: str, cells: list[tuple[str, str, str]],
+                 spans: list[dict[str, Any]], wer: dict[tuple[str, str, str], float | None]) -> str:
+    """The markdown table: one row per situation; the conform verdict on each runner the run's cells use,
+    then one column per (arm, deploy, runner) cell of the run."""
+    conform = conform_rows(matrix, model)
+    runners = sorted({runner for _a, _d, runner in cells})
+    by_cell: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for s in spans:
+        by_cell.setdefault((s["arm"], s["deploy"]), []).append(s)
+    evidence = {(a, d): cell_evidence(by_cell.get((a, d), [])) for a, d, _r in cells}
+    quiet = [(a, d) for a, d, _r in cells if not any(e.spans for e in evidence[(a, d)].values())]
+    cells = [c for c in cells if (c[0], c[1]) not in quiet]  # a cell that reached none of them says nothing
+    label = {"v1": "V1", "v2": "MRV2"}
+    head = (["situation"] + [f"conform {model} ({label[r]})" for r in runners]
+            + [f"sim {a} / {d}" for a, d, _r in cells])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, name in SITUATIONS:
+        row = [name] + [conform.get(r, {}).get(key, "not checked") for r in runners]
+        for a, d, _r in cells:
+            rwer = {rid: w for (aa, dd, rid), w in wer.items() if (aa, dd) == (a, d)}
+            row.append(evidence[(a, d)][key].describe(rwer))
+        lines.append("| " + " | ".join(row) + " |")
+    if quiet:
+        lines.append("")
+        lines.append("Cells that reached none of these situations: " + ", ".join(f"{a} / {d}" for a, d in quiet) + ".")
+    return "\n".join(lines) + "\n"

@@ -56,6 +56,7 @@ class RunOptions:
     use_cache: bool = True
     quiet: bool = False
     asr_workers: int = -1  # -1: two worker processes on two or more cores; 0: in this process
+    asr_batch: int = 0  # --asr-batch: 0 per clip; N: faster-whisper's batched pipeline, N clips per call
     sim_workers: int = -1  # -1: up to two forked processes when there are cells and cores for them
     serve: Any = None  # harness.serve.backend.ServeOptions for the real backend
     sim_talker: str = "words"  # sim: SIM_TALKERS (the manifest records it; --resume refuses another)

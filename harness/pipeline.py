@@ -170,7 +170,8 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "backend": o.backend,
         "family": plan.family,
         "sim_talker": o.sim_talker if get_backend(o.backend).simulated else None,
-        "asr": {"backend": o.asr, "model": o.asr_model, "beam_size": o.beam_size},
+        "asr": {"backend": o.asr, "model": o.asr_model, "beam_size": o.beam_size,
+                **({"batch": o.asr_batch} if o.asr_batch and o.asr != "none" else {})},
         "seed": o.seed,
         "repeat": o.repeat,
         "arms": [{"name": a.name, "talker": a.talker, "role": a.role} for a in plan.arms],
@@ -246,9 +247,10 @@ class PendingScore:
 class AudioScorer:
     """Scores Whisper's transcript of each record's WAV (written by its backend).
 
-    Transcription runs in worker processes (``harness.audio.pool``) while the caller goes on
-    simulating; ``submit`` returns at once, ``finish`` fills the record when its transcript is
-    in. ``asr_workers=0`` transcribes in this process instead, synchronously.
+    Transcription runs in worker processes (``harness.audio.pool``), or on Ray actors under
+    ``--executor ray`` (the executor's ``make_asr_pool``), while the caller goes on simulating;
+    ``submit`` returns at once, ``finish`` fills the record when its transcript is in.
+    ``asr_workers=0`` transcribes in this process instead, synchronously.
     """
 
     def __init__(self, options: RunOptions, run_dir: Path, times: StageTimes) -> None:
@@ -260,16 +262,19 @@ class AudioScorer:
             from harness.audio.asr import make_transcriber
             from harness.audio.cache import TranscriptCache
 
-            self.transcriber = make_transcriber(options.asr, options.asr_model, options.beam_size)
+            self.transcriber = make_transcriber(options.asr, options.asr_model, options.beam_size,
+                                                batch=options.asr_batch)
             self.cache = TranscriptCache.for_run(options.cache_dir, options.use_cache)
             if options.asr_workers != 0:
-                from harness.audio.pool import AsrPool, PoolSpec, default_workers
+                from harness.audio.pool import PoolSpec, default_workers
+                from harness.executors import get_executor
 
                 workers, threads = default_workers()
                 if options.asr_workers > 0:
                     workers = options.asr_workers
                     threads = max(1, (os.cpu_count() or 1) // workers)
-                self.pool = AsrPool(PoolSpec(options.asr, options.asr_model, options.beam_size, workers, threads))
+                spec = PoolSpec(options.asr, options.asr_model, options.beam_size, workers, threads, options.asr_batch)
+                self.pool = get_executor(options.executor).make_asr_pool(spec, options)
 
     def submit(self, record: RequestRecord, cell: str) -> PendingScore:
         pending = PendingScore(record, cell)
@@ -290,6 +295,11 @@ class AudioScorer:
         else:
             pending.future, pending.owner = self.pool.submit(pending.digest, wav)
         return pending
+
+    def pump(self) -> None:
+        """Sends queued clips to free workers (``--asr-batch``: the queue that fills batches)."""
+        if self.pool is not None:
+            self.pool.pump()
 
     def finish(self, pending: PendingScore) -> None:
         """Fills the record from its finished decode (``pending.ready()`` must be true)."""
@@ -341,6 +351,7 @@ class RecordSink:
         from concurrent.futures import FIRST_COMPLETED, wait
 
         while self.pending:
+            self.scorer.pump()
             done = [p for p in self.pending if p.ready()]
             if not done:
                 if not block:
@@ -417,11 +428,13 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
         sink.flush(block=True)
         ok = True
     finally:
-        backend.close(cancel=not ok)
-        scorer.close(cancel=not ok)
-        progress.close()
-        requests_out.close()
-        spans_out.close()
+        try:
+            scorer.close(cancel=not ok)  # first: Ray actors go before the executor disconnects from Ray
+        finally:
+            backend.close(cancel=not ok)
+            progress.close()
+            requests_out.close()
+            spans_out.close()
     times_dict = times.as_dict()
     manifest = read_manifest(plan.run_dir)
     manifest["finished"] = _dt.datetime.now().isoformat(timespec="seconds")

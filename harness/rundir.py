@@ -176,7 +176,7 @@ def check_same_scoring(run_dir: Path, old: dict[str, Any], new: dict[str, Any]) 
     was, now = old.get("asr"), new.get("asr")
     if was != now:
         raise UserError(f"--resume {run_dir}: asr differs from the manifest (was {_asr_text(was)}, now "
-                        f"{_asr_text(now)}); resume with the same --asr/--asr-model/--beam-size, or start a new run")
+                        f"{_asr_text(now)}); resume with the same --asr/--asr-model/--beam-size/--asr-batch, or start a new run")
 
 
 def _asr_text(asr: Any) -> str:
@@ -184,7 +184,8 @@ def _asr_text(asr: Any) -> str:
         return repr(asr)
     if asr.get("backend") == "none":
         return "--asr none"
-    return f"--asr {asr.get('backend')} --asr-model {asr.get('model')} --beam-size {asr.get('beam_size')}"
+    batch = f" --asr-batch {asr['batch']}" if asr.get("batch") else ""
+    return f"--asr {asr.get('backend')} --asr-model {asr.get('model')} --beam-size {asr.get('beam_size')}{batch}"
 
 
 def _json_type(value: Any) -> str:

@@ -7,9 +7,11 @@ processes; the real backend starts one server per cell). ``ray``: each cell a Ra
 cluster (``harness.executors.ray``, imported only when asked for); its records, spans and audio
 come back to the driver, which writes them exactly as a local run does.
 
-The registry maps ``--executor``'s name to a module with two hooks: ``preflight(address)`` (before
-any run directory exists: is the executor usable with this ``--ray-address``) and
-``make_executor(run_dir, options)`` (the ``harness.backends.Backend`` interface over the backend).
+The registry maps ``--executor``'s name to a module with three hooks: ``preflight(address)`` (before
+any run directory exists: is the executor usable with this ``--ray-address``),
+``make_executor(run_dir, options)`` (the ``harness.backends.Backend`` interface over the backend) and
+``make_asr_pool(spec, options)`` (where Whisper scores the clips: worker processes here, or actors
+on the Ray cluster; either way the transcripts come back to the driver, the one writer).
 Nothing outside a module named here tests an executor's name.
 """
 

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING
 from harness.backends import BACKENDS, get_backend
 
 if TYPE_CHECKING:
+    from harness.audio.pool import AsrPool, PoolSpec
     from harness.backends import Backend, RunOptions
 
-__all__ = ["BACKENDS", "make_backend", "make_executor", "preflight"]
+__all__ = ["BACKENDS", "make_asr_pool", "make_backend", "make_executor", "preflight"]
 
 
 def make_backend(name: str, run_dir: Path, options: RunOptions) -> Backend:
@@ -29,3 +30,10 @@ def preflight(address: str | None, dry_run: bool = False) -> None:
 def make_executor(run_dir: Path, options: RunOptions) -> Backend:
     """Locally, the executor is the backend itself."""
     return make_backend(options.backend, run_dir, options)
+
+
+def make_asr_pool(spec: PoolSpec, options: RunOptions) -> AsrPool:
+    """Whisper in worker processes on this machine (``harness.audio.pool``)."""
+    from harness.audio.pool import AsrPool
+
+    return AsrPool(spec)

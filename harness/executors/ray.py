@@ -15,6 +15,14 @@ so nothing is lost or written twice. A cell that fails for its own reasons (an e
 backend) is not retried: its error reaches the run as a local run's would. A driver killed
 mid-run: the tasks it owned end with it; ``--resume`` runs the cells with records missing.
 
+Scoring (``make_asr_pool``): Whisper runs on Ray actors, each loading the model once when it
+starts. The driver streams each clip's WAV bytes to an actor as the clip's record comes in (or N
+at a time under ``--asr-batch N``, batched by faster-whisper's pipeline), at most two calls in
+flight per actor (one, batched, so batches fill while actors are busy); the transcripts come back
+and the driver alone caches and writes them. The actors reserve no Ray CPU: queued cells wait for
+CPUs, and actors holding them could starve the cells on a cluster no larger than the actors.
+A node that dies takes its actor: Ray restarts it elsewhere and retries its calls.
+
 Ray is optional (``pip install omni-stress[ray]``); this module is imported only for
 ``--executor ray``.
 """
@@ -34,6 +42,9 @@ from harness.backends import get_backend
 from harness.errors import UserError
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from harness.audio.pool import PoolSpec
     from harness.backends import CellJob, CellOutcome, EmitRecord, EmitSpans, RunOptions
 
 #: Ray's own retries of a task whose worker or node died (not of a task that raised).
@@ -124,11 +135,18 @@ def connect(address: str | None) -> None:
         except BaseException as exc:  # noqa: BLE001 - reported below
             result["error"] = exc
 
-    thread = threading.Thread(target=init, name="ray-connect", daemon=True)
-    thread.start()
-    thread.join(CONNECT_TIMEOUT_S)
-    if thread.is_alive():
-        raise UserError(f"--executor ray: {shown} did not answer in {CONNECT_TIMEOUT_S:.0f} s")
+    if target is None:
+        # A Ray started here runs in this thread: Linux ends a child whose parent-death signal is set
+        # when the *thread* that started it exits, so a local Ray started in a helper thread loses its
+        # GCS and raylet as soon as ray.init returns (the run then dies a minute later, "Failed to
+        # connect to GCS"). Nothing remote to wait for, so no timeout thread is needed.
+        init()
+    else:
+        thread = threading.Thread(target=init, name="ray-connect", daemon=True)
+        thread.start()
+        thread.join(CONNECT_TIMEOUT_S)
+        if thread.is_alive():
+            raise UserError(f"--executor ray: {shown} did not answer in {CONNECT_TIMEOUT_S:.0f} s")
     exc = result["error"]
     if exc is not None:
         line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -329,3 +347,163 @@ class RayExecutor:
 
 def make_executor(run_dir: Path, options: RunOptions) -> RayExecutor:
     return RayExecutor(run_dir, options)
+
+
+# ---------------------------------------------------------------------------------- scoring on actors
+
+
+class WhisperActor:
+    """One Whisper model per actor, loaded as the actor starts; ``transcribe`` takes clips as
+    (name, WAV bytes) and returns (transcripts, wall seconds, CPU seconds, this actor's stats)."""
+
+    def __init__(self, spec: PoolSpec) -> None:
+        import tempfile
+
+        self.transcriber = spec.make()
+        self.transcriber._load()  # type: ignore[attr-defined]  # the one load, before any clip
+        self.loads, self.calls, self.clips = 1, 0, 0
+        self.scratch = Path(tempfile.mkdtemp(prefix="omni-stress-asr-"))
+
+    def transcribe(self, clips: list[tuple[str, bytes]]) -> tuple[list[str], float, float, dict[str, Any]]:
+        from harness.audio.pool import transcribe_clips
+
+        t0, c0 = time.perf_counter(), time.process_time()
+        paths = []
+        for i, (name, data) in enumerate(clips):
+            path = self.scratch / f"{self.calls}-{i}-{Path(name).name}"
+            path.write_bytes(data)
+            paths.append(path)
+        try:
+            texts = transcribe_clips(self.transcriber, paths)
+        finally:
+            for path in paths:
+                path.unlink(missing_ok=True)
+        self.calls += 1
+        self.clips += len(clips)
+        return texts, time.perf_counter() - t0, time.process_time() - c0, self.stats()
+
+    def stats(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "loads": self.loads, "calls": self.calls, "clips": self.clips,
+                "node": node_here()["id"]}
+
+
+def actor_count(spec: PoolSpec, options: RunOptions, cluster_cpus: float) -> tuple[int, int]:
+    """(actors, threads each): ``--asr-workers N`` actors, else the local rule over the cluster's CPUs
+    (two on two or more); the cluster's CPUs split between them."""
+    from harness.audio.pool import default_workers
+
+    cpus = max(1, int(cluster_cpus))
+    if options.asr_workers > 0:
+        return options.asr_workers, max(1, cpus // options.asr_workers)
+    return default_workers(cpus)
+
+
+class RayAsrPool:
+    """``harness.audio.pool``'s interface (submit, pump, forget, close) over Whisper actors."""
+
+    def __init__(self, spec: PoolSpec, options: RunOptions) -> None:
+        from harness.audio.pool import QueuedPool
+
+        self.spec, self.options = spec, options
+        self.actors: list[Any] = []
+        self.load: list[int] = []  # calls in flight per actor
+        self._load_lock = threading.Lock()
+        self.stats: dict[int, dict[str, Any]] = {}  # per actor, its latest stats
+        self.ray: Any = None
+        pool = self
+
+        class _Queue(QueuedPool):
+            def _dispatch(self, paths: list[Path]) -> Future:
+                return pool._dispatch(paths)
+
+            def _error(self, exc: BaseException) -> BaseException:
+                return pool._error(exc)
+
+        per_actor = 1 if spec.batch else 2
+        self._queue = _Queue(per_call=spec.batch, capacity=0)
+        self._per_actor = per_actor
+
+    @property
+    def batches(self) -> list[int]:
+        return self._queue.batches
+
+    def _start(self) -> None:
+        import dataclasses
+
+        self.ray = ray = import_ray()
+        connect(self.options.ray_address)
+        workers, threads = actor_count(self.spec, self.options, ray.cluster_resources().get("CPU", 1))
+        spec = dataclasses.replace(self.spec, workers=workers, threads_per_worker=threads)
+        cls = ray.remote(WhisperActor).options(num_cpus=0, scheduling_strategy="SPREAD", max_restarts=MAX_RETRIES,
+                                               max_task_retries=MAX_RETRIES, name=None)
+        self.actors = [cls.remote(spec) for _ in range(workers)]
+        self.load = [0] * workers
+        self._queue.capacity = workers * self._per_actor
+
+    def submit(self, digest: str, wav_path: Path) -> tuple[Future, bool]:
+        if self.ray is None:
+            self._start()
+        return self._queue.submit(digest, wav_path)
+
+    def pump(self) -> None:
+        if self.ray is not None:
+            self._queue.pump()
+
+    def forget(self, digest: str) -> None:
+        self._queue.forget(digest)
+
+    def _dispatch(self, paths: list[Path]) -> Future:
+        """One actor call: the least busy actor gets the clips' bytes; a Future of (texts, wall, cpu)."""
+        from concurrent.futures import Future as PlainFuture
+
+        with self._load_lock:
+            index = min(range(len(self.actors)), key=lambda i: self.load[i])
+            self.load[index] += 1
+        ref = self.actors[index].transcribe.remote([(p.name, p.read_bytes()) for p in paths])
+        out: PlainFuture = PlainFuture()
+
+        def done(fut: Future, index: int = index) -> None:
+            with self._load_lock:
+                self.load[index] -= 1
+            try:
+                texts, wall, cpu, stats = fut.result()
+            except BaseException as exc:  # noqa: BLE001 - the clips' Futures carry it
+                out.set_exception(exc)
+                return
+            self.stats[index] = stats
+            out.set_result((texts, wall, cpu))
+
+        ref.future().add_done_callback(done)
+        return out
+
+    def _error(self, exc: BaseException) -> BaseException:
+        """A failed actor call as one line: the actor's own UserError, or what Ray says happened."""
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, UserError):
+            return UserError(str(cause))
+        if isinstance(exc, UserError):
+            return exc
+        line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return UserError(f"ASR actor failed ({line}); the records written so far are kept, rerun with --resume")
+
+    def actor_stats(self, timeout: float = 60) -> list[dict[str, Any]]:
+        """Each actor's stats, asked now (pid, loads, calls, clips, node)."""
+        if self.ray is None:
+            return []
+        return self.ray.get([a.stats.remote() for a in self.actors], timeout=timeout)
+
+    def close(self, cancel: bool = False) -> None:
+        self._queue._cancel_queued()
+        ray, actors, self.actors = self.ray, self.actors, []
+        if ray is None or not ray.is_initialized():
+            return
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - an actor already gone
+                pass
+
+
+def make_asr_pool(spec: PoolSpec, options: RunOptions) -> RayAsrPool:
+    """Whisper on Ray actors (see the module docstring)."""
+    return RayAsrPool(spec, options)

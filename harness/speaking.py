@@ -16,11 +16,25 @@ The rules, at each sampled position ``m`` of a request (its logits pick the next
 2. **Speech**: a started Talker whose row at ``m`` carries byte ``b`` emits
    ``codec_id(b, prev)``, where ``prev`` is the byte carried by the KV row at ``m-1`` (attention to the
    previous position), or ``None`` if that row carries no text.
-3. **End**: a row with no text makes it emit codec EOS, which ends the request.
+3. **End** (issue 32: the end region is heard): a row with no text ends the speech, after
+   :data:`END_POSITIONS` = 2 end-region positions when the rows there are right. A text-EOS row, and
+   a text-PAD row whose previous row is not text-PAD, emit :data:`SILENCE`; a text-PAD row after a
+   text-PAD row (the persistent PAD), and a row with neither text nor a text-EOS/PAD component (0.30.0's
+   codec-only row once its reply queue is empty, a dropped PAD row), emit codec EOS, which ends the
+   request. So a correct Talker input schedules text-EOS, PAD, PAD (positions ``P + K .. P + K + 2``
+   for ``K`` reply tokens after the first) and says SILENCE, SILENCE, EOS there: the two PAD positions
+   are the end region
+   (``harness.contract.misaligned_regions``), and an arm that drops or shifts the persistent PAD rows
+   ends the request early or late there, which the contract check counts (misaligned end) and the
+   codec stream shows (one :data:`SILENCE` fewer or more).
 
 Reading a codec stream back (:func:`decode`): each speech id gives its byte and the tag of the byte
 it heard before; a byte whose tag disagrees with the byte actually said before it (what a listener
-heard) is unintelligible, and so is the word that holds it. Babble is no speech.
+heard) is unintelligible, and so is the word that holds it. Babble and silence are no speech.
+
+:data:`SILENCE` is codec id 0, the speech id of byte NUL after a byte with tag 0: a config file
+cannot hold NUL (``harness.config`` refuses control characters), so no reply says it, and the
+checkpoint's ``codec_head`` row 0 scores silence instead.
 """
 
 from __future__ import annotations
@@ -32,6 +46,9 @@ BYTES = 256
 TAGS = 32  # the previous byte's low 5 bits: 256 * 32 = 8192 speech ids, all below Code2Wav's 8193 codes
 BABBLE = 8192  # one id for a Talker that never saw its start row
 CODEC_EOS = 8294
+SILENCE = 0  # rule 3: said at the text-EOS row and the first text-PAD row (never a reply's byte: NUL)
+END_POSITIONS = 2  # end-region positions a correct request schedules: the first PAD and the persistent one
+EOS_MARK, PAD_MARK = "eos", "pad"  # the no-text rows rule 3 tells apart (any other: None)
 UNINTELLIGIBLE = "<unk>"  # the word a listener could not make out
 
 
@@ -47,9 +64,13 @@ def codec_id(byte: int, prev: int | None) -> int:
     return tag(prev) * BYTES + byte
 
 
-def next_code(started: bool, byte: int | None, prev: int | None) -> int:
-    """Rules 1-3 for one sampled position: row byte ``byte`` (None = no text), previous row ``prev``."""
+def next_code(started: bool, byte: int | None, prev: int | None, mark: str | None = None,
+              prev_mark: str | None = None) -> int:
+    """Rules 1-3 for one sampled position: row byte ``byte`` (None = no text), previous row ``prev``;
+    ``mark``/``prev_mark``: :data:`EOS_MARK`, :data:`PAD_MARK` or None, for rows without text."""
     if byte is None:
+        if mark == EOS_MARK or (mark == PAD_MARK and prev_mark != PAD_MARK):
+            return SILENCE
         return CODEC_EOS
     if not started:
         return BABBLE
@@ -66,6 +87,7 @@ class Spoken:
     babble: int  # babble ids among them
     garbled: int  # speech ids whose memory tag disagreed with the byte said before
     other: int  # ids outside the table (a Talker that is not the speaking model)
+    silence: int = 0  # SILENCE ids among them (the end region: END_POSITIONS after a correct reply)
 
 
 def decode(codes: Iterable[int]) -> Spoken:
@@ -73,13 +95,16 @@ def decode(codes: Iterable[int]) -> Spoken:
     out = bytearray()
     bad: list[int] = []  # indices into ``out`` of unintelligible bytes
     said: int | None = None  # the byte said just before (None at the start or after non-speech)
-    n = speech = babble = garbled = other = 0
+    n = speech = babble = garbled = other = silence = 0
     for code in codes:
         code = int(code)
         if code == CODEC_EOS:
             break
         n += 1
-        if 0 <= code < BYTES * TAGS:
+        if code == SILENCE:
+            silence += 1
+            said = None
+        elif 0 <= code < BYTES * TAGS:
             speech += 1
             byte, t = code % BYTES, code // BYTES
             if t != tag(said):
@@ -93,7 +118,8 @@ def decode(codes: Iterable[int]) -> Spoken:
         else:
             other += 1
             said = None
-    return Spoken(text=_words(bytes(out), bad), codes=n, speech=speech, babble=babble, garbled=garbled, other=other)
+    return Spoken(text=_words(bytes(out), bad), codes=n, speech=speech, babble=babble, garbled=garbled, other=other,
+                  silence=silence)
 
 
 def _words(raw: bytes, bad: Sequence[int]) -> str:
@@ -107,11 +133,13 @@ def _words(raw: bytes, bad: Sequence[int]) -> str:
     return " ".join(UNINTELLIGIBLE if "\x00" in w else w for w in words)
 
 
-def encode_reply(text: str) -> list[int]:
-    """What a correctly conditioned speaking Talker emits for ``text`` (EOS excluded)."""
+def encode_reply(text: str, end: bool = True) -> list[int]:
+    """What a correctly conditioned speaking Talker emits for ``text`` (EOS excluded): its bytes, then
+    the end region's :data:`SILENCE` ids (text-EOS row, first PAD row). ``end=False``: the bytes only,
+    what a Talker says whose row after the reply has no text-EOS/PAD component (0.30.0's empty queue)."""
     out = []
     prev: int | None = None
     for byte in text.encode("utf-8"):
         out.append(codec_id(byte, prev))
         prev = byte
-    return out
+    return out + [SILENCE, SILENCE] if end else out  # said at the text-EOS row and the first PAD row

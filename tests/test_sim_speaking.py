@@ -83,10 +83,11 @@ def rows():
     _, a0 = space.make("output", ["H", "i"], "a")
     _, b0 = space.make("output", ["Y", "o"], "b")
     _, eos = space.make("text_eos", [None], None)
+    _, pad = space.make("text_pad", [None], None)
     _, spk = space.make("spk:1", [None], None)
     talker = SpeakingTalker(space)
     talker.freeze()
-    return talker, {"p0": p0, "a0": a0, "b0": b0, "eos": eos, "spk": spk}
+    return talker, {"p0": p0, "a0": a0, "b0": b0, "eos": eos, "pad": pad, "spk": spk}
 
 
 def _kv(text: list[int], codec: list[int], P: int) -> SpeakingKV:
@@ -95,15 +96,37 @@ def _kv(text: list[int], codec: list[int], P: int) -> SpeakingKV:
     return kv
 
 
-def test_a_correct_kv_says_its_reply_then_eos(rows):
+def test_a_correct_kv_says_its_reply_then_the_end_region_then_eos(rows):
     talker, r = rows
-    # P = 5: prompt rows 0..2, speaker + PAD at 3, reply[0] + BOS at 4; then reply[1], text-EOS
-    text = [r["p0"], r["p0"] + 1, r["p0"] + 2, r["spk"], r["a0"], r["a0"] + 1, r["eos"]]
-    codec = [NONE, NONE, NONE, CODEC_PAD, CODEC_BOS, 100, 101]
+    # P = 5: prompt rows 0..2, speaker + PAD at 3, reply[0] + BOS at 4; then reply[1], text-EOS, PAD, PAD
+    text = [r["p0"], r["p0"] + 1, r["p0"] + 2, r["spk"], r["a0"], r["a0"] + 1, r["eos"], r["pad"], r["pad"]]
+    codec = [NONE, NONE, NONE, CODEC_PAD, CODEC_BOS, 100, 101, 0, 0]
     kv = _kv(text, codec, P=5)
-    codes = [talker.next_token(kv, g) for g in range(3)]
-    assert codes == speaking.encode_reply("Hi") + [CODEC_EOS]
-    assert speaking.decode(codes).text == "Hi"
+    codes = [talker.next_token(kv, g) for g in range(5)]
+    assert codes == speaking.encode_reply("Hi") + [CODEC_EOS] == [72, 105 + 8 * 256, 0, 0, CODEC_EOS]
+    assert speaking.decode(codes).text == "Hi" and speaking.decode(codes).silence == 2
+
+
+def test_the_end_region_is_heard_a_dropped_or_shifted_pad_moves_the_end(rows):
+    """Issue 32 item 1: after text-EOS the Talker reads END_POSITIONS = 2 more rows."""
+    talker, r = rows
+    head = [r["p0"], r["p0"] + 1, r["p0"] + 2, r["spk"], r["a0"], r["a0"] + 1, r["eos"]]
+    codec = [NONE, NONE, NONE, CODEC_PAD, CODEC_BOS, 100, 101, 0, 0, 0]
+    said = speaking.encode_reply("Hi", end=False)
+
+    def says(tail: list[int]) -> list[int]:
+        kv = _kv(head + tail, codec[:len(head) + len(tail)], P=5)
+        out = []
+        for g in range(len(head) + len(tail) - 4):
+            out.append(talker.next_token(kv, g))
+            if out[-1] == CODEC_EOS:
+                break
+        return out
+
+    assert says([r["pad"], r["pad"]]) == said + [0, 0, CODEC_EOS]
+    assert says([NONE, NONE]) == said + [0, CODEC_EOS]  # PAD rows dropped: ends one position early
+    assert says([r["eos"], r["pad"], r["pad"]]) == said + [0, 0, 0, CODEC_EOS]  # PAD shifted: one late
+    assert speaking.END_POSITIONS == 2
 
 
 def test_no_codec_bos_anywhere_babbles_while_the_row_has_text(rows):
@@ -180,7 +203,7 @@ def test_pr_under_cpu_reference_says_each_reply_exactly(cells):
     for p in prompts.prompts:
         rec = out[("pr", "cpu-reference")][p.id].record
         assert rec.codec_tokens == speaking.encode_reply(p.reply)
-        assert rec.num_codec_tokens == len(p.reply.encode("utf-8"))
+        assert rec.num_codec_tokens == len(p.reply.encode("utf-8")) + 2  # the end region's two SILENCE ids
         assert rec.oracle_transcript == " ".join(p.reply.split())
         assert rec.oracle_wer == 0.0
         assert rec.finish_reason == "stop"
@@ -214,7 +237,29 @@ def test_main_under_cpu_stress_babbles_every_request(cells):
 def test_main_under_cpu_reference_speaks(cells):
     prompts, out = cells
     for p in prompts.prompts:
-        assert out[("main", "cpu-reference")][p.id].record.oracle_wer == 0.0
+        rec = out[("main", "cpu-reference")][p.id].record
+        assert rec.oracle_wer == 0.0
+        # 0.30.0 has no text-EOS/PAD rows: its row after the reply has no text and no mark, so it stops
+        # there without the end region's SILENCE ids, and the contract counts that text-EOS position
+        assert rec.codec_tokens == speaking.encode_reply(p.reply, end=False)
+        assert (rec.events.misaligned_text_positions, rec.events.misaligned_end_positions) == (1, 0)
+
+
+def test_an_arm_dropping_the_persistent_pad_rows_is_heard_and_counted_on_the_speaking_sim():
+    """Issue 32 item 1: the end region is scheduled on the speaking path, so the contract counts a
+    dropped PAD row (one end position per request) and the request ends one SILENCE early."""
+    from harness.sim.backend import run_cell
+
+    prompts = load_prompts("cpu_smoke")
+    arm = resolve_arm("droppad=tests.fixtures.helper_override_arm:DropPadPr", load_arms())
+    recs: list = []
+    run_cell(arm, load_deploy("cpu-reference"), prompts, 1, 42, recs.append, talker_mode="speaking")
+    by = {r.record.prompt_id: r.record for r in recs}
+    for p in prompts.prompts:
+        rec = by[p.id]
+        assert rec.codec_tokens == speaking.encode_reply(p.reply, end=False) + [speaking.SILENCE], p.id
+        assert rec.oracle_wer == 0.0
+        assert (rec.events.misaligned_text_positions, rec.events.misaligned_end_positions) == (0, 1), p.id
 
 
 # --------------------------------------------------------------------------- fidelity logic

@@ -25,6 +25,11 @@ def test_codec_id_is_tag_of_previous_byte_times_256_plus_byte():
     assert speaking.codec_id(ord("H"), None) == 72
     assert speaking.codec_id(ord("e"), ord("H")) == (72 % 32) * 256 + 101 == 2149
     assert speaking.next_code(True, None, ord("a")) == speaking.CODEC_EOS
+    # rule 3, the end region: text-EOS and a first PAD say SILENCE, a PAD after a PAD ends
+    assert speaking.next_code(True, None, ord("a"), speaking.EOS_MARK) == speaking.SILENCE == 0
+    assert speaking.next_code(False, None, None, speaking.PAD_MARK, speaking.EOS_MARK) == speaking.SILENCE
+    assert speaking.next_code(True, None, None, speaking.PAD_MARK, speaking.PAD_MARK) == speaking.CODEC_EOS
+    assert speaking.next_code(True, None, None, None, speaking.EOS_MARK) == speaking.CODEC_EOS
     assert speaking.next_code(False, ord("a"), None) == speaking.BABBLE
     assert speaking.next_code(True, ord("a"), ord(" ")) == 97  # space is tag 0
     with pytest.raises(ValueError, match="byte 256 out of range"):
@@ -33,9 +38,11 @@ def test_codec_id_is_tag_of_previous_byte_times_256_plus_byte():
 
 def test_encode_then_decode_gives_the_text_back():
     codes = speaking.encode_reply("Heat the water.")
-    assert len(codes) == 15 and codes[0] == 72
+    assert len(codes) == 17 and codes[0] == 72 and codes[15:] == [speaking.SILENCE] * 2
+    assert speaking.encode_reply("Heat the water.", end=False) == codes[:15]
     got = speaking.decode(codes + [speaking.CODEC_EOS, 5, 6])
-    assert got == speaking.Spoken(text="Heat the water.", codes=15, speech=15, babble=0, garbled=0, other=0)
+    assert got == speaking.Spoken(text="Heat the water.", codes=17, speech=15, babble=0, garbled=0, other=0,
+                                  silence=2)
 
 
 def test_a_token_whose_memory_disagrees_loses_its_word_and_the_next_bytes_word():

@@ -8,8 +8,11 @@ end), runs the Thinker and the Talker forward over them, and compares the codec 
 picks (argmax, and its probability under temperature 0.9 / top-k 40 / top-p 0.8) with
 ``harness.speaking``'s rules, in four cases:
 
-* ``correct``: the reply is said byte for byte, then codec EOS (after a text-EOS row, and after a row
-  with no text component, which is what 0.30.0 feeds once its reply queue is empty);
+* ``correct``: the reply is said byte for byte, then the end region: SILENCE at the text-EOS row and
+  at the first text-PAD row, codec EOS at the persistent PAD row; and, after a row with no text
+  component (what 0.30.0 feeds once its reply queue is empty), codec EOS at once;
+* ``end``: the PAD rows dropped (codec-only rows after text-EOS): SILENCE at text-EOS, then codec EOS
+  one position early (issue 32: the end region is heard);
 * ``no_bos``: the start rows are prompt rows (main's chunked prefill): babble, then EOS;
 * ``replay``: after reply token ``k`` was said, its KV entry is rewritten with a prompt row (what a
   replay that delivers the wrong row does): the *next* position, whose own row is correct, now emits
@@ -30,7 +33,7 @@ from harness import speaking
 PROMPT = "<|im_start|>system\nYou are Qwen, a helpful voice assistant.<|im_end|>\n<|im_start|>user\n" \
          "How do I make a cup of green tea?<|im_end|>\n<|im_start|>assistant\n"
 REPLY = "Heat the water until it is hot, then wait two minutes."
-CODEC_PAD, CODEC_BOS, SPEAKER, TEXT_EOS = 8292, 8293, 151872, 151861
+CODEC_PAD, CODEC_BOS, SPEAKER, TEXT_EOS, TEXT_PAD = 8292, 8293, 151872, 151861, 151859
 
 
 def _filtered_top_prob(logits: Any, temperature: float = 0.9, top_k: int = 40, top_p: float = 0.8) -> float:
@@ -68,8 +71,11 @@ def run(model_dir: Path, dtype_name: str = "bfloat16") -> dict[str, Any]:
         spk = t_emb(torch.tensor([SPEAKER]))[0] + codec(CODEC_PAD)
         start = reply_h[0] + codec(CODEC_BOS)
         eos_row = t_emb(torch.tensor([TEXT_EOS]))[0]
+        pad_row = t_emb(torch.tensor([TEXT_PAD]))[0]
         P = len(prompt_ids) + 2
-        want = speaking.encode_reply(REPLY)
+        want = speaking.encode_reply(REPLY)  # the bytes, then SILENCE at text-EOS and at the first PAD
+        bytes_said = speaking.encode_reply(REPLY, end=False)
+        EOS, SIL = speaking.CODEC_EOS, speaking.SILENCE
 
         def talk(rows: list[Any], offset: int = 0) -> tuple[list[int], list[float]]:
             x = torch.stack(rows).unsqueeze(0).to(dtype)
@@ -88,27 +94,34 @@ def run(model_dir: Path, dtype_name: str = "bfloat16") -> dict[str, Any]:
             return picks, probs
 
         def rows_for(reply_rows: list[Any], start_rows: list[Any]) -> list[Any]:
-            prev = want[:]
-            decode = [reply_rows[k] + codec(prev[k - 1]) for k in range(1, len(reply_rows))]
-            return list(prompt_h) + start_rows + decode + [eos_row + codec(prev[-1])]
+            # reply rows on the previous codec id, then text-EOS, then the persistent text-PAD twice (each
+            # on the SILENCE id said before it): the end region a correct request schedules
+            decode = [reply_rows[k] + codec(bytes_said[k - 1]) for k in range(1, len(reply_rows))]
+            return list(prompt_h) + start_rows + decode + [eos_row + codec(bytes_said[-1]), pad_row + codec(SIL),
+                                                           pad_row + codec(SIL)]
 
         results: dict[str, Any] = {"P": P, "reply": REPLY, "dtype": dtype_name}
         picks, probs = talk(rows_for(list(reply_h), [spk, start]))
-        bare_end = rows_for(list(reply_h), [spk, start])
-        bare_end[-1] = codec(want[-1])  # 0.30.0's row once its queue is empty: no text component at all
+        bare_end = rows_for(list(reply_h), [spk, start])[:-2]
+        bare_end[-1] = codec(bytes_said[-1])  # 0.30.0's row once its queue is empty: no text component at all
         picks_b, probs_b = talk(bare_end)
-        results["correct"] = {"ok": picks == want + [speaking.CODEC_EOS] and picks_b == picks,
+        results["correct"] = {"ok": picks == want + [EOS] and picks_b == bytes_said + [EOS],
                               "min_prob": min(probs + probs_b), "said": speaking.decode(picks).text}
+        dropped = rows_for(list(reply_h), [spk, start])[:-1]
+        dropped[-1] = codec(SIL)  # an arm that drops the PAD rows: the codec embedding alone after text-EOS
+        picks_d, probs_d = talk(dropped)
+        results["end"] = {"ok": picks_d == bytes_said + [SIL, EOS], "min_prob": min(probs_d),
+                          "said": speaking.decode(picks_d).text}
         no_bos = list(prompt_h[: P - 2]) + [prompt_h[0], prompt_h[1]]  # main: prompt rows 0, 1 at P-2, P-1
         picks_nb, probs_nb = talk(no_bos + rows_for(list(reply_h), [spk, start])[P:])
-        results["no_bos"] = {"ok": picks_nb == [speaking.BABBLE] * len(want) + [speaking.CODEC_EOS],
+        results["no_bos"] = {"ok": picks_nb == [speaking.BABBLE] * len(bytes_said) + [SIL, SIL, EOS],
                              "min_prob": min(probs_nb), "said": speaking.decode(picks_nb).text}
         # a replay rewrites reply row k's KV entry with a prompt row *after* its token was said: the
         # said tokens up to k are the correct ones; position k+1, whose own row is correct, now reads
         # the wrong row through head 0
         k = 6
         corrupt_rows = rows_for(list(reply_h), [spk, start])
-        corrupt_rows[P - 1 + k] = prompt_h[30] + codec(want[k - 1])
+        corrupt_rows[P - 1 + k] = prompt_h[30] + codec(bytes_said[k - 1])
         picks_c, probs_c = talk(corrupt_rows)
         said = want[: k + 1] + picks_c[k + 1:]
         spoken = speaking.decode(said)
@@ -116,16 +129,16 @@ def run(model_dir: Path, dtype_name: str = "bfloat16") -> dict[str, Any]:
             "position": P - 1 + k,
             "next_changed": picks_c[k + 1] != want[k + 1],
             "next_byte_kept": picks_c[k + 1] % speaking.BYTES == want[k + 1] % speaking.BYTES,
-            "rest_unchanged": picks_c[k + 2:] == (want + [speaking.CODEC_EOS])[k + 2:],
+            "rest_unchanged": picks_c[k + 2:] == (want + [EOS])[k + 2:],
             "min_prob": min(probs_c),
             "said": spoken.text,
             "garbled": spoken.garbled,
         }
         far = 1950 - P  # the same request placed so that its positions run past 1950
         picks_l, probs_l = talk(rows_for(list(reply_h), [spk, start]), offset=far)
-        results["long"] = {"ok": picks_l == want + [speaking.CODEC_EOS], "min_prob": min(probs_l), "offset": far}
+        results["long"] = {"ok": picks_l == want + [EOS], "min_prob": min(probs_l), "offset": far}
     replay = results["replay"]
-    results["ok"] = all(results[c]["ok"] for c in ("correct", "no_bos", "long")) and replay["next_changed"] and \
+    results["ok"] = all(results[c]["ok"] for c in ("correct", "end", "no_bos", "long")) and replay["next_changed"] and \
         replay["rest_unchanged"] and replay["garbled"] == 1 and replay["said"] != REPLY
     return results
 

@@ -10,12 +10,14 @@ Dimensions of the 64-wide rows (Thinker hidden = Talker embedding = Talker hidde
 * ``BOS`` (9): set only by the codec-BOS embedding (vLLM-Omni adds it to the row at ``P-1``).
 * ``ONE`` (10): a constant, the Talker's input projection bias, so logits can have offsets.
 * ``PREV`` (16-20) and ``PREV_TEXT`` (21): written by attention head 0 from the previous position's
-  row: its byte's low 5 bits (the memory tag) and whether it had text.
+  row: its byte's low 5 bits (the memory tag) and whether it had text. ``PREV_PAD`` (22): the same
+  head copies the previous row's text-PAD mark (rule 3: a PAD row after a PAD row ends the speech).
 * ``STARTED`` (24): written by attention head 1: whether any position of the KV holds a BOS row.
 * ``MARKS`` (40-44): text-EOS, text-PAD, text-BOS and the two speaker tokens each set one of these
-  (the Talker reads none of them), so their rows carry no text yet differ from a row with no text
-  component at all: the worker's contract check (which compares rows numerically) can still tell
-  0.30.0's missing text-EOS/PAD rows from the contract's.
+  (the Talker reads only the text-EOS and text-PAD marks, for rule 3's end region), so their rows
+  carry no text yet differ from a row with no text component at all: the Talker ends the speech at
+  once there, and the worker's contract check can tell 0.30.0's missing text-EOS/PAD rows from the
+  contract's.
 * ``ROW_ID`` (60-63): zero in every row this checkpoint makes (Thinker embeddings, hence its hidden
   states; codec embeddings; the special-token rows), checked at build time. The worker's contract
   check lends them to identity codes on the Thinker rows it hands the arm and zeroes them before the
@@ -28,6 +30,8 @@ What the Thinker *says* is forced by a logits processor (``harness.serve.reply_f
 forward still runs and its hidden states still flow to the Talker.
 
 Talker: input projection identity plus ``ONE``; codec embeddings zero except codec-BOS (``BOS``);
+``codec_head`` row 0 (``speaking.SILENCE``) scores rule 3's end region: high on a text-EOS row and on a
+text-PAD row whose previous row is not PAD, below codec EOS everywhere else;
 layer 0 has the two heads below and no MLP; layer 1 adds nothing; ``codec_head`` rows score each
 codec id from the final normalised state.
 
@@ -58,6 +62,7 @@ BOS = 9
 ONE = 10
 PREV = list(range(16, 21))
 PREV_TEXT = 21
+PREV_PAD = 22
 STARTED = 24
 # tts_text_end / tts_text_pad / tts_text_start and the two speakers vLLM-Omni knows (Ethan, Chelsie)
 MARKS = {151861: 40, 151859: 41, 151860: 42, 151870: 43, 151872: 44}
@@ -79,6 +84,12 @@ WINNER = 20.0  # the correct speech id's logit when the previous row had text
 EOS_LOGIT = -100.0  # codec EOS: above speech without text (<= -160), below speech with text (>= -39)
 BABBLE_TEXT, BABBLE_BASE, BABBLE_STARTED = 110.0, -150.0, -100.0  # -40 unstarted with text; else <= -140
 OTHER_LOGIT = -500.0  # ids outside the table
+# SILENCE (codec id 0), rule 3: SIL_BASE + SIL_MARK on a text-EOS row or a first text-PAD row (+50: 150
+# over EOS, >= 200 over speech and babble there); a PAD row after a PAD row loses SIL_PREV_PAD (-250: EOS
+# wins by 150); a row without text or mark: -200 (EOS wins by 100); a text row: -200 (speech 20 and
+# unstarted babble -40 win by >= 160)
+SIL_BASE, SIL_MARK, SIL_PREV_PAD = -200.0, 250.0, 300.0
+PAD_REF = 5.66  # head 0's copy of a PAD row's mark: 8/3 after the input RMSNorm of a row of two 8/3 dims
 
 
 def byte_token_ids(tokenizer: Any) -> dict[int, int]:
@@ -167,9 +178,9 @@ def apply(state: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
         qb[j] = a
         kb[j] = a * math.cos(th[j])
         kb[j + half] = a * math.sin(th[j])
-    for k, dim in enumerate(BITS[:5] + [TEXT]):  # head 0 value: the tag bits and the text flag
+    for k, dim in enumerate(BITS[:5] + [TEXT, MARKS[151859]]):  # head 0 value: tag bits, text flag, PAD mark
         vw[k, dim] = 1.0
-        ow[(PREV + [PREV_TEXT])[k], k] = 1.0
+        ow[(PREV + [PREV_TEXT, PREV_PAD])[k], k] = 1.0
     slow = half - 1  # head 1: the slowest rotary pair
     qb[HEAD_DIM + slow] = BOS_QK
     kw[HEAD_DIM + slow, BOS] = BOS_QK
@@ -200,6 +211,12 @@ def apply(state: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     head[speaking.BABBLE, STARTED] = BABBLE_STARTED / started_ref
     head[speaking.CODEC_EOS, :] = 0.0
     head[speaking.CODEC_EOS, ONE] = EOS_LOGIT / CODE
+    sil = speaking.SILENCE  # replaces the speech row of byte NUL (tag 0), which no reply holds
+    head[sil, :] = 0.0
+    head[sil, ONE] = SIL_BASE / CODE
+    head[sil, MARKS[151861]] = SIL_MARK / CODE  # text-EOS (tts_text_end), raw 8/3 in the row
+    head[sil, MARKS[151859]] = SIL_MARK / CODE  # text-PAD (tts_text_pad)
+    head[sil, PREV_PAD] = -SIL_PREV_PAD / PAD_REF
     for name in ("thinker.model.embed_tokens.weight", "talker.model.embed_tokens.weight"):
         if bool(state[name][:, ROW_ID].any()):  # the identity codes need rows that are zero there
             raise RuntimeError(f"speaking model: {name} writes the row-identity dims {ROW_ID}")

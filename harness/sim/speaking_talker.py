@@ -15,7 +15,10 @@ At each sampled position ``m = P - 1 + g`` (generated token ``g``), from the row
 * **byte**: the byte of the text component of row ``m``; **prev**: the byte of row ``m-1``. A text
   component that is NONE (zeros), UNKNOWN, a special token, the speaker row, text-BOS/EOS/PAD has no
   byte; another request's row (cross-talk) carries that request's byte;
-* the code is ``harness.speaking.next_code(started, byte, prev)``: speech id, BABBLE, or codec EOS.
+* **mark**: whether a row without byte is the text-EOS row or the text-PAD row (the model's shared
+  special rows), for rule 3's end region; **prev mark** the same of row ``m-1``;
+* the code is ``harness.speaking.next_code(started, byte, prev, mark, prev_mark)``: speech id, BABBLE,
+  SILENCE (text-EOS, first PAD) or codec EOS.
 
 One codec token per text byte (no frames-per-token stretching) and no sampling randomness: the
 speaking model's logits put probability ~1 on the rule's id, so temperature, top-k and top-p pick it.
@@ -71,21 +74,36 @@ class SpeakingKV(TalkerKV):
 class SpeakingTalker:
     """Rules 1-3 of ``harness.speaking`` on the rows of a ``SpeakingKV``."""
 
+    MARKS = (None, speaking.EOS_MARK, speaking.PAD_MARK)
+
     def __init__(self, space: RowSpace) -> None:
         self.space = space
         self._byte_np = np.zeros(0, dtype=np.int64)
+        self._mark_np = np.zeros(0, dtype=np.int64)  # index into MARKS
 
     def freeze(self) -> None:
         """The byte of every registered text row, -1 for none (call once all rows exist)."""
         from harness.tokenizer import token_byte
 
         out = np.full(len(self.space.meanings), -1, dtype=np.int64)
+        marks = np.zeros(len(self.space.meanings), dtype=np.int64)
         for i, m in enumerate(self.space.meanings):
             if m.kind in ("prompt", "output"):
                 b = token_byte(m.word)
                 if b is not None:
                     out[i] = b
+            elif m.kind == "text_eos":
+                marks[i] = 1
+            elif m.kind == "text_pad":
+                marks[i] = 2
         self._byte_np = out
+        self._mark_np = marks
+
+    def mark_of(self, text_id: int) -> str | None:
+        """Whether a KV text component is the text-EOS or the text-PAD row (None: anything else)."""
+        if text_id < 0 or text_id >= self._mark_np.shape[0]:
+            return None
+        return self.MARKS[int(self._mark_np[text_id])]
 
     def byte_of(self, text_id: int) -> int | None:
         """The byte of a KV text component (a registry id, NONE or UNKNOWN)."""
@@ -99,7 +117,9 @@ class SpeakingTalker:
         if m >= kv.length or m < 1:
             return speaking.CODEC_EOS
         text = kv._text_np
-        return speaking.next_code(kv.started_at(m), self.byte_of(int(text[m])), self.byte_of(int(text[m - 1])))
+        here, before = int(text[m]), int(text[m - 1])
+        return speaking.next_code(kv.started_at(m), self.byte_of(here), self.byte_of(before), self.mark_of(here),
+                                  self.mark_of(before))
 
 
 def spoken_codes(output_token_ids: list[int]) -> list[int]:

@@ -112,3 +112,17 @@ def test_fidelity_names_requests_with_identical_spans_whose_counts_differ() -> N
         "2 matched request(s) ran identical spans on both sides; their misaligned counts differ on 1: "
         "main/cpu-stress/1/a (rows compared by value on the real side: a checkpoint without identity codes, "
         "docs/fidelity.md)"]
+
+
+def test_fidelity_reads_each_requests_schedule_from_its_spans() -> None:
+    """The sim records ``schedule`` only when it records latency; both runs have spans, in order."""
+    from harness.records import SpanRecord, schedule_digest
+    from harness.report.fidelity import span_schedules
+
+    spans = [SpanRecord("pr", "d", 1, "p1", 0, 40, 0, 32, 40), SpanRecord("pr", "d", 1, "p2", 0, 40, 0, 32, 40),
+             SpanRecord("pr", "d", 1, "p1", 1, 40, 32, 8, 8), SpanRecord("pr", "d", 1, "p1", 2, 40, 40, 1, 1)]
+    raw = [{"arm": s.arm, "deploy": s.deploy, "repeat": s.repeat, "request": s.request, "P": s.P, "c": s.c, "n": s.n}
+           for s in spans]
+    got = span_schedules(raw)
+    assert got == {("pr", "d", 1, "p1"): schedule_digest([spans[0], spans[2], spans[3]]),
+                   ("pr", "d", 1, "p2"): schedule_digest([spans[1]])}

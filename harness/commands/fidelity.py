@@ -61,7 +61,8 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
     def side(run: summary.Run) -> fidelity.Side:
         return fidelity.Side(label=run.run_id, backend=run.manifest.get("backend"),
                              talker=manifest_sim_talker(run.manifest), records=run.requests,
-                             events=summary.request_events(run))
+                             events=summary.request_events(run),
+                             schedules=fidelity.span_schedules(run.spans.raw))
 
     result = fidelity.compare(side(runs[0]), side(runs[1]))
     data = fidelity.as_json(result)

@@ -16,7 +16,7 @@ same), of a number over zero undefined (None, shown as ``-``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,7 @@ class Side:
     talker: str | None  # the sim's Talker mode (None: a real run)
     records: Sequence[RequestRecord]
     events: Mapping[RequestKey, EventCounts] = field(default_factory=dict)  # per request (spans), else the record's
+    schedules: Mapping[RequestKey, str] = field(default_factory=dict)  # per request: ``span_schedules``
 
     def describe(self) -> str:
         text = f"{self.label} (backend {self.backend or '?'}"
@@ -130,6 +131,23 @@ class Fidelity:
         return [r for r in self.requests if not r.same_codes or not all(v.same for v in r.values.values())]
 
 
+def span_schedules(spans: Iterable[Mapping[str, Any]]) -> dict[RequestKey, str]:
+    """Each request's schedule digest (``records.schedule_digest``: its (P, c, n) spans in order) from a
+    run's spans (``SpanTable.raw``: dicts in file order); a run's records carry it only when the run
+    recorded latency, its spans always."""
+    import hashlib
+
+    parts: dict[RequestKey, list[str]] = {}
+    for d in spans:
+        key = (d["arm"], d["deploy"], d["repeat"], d["request"])
+        parts.setdefault(key, []).append(f"{d['P']}:{d['c']}:{d['n']}")
+    return {k: hashlib.sha256(",".join(v).encode()).hexdigest()[:16] for k, v in parts.items()}
+
+
+def _schedule(side: Side, rec: RequestRecord) -> str | None:
+    return side.schedules.get(rec.key) or rec.schedule
+
+
 def _events(side: Side, rec: RequestRecord) -> EventCounts:
     return side.events.get(rec.key, rec.events)
 
@@ -171,8 +189,9 @@ def compare(sim: Side, real: Side) -> Fidelity:
         ra, rb = a[key], b[key]
         ea, eb = _events(sim, ra), _events(real, rb)
         values = {m.key: Value(m.value(ra, ea), m.value(rb, eb)) for m in METRICS}
+        sa, sb = _schedule(sim, ra), _schedule(real, rb)
         requests.append(RequestComparison(key, values, list(ra.codec_tokens) == list(rb.codec_tokens),
-                                          ra.schedule is not None and ra.schedule == rb.schedule))
+                                          sa is not None and sa == sb))
     cells = []
     for cell in sorted(common_cells, key=lambda c: order[c]):
         reqs = [r for r in requests if r.key[:3] == cell]

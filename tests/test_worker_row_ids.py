@@ -126,3 +126,20 @@ def test_fidelity_reads_each_requests_schedule_from_its_spans() -> None:
     got = span_schedules(raw)
     assert got == {("pr", "d", 1, "p1"): schedule_digest([spans[0], spans[2], spans[3]]),
                    ("pr", "d", 1, "p2"): schedule_digest([spans[1]])}
+
+
+def test_the_launcher_asks_for_row_identities_only_on_the_speaking_checkpoint(tmp_path) -> None:
+    import json
+
+    from harness.config import ArmSpec
+    from harness.serve.backend import SPEAKING_MARKER, ServeOptions, server_env_overrides
+
+    arm = ArmSpec(name="pr", talker="harness.talkers.pr:FixedTalker")
+    speaking_dir, random_dir = tmp_path / "speaking", tmp_path / "random"
+    for d, flag in ((speaking_dir, True), (random_dir, False)):
+        d.mkdir()
+        (d / SPEAKING_MARKER).write_text(json.dumps({"speaking": flag}))
+    env = server_env_overrides(arm, tmp_path, ServeOptions(model=str(speaking_dir), platform="cpu"))
+    assert env["OMNI_STRESS_ROW_IDS"] == "1"
+    assert "OMNI_STRESS_ROW_IDS" not in server_env_overrides(arm, tmp_path, ServeOptions(model=str(random_dir),
+                                                                                          platform="cpu"))

@@ -705,10 +705,17 @@ def _resolve(name_or_path: str, folder: Path, what: str) -> Path:
         return candidate
     path = folder / f"{name_or_path}.yaml"
     if not path.exists():
-        known = ", ".join(sorted(p.stem for p in folder.glob("*.yaml") if p.stem not in ("arms", "gates"))) or "none"
+        known = ", ".join(list_yaml(folder, exclude=NOT_DEPLOYS)) or "none"
         raise ConfigError(f"unknown {what} {name_or_path!r} (known: {known}; or give a .yaml path)")
     return path
 
 
+# deploy_configs/ files that are not deploys: the arms file and the gate rules (gates.yaml, gates-<family>.yaml)
+NOT_DEPLOYS = ("arms", "gates", "gates-*")
+
+
 def list_yaml(folder: Path, exclude: tuple[str, ...] = ()) -> list[str]:
-    return sorted(p.stem for p in folder.glob("*.yaml") if p.stem not in exclude)
+    """The stems of ``folder``'s YAML files, without those matching an ``exclude`` pattern (fnmatch)."""
+    import fnmatch
+
+    return sorted(p.stem for p in folder.glob("*.yaml") if not any(fnmatch.fnmatchcase(p.stem, x) for x in exclude))

@@ -6,7 +6,7 @@ import dataclasses
 
 import click
 
-from harness.config import DEPLOY_DIR, PROMPT_DIR, list_yaml, load_arms, load_deploy, load_prompts
+from harness.config import DEPLOY_DIR, NOT_DEPLOYS, PROMPT_DIR, list_yaml, load_arms, load_deploy, load_prompts
 from harness.tokenizer import tokenize
 
 
@@ -43,7 +43,7 @@ def command(what: str) -> None:
         from harness.sim.scheduler import resolve_talker  # local: keeps the CLI's start-up light
 
         click.echo("Deploys (deploy_configs/):")
-        for name in list_yaml(DEPLOY_DIR, exclude=("arms", "gates")):
+        for name in list_yaml(DEPLOY_DIR, exclude=NOT_DEPLOYS):
             d = load_deploy(name)
             r = resolve_talker(d)
             click.echo(f"  {d.name:<10} {d.description}\n  {'':<10} talker: {_settings(d.talker)}\n"

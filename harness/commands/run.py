@@ -59,7 +59,7 @@ def resolve_arm_specs(args: RunArgs, deploys: list[Deploy], prompts: PromptSet) 
     (``harness.families.choose_family``); a command-line arm takes the run's family. ``--sim-talker``
     is checked here too: it names a Talker of the family's sim, and only the sim has one."""
     known = load_arms(args.arms_file) if args.arms_file else load_arms()
-    arm_specs = [resolve_arm(a, known) for a in args.arms]
+    arm_specs = [resolve_arm(a, known, load=False) for a in args.arms]  # loaded below, in the run's family
     names = [a.name for a in arm_specs]
     if len(set(names)) != len(names):
         raise UserError(f"--arm: arm names must be unique, got {', '.join(names)}")

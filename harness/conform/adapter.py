@@ -250,23 +250,13 @@ def load_plugin(target: str, model: str, hook: str) -> type:
     """A plugin arm ``package.module:attr``: a class that defines ``hook`` (or a function, taken as ``hook``),
     imported as ``omni-stress run --arm NAME=package.module:attr`` imports one (the working directory is
     importable)."""
-    import importlib
-
-    from harness.talkers import _importable_from_cwd
+    from harness.talkers import import_target
 
     module_name, _, attr = target.partition(":")
     where = f"--model {model}"
     if not module_name or not attr:
         raise ConfigError(f"{where}: expected MODEL:package.module:attr")
-    _importable_from_cwd()
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 -- any import failure is the plugin's problem
-        raise ConfigError(f"{where}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = import_target(target, where)
     if isinstance(obj, type):
         if not callable(getattr(obj, hook, None)):
             raise ConfigError(f"{where}: class {attr!r} defines no {hook} method (the hook this model's runner calls)")

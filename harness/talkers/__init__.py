@@ -37,6 +37,22 @@ def _importable_from_cwd() -> None:
         sys.path.append(cwd)
 
 
+def import_target(target: str, where: str) -> Any:
+    """``package.module:attr`` imported (the working directory importable): a plugin arm of any family, or
+    ``conform``'s. A failure is one line starting with ``where``."""
+    module_name, _, attr = target.partition(":")
+    _importable_from_cwd()
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # any import failure is the user's module's problem
+        raise ConfigError(f"{where}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
 def _load(arm: ArmSpec) -> Any:
     from harness.families import get_family
 
@@ -47,18 +63,9 @@ def _load(arm: ArmSpec) -> Any:
         from harness.talkers.upstream import load_upstream
 
         return load_upstream(arm)
-    module_name, _, attr = arm.talker.partition(":")
     where = f"arm {arm.name!r} ({arm.talker}, from {arm.source})"
-    _importable_from_cwd()
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import failure is the user's module's problem
-        raise ConfigError(f"{where}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = import_target(arm.talker, where)
+    attr = arm.talker.partition(":")[2]
     if isinstance(obj, type):
         if not callable(getattr(obj, "talker_preprocess", None)):
             raise ConfigError(f"{where}: class {attr!r} has no talker_preprocess method")
@@ -67,9 +74,10 @@ def _load(arm: ArmSpec) -> Any:
     return obj
 
 
-def resolve_arm(text: str, arms: dict[str, ArmSpec]) -> ArmSpec:
+def resolve_arm(text: str, arms: dict[str, ArmSpec], load: bool = True) -> ArmSpec:
     """``NAME`` from arms.yaml, ``NAME=package.module:attr`` for a plugin arm, or
-    ``NAME=vllm-omni:<source>`` for upstream vLLM-Omni code (checked here, before any cell runs). Here
+    ``NAME=vllm-omni:<source>`` for upstream vLLM-Omni code (checked here, before any cell runs;
+    ``load=False``: the caller loads it once the run's family, which says what file to read, is known). Here
     and not in ``harness.config``: resolving an upstream arm loads its code, and config stays below
     the arms."""
     if "=" in text:
@@ -87,4 +95,6 @@ def resolve_arm(text: str, arms: dict[str, ArmSpec]) -> ArmSpec:
         raise ConfigError(f"--arm {text!r}: unknown arm (known: {known}; or use NAME=package.module:attr)")
     else:
         arm = arms[text]
+    if load and arm.talker.startswith("vllm-omni:"):  # its code is read and compiled now, before any cell
+        load_impl(arm)
     return arm

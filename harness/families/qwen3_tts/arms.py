@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +53,10 @@ def load_arm(arm: ArmSpec) -> Any:
             return release_mixin(arm.talker[len(PREFIX):], base)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
-    from harness.talkers import _importable_from_cwd
+    from harness.talkers import import_target
 
-    module_name, _, attr = arm.talker.partition(":")
-    _importable_from_cwd()
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 -- any import failure is the plugin's problem
-        raise ConfigError(f"{where}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = import_target(arm.talker, where)
+    attr = arm.talker.partition(":")[2]
     if isinstance(obj, type):
         if not callable(getattr(obj, "preprocess", None)):
             raise ConfigError(f"{where}: class {attr!r} has no preprocess method (the hook the qwen3-tts runner calls)")

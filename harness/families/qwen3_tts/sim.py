@@ -114,9 +114,12 @@ class TTSRequest:
         return self.prompt.reply
 
     def payload(self, token_ids: dict[str, int]) -> dict:
-        """What the serving layer puts in the request's buffer (``additional_information``, flattened)."""
+        """What the serving layer puts in the request's buffer (``additional_information``, flattened), plus
+        ``hidden_states.last``, which the real Talker's postprocess writes after every forward (the last
+        hidden row, the code predictor's input): the sim's Talker has no hidden state, so a zero row (the
+        release zero-fills a missing one itself, with a warning)."""
         return {"text": [self.prompt.reply], "task_type": ["CustomVoice"], "speaker": [self.speaker],
-                "language": ["Auto"], "non_streaming_mode": [False]}
+                "language": ["Auto"], "non_streaming_mode": [False], "hidden_states": {"last": torch.zeros(1, DIM)}}
 
 
 def make_requests(prompts: PromptSet, space: RowSpace, specials: Specials) -> list[TTSRequest]:

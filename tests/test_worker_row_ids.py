@@ -99,10 +99,12 @@ def test_pr_is_aligned_by_identity_and_the_runner_gets_untagged_rows() -> None:
 
 
 def test_fidelity_names_requests_with_identical_spans_whose_counts_differ() -> None:
-    from harness.report.fidelity import RequestComparison, Value, _same_schedule_notes
+    from harness.report.fidelity import METRICS, MISALIGNED_KEYS, RequestComparison, Value, _same_schedule_notes
+
+    assert set(MISALIGNED_KEYS) <= {m.key for m in METRICS}
 
     def req(prompt: str, same_schedule: bool, text: tuple[int, int]) -> RequestComparison:
-        values = {"misaligned_text_positions": Value(*text), "misaligned_end_positions": Value(0, 0)}
+        values = {"misaligned_text": Value(*text), "misaligned_end": Value(0, 0)}
         return RequestComparison(("main", "cpu-stress", 1, prompt), values, True, same_schedule)
 
     assert _same_schedule_notes([req("a", False, (3, 2))]) == []

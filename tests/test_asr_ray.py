@@ -2,7 +2,8 @@
 
 Each test starts a one-machine Ray on 127.0.0.1 of its own (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
 keeps Ray on the loopback address; ``RAY_TMPDIR`` a fresh folder, so its processes can be told
-from any other Ray on the machine) and checks that none of its processes is left afterwards.
+from any other Ray on the machine; ``RAY_AUTH_MODE=disabled``, so no token file is left in
+``~/.ray``) and checks that none of its processes is left afterwards.
 
 * the actor pool: one model load per actor, clips spread over both actors, the per-clip and the
   batched transcripts exactly as in this process;
@@ -56,8 +57,10 @@ def ray_env():
     """The environment of a process that starts a Ray of its own on 127.0.0.1 under a fresh RAY_TMPDIR;
     afterwards, no process of that Ray may be left."""
     temp = Path(tempfile.mkdtemp(prefix="osr-", dir="/tmp"))  # short: Ray's socket paths live under it
+    # RAY_AUTH_MODE=disabled: a local ray.init() would otherwise write ~/.ray/auth_token, and a token
+    # there turns on token auth for every later `ray start` (tests/test_ray_executor.py's clusters).
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": str(temp),
-           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     try:
         yield env

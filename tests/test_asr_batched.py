@@ -97,3 +97,23 @@ def test_bad_batch_values_are_one_user_error() -> None:
             make_transcriber("faster-whisper", "tiny.en", 1, batch=bad)  # type: ignore[arg-type]
     with pytest.raises(UserError, match=r"^--asr-batch 8: the batched pipeline is faster-whisper's"):
         make_transcriber("openai-whisper", "base", 1, batch=8)
+
+
+def test_asr_batch_with_openai_whisper_is_one_line_exit_2(tmp_path: Path) -> None:
+    from clikit import assert_one_line_error
+    from conftest import SMALL_PROMPTS, invoke_cli
+
+    res = invoke_cli("run", "--asr", "openai-whisper", "--asr-batch", "4", "--quiet", "--prompts", str(SMALL_PROMPTS),
+                     "--out", str(tmp_path))
+    assert_one_line_error(res, "--asr-batch 4: the batched pipeline is faster-whisper's (--asr faster-whisper), "
+                               "not --asr openai-whisper")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_manifest_and_resume_name_the_batch() -> None:
+    from harness.rundir import _asr_text
+
+    assert _asr_text({"backend": "faster-whisper", "model": "base", "beam_size": 1, "batch": 8}) == \
+        "--asr faster-whisper --asr-model base --beam-size 1 --asr-batch 8"
+    assert _asr_text({"backend": "faster-whisper", "model": "base", "beam_size": 1}) == \
+        "--asr faster-whisper --asr-model base --beam-size 1"

@@ -119,9 +119,10 @@ def oracle_origin(run: Run) -> str:
 # so only the misaligned columns count them (docs/speaking-model.md, "What only the contract check sees").
 SPEAKING_BLIND_SPOTS = (
     "the speaking Talker hears only whether a codec-BOS row exists, the byte of the row at each sampled "
-    "position and the low 5 bits of the byte before it; wrong rows elsewhere (Thinker prompt rows before "
-    "P-2, which speaker row, codec ids other than BOS, the high bits of the previous byte, text-EOS vs "
-    "text-PAD vs no text, a row's scale) are counted only by the misaligned columns")
+    "position, the low 5 bits of the byte before it, and past the reply whether a row is text-EOS, text-PAD "
+    "or neither for two positions; wrong rows elsewhere (Thinker prompt rows before P-2, which speaker row, "
+    "codec ids other than BOS, the high bits of the previous byte, text-PAD where text-EOS belongs, the end "
+    "region past its first two positions, a row's scale) are counted only by the misaligned columns")
 
 
 def speaks_with_the_speaking_talker(run: Run) -> bool:

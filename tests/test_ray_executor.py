@@ -43,7 +43,9 @@ TIMING_FIELDS = {"wall_s", "asr_seconds"}
 RUN_ARGS = ("run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS))
 N_CELLS, N_PROMPTS = 4, 4
 NODE_ARGS = ("--num-cpus", "1", "--object-store-memory", "100000000", "--disable-usage-stats")
-ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+# RAY_AUTH_MODE=disabled: a token in ~/.ray (Ray 2.60's local ray.init() writes one) would turn on token
+# auth for the head these tests start, and the nodes and drivers would then be refused (issue 34).
+ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
 ENV.pop("RAY_ADDRESS", None)
 
 

@@ -145,7 +145,6 @@ def _load_beside(run_dir: Path) -> tuple[str, Any, list[tuple[str, str, str]]]:
 
 
 def _beside(report: Any, model: str, run: Any, cells: list[tuple[str, str, str]]) -> str:
-
     from harness.conform.beside import beside_table
     from harness.records import read_spans
 

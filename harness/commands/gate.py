@@ -32,11 +32,10 @@ def command(run_dir: Path, rules_path: str | None, junit_path: Path | None) -> N
         rules = gate.load_rules(gate.resolve_rules_path(rules_path)) if rules_path is not None else None
         run = summary.load_run(run_dir)
         if rules is None:  # the run's family's rules (Qwen2.5-Omni's: deploy_configs/gates.yaml)
-            from harness.families import get_family
             from harness.rundir import manifest_family
 
-            family = get_family(manifest_family(run.manifest), f"{run_dir}/manifest.json: family")
-            rules = gate.load_rules(gate.resolve_rules_path(family.gate_rules))
+            rules = gate.load_rules(gate.family_rules_path(manifest_family(run.manifest),
+                                                           f"{run_dir}/manifest.json: family"))
         problems = summary.run_problems(run) + summary.event_problems(run)
         if problems:
             raise UserError(f"{summary.problems_line(run, problems)}; not gated")

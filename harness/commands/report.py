@@ -47,13 +47,12 @@ def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_
         try:
             written = report.write_reports(run, cells)
             if isinstance(run.manifest.get("sweep"), dict):  # a sweep's run: its map too
-                from harness.families import get_family
-                from harness.gate import load_rules, resolve_rules_path
+                from harness.gate import family_rules_path, load_rules
                 from harness.rundir import manifest_family
                 from harness.sweep.report import build_map, write_sweep_report
 
-                rules = resolve_rules_path(get_family(manifest_family(run.manifest)).gate_rules)  # the family's
-                written.update(write_sweep_report(build_map(run, load_rules(rules))))
+                rules = load_rules(family_rules_path(manifest_family(run.manifest)))  # the run's family's
+                written.update(write_sweep_report(build_map(run, rules)))
         except OSError as exc:  # a read-only run directory (a downloaded artifact), a full disk
             where = exc.filename or run_dir
             click.echo(f"omni-stress: warning: {run_dir}: could not rewrite the report files ({where}: "

@@ -35,15 +35,13 @@ def command(sweep_file: str, rules_path: str | None, no_plots: bool, **values: A
 
 
 def _sweep(sweep_file: str, args: RunArgs, rules_path: str | None, no_plots: bool) -> str:
-    from harness.gate import load_rules, resolve_rules_path
+    from harness.gate import family_rules_path, load_rules, resolve_rules_path
     from harness.sweep.grid import load_sweep
 
     sweep = load_sweep(sweep_file)
-    if rules_path is None:  # the gate rules of the sweep's model family (Qwen2.5-Omni's: deploy_configs/gates.yaml)
-        from harness.families import get_family
-
-        rules_path = get_family(args.family or sweep.base.family, f"{sweep.path}: base").gate_rules
-    rules = load_rules(resolve_rules_path(rules_path))  # a bad rules file is refused before anything runs
+    # a bad rules file is refused before anything runs; without --rules, the sweep's model family's
+    rules = load_rules(resolve_rules_path(rules_path) if rules_path is not None
+                       else family_rules_path(args.family or sweep.base.family, f"{sweep.path}: base"))
     prompts = load_prompts(args.prompt_set)  # files first: importing a plugin arm may change directory
     arm_specs = resolve_arm_specs(args, sweep.deploys, prompts)
     options = args.run_options(latency=True)

@@ -250,3 +250,11 @@ def resolve_rules_path(text: str | None) -> Path:
     if path.exists() or "/" in text or path.suffix in (".yaml", ".yml"):
         return path
     return DEPLOY_DIR / f"{text}.yaml"
+
+
+def family_rules_path(family: str, where: str = "--family") -> Path:
+    """The default rules of a run of ``family`` (``Family.gate_rules``: ``gates`` for Qwen2.5-Omni): what
+    ``gate``, ``sweep`` and ``report`` read when no ``--rules`` is given."""
+    from harness.families import get_family
+
+    return resolve_rules_path(get_family(family, where).gate_rules)

@@ -220,6 +220,14 @@ def _complete(folder: Path, model_size: int) -> bool:
 # --------------------------------------------------------------------------- faster-whisper
 
 
+def faster_whisper_key(model_name: str, beam_size: int) -> str:
+    """The transcript cache key of faster-whisper's options: versions, model, compute type, beam, language,
+    VAD, temperature (a transcript made under other options is another entry)."""
+    return (f"faster-whisper={_version('faster-whisper')}|ctranslate2={_version('ctranslate2')}"
+            f"|model={model_name}|compute={COMPUTE_TYPE}|beam={beam_size}|lang={LANGUAGE}|vad=1"
+            f"|temperature={TEMPERATURE}")
+
+
 @dataclass
 class FasterWhisperTranscriber:
     """faster-whisper on CPU with VAD; the model loads on first use (cache hits never load it)."""
@@ -235,9 +243,7 @@ class FasterWhisperTranscriber:
 
     def __post_init__(self) -> None:
         if not self.cache_key:
-            self.cache_key = (f"faster-whisper={_version('faster-whisper')}|ctranslate2={_version('ctranslate2')}"
-                              f"|model={self.model_name}|compute={COMPUTE_TYPE}|beam={self.beam_size}|lang={LANGUAGE}|vad=1"
-                              f"|temperature={TEMPERATURE}")
+            self.cache_key = faster_whisper_key(self.model_name, self.beam_size)
 
     def _load(self) -> Any:
         if self._model is None:

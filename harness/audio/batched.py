@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.audio.asr import COMPUTE_TYPE, CPU_THREADS, LANGUAGE, SAMPLE_RATE, TEMPERATURE, _version
+from harness.audio.asr import CPU_THREADS, LANGUAGE, SAMPLE_RATE, TEMPERATURE, faster_whisper_key
 from harness.errors import UserError
 
 MAX_BATCH = 64
@@ -55,9 +55,7 @@ class BatchedWhisperTranscriber:
         if not self.cache_key:
             # batch_size is not in the key: a chunk's text does not depend on what it is batched with
             # (tests/test_asr_batched.py: batches of 1, 3 and 16 chunks give the same texts).
-            self.cache_key = (f"faster-whisper={_version('faster-whisper')}|ctranslate2={_version('ctranslate2')}"
-                              f"|model={self.model_name}|compute={COMPUTE_TYPE}|beam={self.beam_size}|lang={LANGUAGE}"
-                              f"|vad=1|temperature={TEMPERATURE}|pipeline=batched")
+            self.cache_key = faster_whisper_key(self.model_name, self.beam_size) + "|pipeline=batched"
 
     def _load(self) -> Any:
         if self._pipeline is None:

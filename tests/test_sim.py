@@ -193,3 +193,26 @@ def test_runner_expected_ids_follow_the_contract_on_every_span():
                 else:
                     exp = (want_text[ref.source](ref.index), 5000 + c + i)
                 assert (int(text[i]), int(codec[i])) == exp, (c, n, i, ref)
+
+
+def test_filtered_distributions_are_shared_across_cells_only_when_everything_they_depend_on_matches():
+    """Two cells' Talkers with the same words and sampling reuse one distribution (the sweep's cells);
+    another temperature or another word's codes is another distribution, computed afresh."""
+    from harness.sim import talker as talker_mod
+
+    talker_mod._DIST_CACHE.clear()
+    a, vocab = _talker(RowSpace(0), ["hi", "there"])
+    b, _ = _talker(RowSpace(1), ["hi", "there"])
+    hi, there = vocab.word_id("hi"), vocab.word_id("there")
+    first = a._dist((talker_mod._ONSET, hi))
+    assert b._dist((talker_mod._ONSET, hi)) is first
+    assert len(talker_mod._DIST_CACHE) == 1
+    other_word = b._dist((talker_mod._ONSET, there))
+    assert other_word is not first and other_word.codes != first.codes
+    warm = SimTalker(RowSpace(0), vocab, SamplingSettings(temperature=0.5), frames_per_token=2)
+    assert warm._dist((talker_mod._ONSET, hi)) is not first
+    assert len(talker_mod._DIST_CACHE) == 3
+    # the shared one is the one a fresh computation gives
+    talker_mod._DIST_CACHE.clear()
+    fresh = _talker(RowSpace(2), ["hi", "there"])[0]._dist((talker_mod._ONSET, hi))
+    assert fresh.codes == first.codes and fresh.cum == first.cum and torch.equal(fresh.full, first.full)

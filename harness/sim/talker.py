@@ -118,6 +118,9 @@ class _Dist:
 
 _NOISE, _SILENCE, _ONSET, _SUSTAIN = 0, 1, 2, 3
 _M64 = (1 << 64) - 1
+# Filtered distributions by everything they depend on, across cells of one process (bounded).
+_DIST_CACHE: dict[tuple, _Dist] = {}
+_DIST_CACHE_MAX = 65536
 
 
 class SimTalker:
@@ -203,12 +206,24 @@ class SimTalker:
     def _dist(self, key: tuple[int, int]) -> _Dist:
         dist = self._dists.get(key)
         if dist is None:
-            full = self._filtered(self._logits(key)).double()
-            codes = torch.nonzero(full).flatten()
-            cum = torch.cumsum(full[codes], dim=0)
-            cum = (cum / cum[-1]).tolist()
-            cum[-1] = 1.0
-            dist = _Dist(tuple(int(c) for c in codes), cum, full.float())
+            kind, w = key
+            targets = (tuple(self.vocab.onset_codes(w)) if kind == _ONSET else
+                       tuple(self.vocab.sustain_codes(w)) if kind == _SUSTAIN else (SILENCE,) if kind == _SILENCE else ())
+            s = self.sampling
+            # The filtered distribution is a function of these alone (``_logits``, ``_filtered``): cells
+            # with the same words and sampling share it (a sweep's fifty cells, the main job's four).
+            shared = (self.vocab_size, s.temperature, s.top_k, s.top_p, kind, targets)
+            dist = _DIST_CACHE.get(shared)
+            if dist is None:
+                full = self._filtered(self._logits(key)).double()
+                codes = torch.nonzero(full).flatten()
+                cum = torch.cumsum(full[codes], dim=0)
+                cum = (cum / cum[-1]).tolist()
+                cum[-1] = 1.0
+                dist = _Dist(tuple(int(c) for c in codes), cum, full.float())
+                if len(_DIST_CACHE) >= _DIST_CACHE_MAX:
+                    _DIST_CACHE.clear()
+                _DIST_CACHE[shared] = dist
             self._dists[key] = dist
         return dist
 

@@ -21,6 +21,9 @@ from harness.metrics import span_flags
 
 REQUESTS_FILE = "requests.jsonl"
 SPANS_FILE = "spans.jsonl"
+# The start of the error of a request a real server took down with it (its worker crashed, issue 31);
+# the report counts these per cell as crashed, and the gate fails every rule on a cell that has one.
+CRASHED_ERROR = "server crashed"
 MANIFEST_FILE = "manifest.json"
 
 

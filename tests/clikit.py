@@ -43,7 +43,7 @@ def errors_column(table: str) -> dict[str, int]:
     for ln in lines[header + 2:]:
         if not ln.strip():
             break
-        out[ln.split()[0]] = int(ln[lo:hi])
+        out[ln.split()[0]] = int(ln[lo:hi].split()[0])  # "3 (3 crashed)": the errors, of which crashed
     return out
 
 

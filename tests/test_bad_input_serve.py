@@ -60,12 +60,31 @@ def test_vllm_omni_server_never_healthy(tmp_path, fake_arms):
 
 
 @pytest.mark.slow
-def test_vllm_omni_server_dies_mid_run_keeps_records(tmp_path, fake_arms):
-    line = _serve_error(_serve(tmp_path, fake_arms(FAKE_VLLM_DIE_AFTER="1")))
-    assert "exited with code 3 during the run (1/4 requests completed)" in line
-    records = read_requests(tmp_path / "out" / "r")
+def test_vllm_omni_server_crashing_mid_run_is_a_finding_not_the_end_of_the_run(tmp_path, fake_arms):
+    """Issue 31: a crash takes the requests it was sent (errors naming its last traceback line), the run goes
+    on, the table says crashed, the manifest keeps what the server said, and the gate fails the arm."""
+    res = _serve(tmp_path, fake_arms(FAKE_VLLM_DIE_AFTER="1"))
+    assert res.exit_code == 0, res.stderr
+    assert "Traceback" not in res.stdout
+    run_dir = tmp_path / "out" / "r"
+    records = read_requests(run_dir)
+    log = run_dir / "server-main-stress.log"
+    line = "RuntimeError: talker preprocess: index 37 is out of bounds for dimension 0 with size 32 (fake crash)"
     assert len(records) == 4 and sum(r.error is None for r in records) == 1
-    assert all("server exited with code 3" in r.error for r in records if r.error)
+    assert {r.error for r in records if r.error} == {f"server crashed (exit code 3): {line}; log: {log}"}
+    assert errors_column(res.stdout) == {"main": 3}
+    assert "3 (3 crashed)" in res.stdout
+    (cell,) = json.loads((run_dir / "manifest.json").read_text())["cells"]
+    assert cell["crashes"] == [{"server": 1, "exit_code": 3, "error": line, "requests_in_flight": 3,
+                                "requests_not_sent": 0}]
+    gate = invoke_cli("gate", str(run_dir))
+    assert gate.exit_code == 2, gate.stdout + gate.stderr  # this run has no reference deploy for the stress rules
+    lines = gate.stdout.splitlines()
+    assert lines[0] == "FAIL   candidate-contract: main/stress run 1 [candidate]"
+    assert lines.count("         FAIL  max_crashed: requests a server crash took down = 3 > 0 (the server crashed: see "
+                       "the requests' errors and the manifest's cells[].crashes)") == 2  # on every rule of the cell
+    assert ("         FAIL  max_crashed: requests a server crash took down = 3 > 0 (the server crashed: see the "
+            "requests' errors and the manifest's cells[].crashes)") in gate.stdout.splitlines()
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_vllm"))
-from fakekit import EXPECTED_EVENTS, REFERENCE_YAML, deploy, fake_arm
+from fakekit import EXPECTED_EVENTS, REFERENCE_YAML, STRESS_YAML, deploy, fake_arm
 
 from harness.config import ArmSpec, ServeSettings, load_prompts
 from harness.errors import UserError
@@ -27,6 +27,7 @@ from harness.serve.deploy_args import translate_deploy
 from harness.serve.launcher import pid_alive
 
 PROMPTS = load_prompts("default")
+STRESS_YAML_C4 = STRESS_YAML + "load: {mode: concurrency, concurrency: 4}\n"
 OPTIONS = ServeOptions(model="fake/Qwen2.5-Omni-7B", health_timeout_s=30, request_timeout_s=20, retries=1, platform="gpu")
 
 
@@ -134,20 +135,65 @@ def test_per_request_errors_timeouts_and_retries(tmp_path):
         assert [(a["attempt"], a["ok"]) for a in by_prompt[pid]] == [(1, False)]
 
 
-def test_server_dying_mid_run_keeps_completed_records(tmp_path):
+CRASH_LINE = "RuntimeError: talker preprocess: index 37 is out of bounds for dimension 0 with size 32 (fake crash)"
+
+
+def test_server_crashing_mid_run_keeps_completed_records_and_names_the_crash(tmp_path):
+    """Every request in flight at once: the crash takes all that were not answered, nothing is left to resend."""
     arm = fake_arm("pr", FAKE_VLLM_DIE_AFTER="5")
     sink = Sink()
     log = tmp_path / "run" / "server-pr-stress.log"
-    with pytest.raises(UserError) as exc:
-        run_cell(arm, deploy(tmp_path), PROMPTS, 1, tmp_path / "run", OPTIONS, sink.on_request, sink.on_spans)
-    msg = str(exc.value)
-    assert "exited with code 3 during the run (5/16 requests completed)" in msg and f"log: {log}" in msg
+    times = run_cell(arm, deploy(tmp_path), PROMPTS, 1, tmp_path / "run", OPTIONS, sink.on_request, sink.on_spans)
     assert len(sink.requests) == 16
     done = [r for r in sink.requests if r.error is None]
     failed = [r for r in sink.requests if r.error is not None]
     assert len(done) == 5 and all(dataclasses.asdict(r.events) == EXPECTED_EVENTS for r in done)
-    assert all(f"server exited with code 3 during the run; log: {log}" in r.error for r in failed)
+    assert {r.error for r in failed} == {f"server crashed (exit code 3): {CRASH_LINE}; log: {log}"}
     assert sink.requests[:5] == done  # the completed ones were emitted first, as they finished
+    assert times["crashes"] == [{"server": 1, "exit_code": 3, "error": CRASH_LINE, "requests_in_flight": 11,
+                                 "requests_not_sent": 0}]
+    assert log.read_text().count("=== omni-stress:") == 1  # nothing was left to send: no second server
+
+
+def test_server_crashing_under_a_paced_load_is_restarted_for_the_requests_not_sent(tmp_path):
+    """At most 4 in flight (load: concurrency 4): the first server answers 5 and takes the 4 in flight with
+    it; the 7 requests it was never sent go to a second server, which answers 5 and takes the last 2."""
+    arm = fake_arm("pr", FAKE_VLLM_DIE_AFTER="5")
+    dep = deploy(tmp_path, STRESS_YAML_C4)
+    sink = Sink()
+    log = tmp_path / "run" / "server-pr-stress.log"
+    times = run_cell(arm, dep, PROMPTS, 1, tmp_path / "run", OPTIONS, sink.on_request, sink.on_spans)
+    ids = [p.id for p in PROMPTS.prompts]
+    assert sorted(r.prompt_id for r in sink.requests) == sorted(ids)  # each request recorded once
+    by_id = sink.by_id()
+    crashed = f"server crashed (exit code 3): {CRASH_LINE}; log: {log}"
+    assert [pid for pid in ids if by_id[pid].error is None] == ids[:5] + ids[9:14]
+    assert [pid for pid in ids if by_id[pid].error == crashed] == ids[5:9] + ids[14:]
+    assert times["crashes"] == [
+        {"server": 1, "exit_code": 3, "error": CRASH_LINE, "requests_in_flight": 4, "requests_not_sent": 7},
+        {"server": 2, "exit_code": 3, "error": CRASH_LINE, "requests_in_flight": 2, "requests_not_sent": 0},
+    ]
+    assert log.read_text().count("=== omni-stress:") == 2
+    assert all(dataclasses.asdict(by_id[pid].events) == EXPECTED_EVENTS for pid in ids[:5] + ids[9:14])
+
+
+def test_a_server_that_keeps_crashing_is_started_at_most_three_times(tmp_path):
+    """One answer per server: three servers answer three requests, the rest of the cell is never sent."""
+    arm = fake_arm("pr", FAKE_VLLM_DIE_AFTER="1")
+    dep = deploy(tmp_path, STRESS_YAML_C4.replace("concurrency: 4", "concurrency: 1"))
+    sink = Sink()
+    log = tmp_path / "run" / "server-pr-stress.log"
+    times = run_cell(arm, dep, PROMPTS, 1, tmp_path / "run", OPTIONS, sink.on_request, sink.on_spans)
+    ids = [p.id for p in PROMPTS.prompts]
+    by_id = sink.by_id()
+    assert len(sink.requests) == 16
+    assert [pid for pid in ids if by_id[pid].error is None] == [ids[0], ids[2], ids[4]]
+    assert [pid for pid in ids if by_id[pid].error is not None and "(exit code 3)" in by_id[pid].error] == \
+        [ids[1], ids[3], ids[5]]
+    assert {by_id[pid].error for pid in ids[6:]} == {
+        f"server crashed: not sent, the cell's server crashed 3 times (at most 3 starts per cell); log: {log}"}
+    assert [c["requests_not_sent"] for c in times["crashes"]] == [14, 12, 10]
+    assert log.read_text().count("=== omni-stress:") == 3
 
 
 def test_reference_deploy_and_no_stale_trace_on_rerun(tmp_path):

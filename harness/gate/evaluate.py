@@ -97,7 +97,7 @@ def _metric_value(cell: CellSummary, metric: str, cells: list[CellSummary], thre
         if metric == "worst_of_repeats_mean_wer":
             return sum(worst.values()) / len(worst)
         return float(sum(v > threshold for v in worst.values()))
-    if metric in ("preemptions", "errors"):
+    if metric in ("preemptions", "errors", "crashed"):
         return float(getattr(cell, metric))
     if metric in MISALIGNED_METRICS and not cell.misaligned_known:
         return math.nan  # the backend does not measure it
@@ -143,6 +143,17 @@ def check(rule: Rule, bound: Bound, cell: CellSummary, cells: list[CellSummary],
     return CheckResult(bound, value, "pass" if ok else "fail", f"{bound.key}: {text}")
 
 
+def crash_check(cell: CellSummary) -> CheckResult:
+    """A cell whose server crashed fails every rule applied to it, expected failures included: its
+    numbers are those of the requests that survived, and a crash is not the bug a rule expects
+    (issue 31: the Talker crash on preempt and resume is a finding of its own). No rule file names
+    it, so runs without a crash are gated exactly as before."""
+    bound = Bound("crashed", "max", 0.0)
+    return CheckResult(bound, float(cell.crashed), "fail",
+                       f"{bound.key}: {METRICS['crashed']} = {cell.crashed} > 0 (the server crashed: see the "
+                       f"requests' errors and the manifest's cells[].crashes)")
+
+
 def _worst_pair(cell: CellSummary, ref: CellSummary) -> tuple[str, float, float] | None:
     """(prompt, reference WER, this cell's WER) of the largest paired increase (first prompt on a tie)."""
     mine, theirs = cell.prompt_scores, ref.prompt_scores
@@ -186,6 +197,8 @@ def evaluate(rules: Rules, cells: list[CellSummary], run_id: str = "") -> GateRe
                 continue
             covered.add(cell.key)
             checks = [check(rule, b, cell, cells, rules.wer_threshold) for b in rule.bounds]
+            if cell.crashed:
+                checks.append(crash_check(cell))
             result.cases.append(CaseResult(rule, cell, checks))
     result.uncovered = [c.key for c in cells if c.key not in covered]
     return result

@@ -62,6 +62,7 @@ METRICS: dict[str, str] = {
     **{m.name: m.label for m in COUNT_METRICS if m.gate},
     "preemptions": "preemptions",
     "errors": "requests that ended in an error",
+    "crashed": "requests a server crash took down",
 }
 WER_METRICS = ("mean_wer", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer")
 REFERENCE_METRICS = ("wer_delta", "worst_paired_delta")  # need reference_deploy

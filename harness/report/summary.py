@@ -31,6 +31,7 @@ from harness.backends import is_simulated
 from harness.contract import MISALIGNED_COUNTS, classify_spans, event_count_columns
 from harness.errors import UserError
 from harness.records import (
+    CRASHED_ERROR,
     MANIFEST_FILE,
     REQUESTS_FILE,
     SPANS_FILE,
@@ -355,6 +356,7 @@ class CellSummary:
     role: str = DEFAULT_ROLE  # the arm's role, from the run's manifest (ROLES)
     records: list[RequestRecord] = field(default_factory=list, repr=False)  # the cell's requests, by prompt id
     not_measurable: int = 0  # requests whose reference normalises to no words (no WER; the gate refuses them)
+    crashed: int = 0  # requests a real server's crash took down (errors starting with records.CRASHED_ERROR)
 
     @property
     def prompt_scores(self) -> dict[str, float]:
@@ -481,6 +483,7 @@ def summarize_cells(run: Run) -> list[CellSummary]:
             accepted=[float(r.accepted_tokens_per_step) for r in recs if r.accepted_tokens_per_step is not None],
             role=roles.get(key[0], DEFAULT_ROLE), records=sorted(recs, key=lambda r: r.prompt_id),
             not_measurable=sum(r.not_measurable for r in recs),
+            crashed=sum(1 for r in recs if r.error is not None and r.error.startswith(CRASHED_ERROR)),
         ))
     return out
 

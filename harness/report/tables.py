@@ -199,7 +199,7 @@ def extended_table(cells: list[CellSummary]) -> pd.DataFrame:
             fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls),
             str(ev.misaligned_text_positions) if c.misaligned_known else NA,
             str(ev.misaligned_end_positions) if c.misaligned_known else NA, fmt_worst(c),
-            str(c.preemptions), str(c.errors), f"{c.wall_s:.1f}",
+            str(c.preemptions), f"{c.errors} ({c.crashed} crashed)" if c.crashed else str(c.errors), f"{c.wall_s:.1f}",
         ])
     return pd.DataFrame(rows, columns=EXTENDED_COLUMNS, dtype=object)
 

@@ -39,7 +39,7 @@ from harness.config import ArmSpec, Deploy, Prompt, PromptSet, ServeSettings
 from harness.contract import count_events
 from harness.errors import UserError
 from harness.families import get_family
-from harness.records import RequestRecord, SpanRecord, schedule_digest
+from harness.records import CRASHED_ERROR as CRASHED, RequestRecord, SpanRecord, schedule_digest
 from harness.audio.scoring import wer
 from harness.speaking import decode as decode_codes
 from harness.serve import client as chat
@@ -460,55 +460,96 @@ def build_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, ru
                      replies={p.id: p.reply for p in prompts.prompts})
 
 
+# A cell's server is started at most this many times: after a crash the requests it had not been sent
+# yet go to a new server; a server that keeps crashing leaves the rest of the cell unsent (errors).
+MAX_SERVER_STARTS = 3
+
+
 def step_cell(cell: ServeCell, on_request: Callable[[RequestRecord], None],
-              on_spans: Callable[[list[SpanRecord]], None], seed: int = 0) -> dict[str, float]:
+              on_spans: Callable[[list[SpanRecord]], None], seed: int = 0) -> dict[str, Any]:
     """Start the cell's server, send its requests, emit records as they complete, stop the server;
-    returns where the time went (``server_start_s``, ``requests_s``, ``server_stop_s``)."""
+    returns where the time went (``server_start_s``, ``requests_s``, ``server_stop_s``) and the
+    crashes (``crashes``: one entry per server that died during the requests).
+
+    A server that dies during the requests (issue 31: the Talker crash on preempt and resume,
+    vLLM-Omni #4471) is a finding, not the end of the run: every request it had been sent is an error
+    record naming the crash (the last traceback line of its log), and the requests the load had not
+    sent yet go to a new server, at most ``MAX_SERVER_STARTS`` servers per cell."""
     arm, deploy, repeat, options = cell.arm, cell.deploy, cell.repeat, cell.options
     emitted: list[RequestRecord] = []
-    launcher = ServerLauncher(
-        lambda port: server_argv(arm, deploy, options, port), cell.log_path, env=cell.env, label=cell.label,
-        health_timeout_s=options.health_timeout_s,
-    )
+    times: dict[str, Any] = {}
+    crashes: list[dict[str, Any]] = []
+    remaining = list(cell.specs)
     t0 = time.perf_counter()
-    times: dict[str, float] = {}
-    with launcher as server, open(cell.trace / "attempts.jsonl", "a", encoding="utf-8") as attempts_fh:
-        t_healthy = time.perf_counter()
-        times["server_start_s"] = round(t_healthy - t0, 1)
+    for start in range(1, MAX_SERVER_STARTS + 1):
+        launcher = ServerLauncher(
+            lambda port: server_argv(arm, deploy, options, port), cell.log_path, env=cell.env, label=cell.label,
+            health_timeout_s=options.health_timeout_s,
+        )
+        held_back: list[chat.RequestSpec] = []
+        by_id = {spec.prompt_id: spec for spec in remaining}
+        with launcher as server, open(cell.trace / "attempts.jsonl", "a", encoding="utf-8") as attempts_fh:
+            t_healthy = time.perf_counter()
+            times.setdefault("server_start_s", round(t_healthy - t0, 1))
 
-        def gone() -> str:
-            code = server.proc.poll() if server.proc is not None else None
-            return f"server exited with code {code} during the run; log: {cell.log_path}"
+            @functools.lru_cache(maxsize=1)
+            def crash_text(code: int | None) -> str:  # read once per crash: every request gets the same line
+                return f"{CRASHED} (exit code {code}): {server.crash_line()}; log: {cell.log_path}"
 
-        def on_result(res: chat.ChatResult) -> None:
-            attempts_fh.writelines(
-                json.dumps({"prompt_id": res.prompt_id, **a}) + "\n" for a in res.attempts
-            )
-            attempts_fh.flush()
+            def gone() -> str:
+                return crash_text(server.proc.poll() if server.proc is not None else None)
+
+            def on_result(res: chat.ChatResult, held_back: list[chat.RequestSpec] = held_back,
+                          by_id: dict[str, chat.RequestSpec] = by_id) -> None:
+                if res.not_sent:
+                    held_back.append(by_id[res.prompt_id])
+                    return
+                attempts_fh.writelines(
+                    json.dumps({"prompt_id": res.prompt_id, **a}) + "\n" for a in res.attempts
+                )
+                attempts_fh.flush()
+                cell.collector.poll()
+                spans = cell.spans_for(res.prompt_id)
+                if spans:
+                    on_spans(spans)
+                record = cell.record(res, spans)
+                emitted.append(record)
+                on_request(record)  # the caller shows per-request progress
+
+            asyncio.run(chat.run_requests(
+                server.base_url, remaining, request_timeout_s=options.request_timeout_s, retries=options.retries,
+                on_result=on_result, server_alive=server.alive, server_gone_message=gone,
+                load=deploy.load, seed=seed, path=get_family(deploy.family).request_api,
+            ))
+            times["requests_s"] = round(times.get("requests_s", 0.0) + time.perf_counter() - t_healthy, 1)
+            t_stop = time.perf_counter()
             cell.collector.poll()
-            spans = cell.spans_for(res.prompt_id)
-            if spans:
-                on_spans(spans)
-            record = cell.record(res, spans)
-            emitted.append(record)
-            on_request(record)  # the caller shows per-request progress
-
-        asyncio.run(chat.run_requests(
-            server.base_url, cell.specs, request_timeout_s=options.request_timeout_s, retries=options.retries,
-            on_result=on_result, server_alive=server.alive, server_gone_message=gone,
-            load=deploy.load, seed=seed, path=get_family(deploy.family).request_api,
-        ))
-        times["requests_s"] = round(time.perf_counter() - t_healthy, 1)
-        t_stop = time.perf_counter()
-        cell.collector.poll()
-        leftovers = [s for pid in list(cell.collector.by_prompt) for s in cell.spans_for(pid)]
-        if leftovers:
-            on_spans(leftovers)
-        if not server.alive():
-            server.stop()
-            ok = sum(1 for r in emitted if r.error is None)
-            raise UserError(server.death_message(f"during the run ({ok}/{len(cell.specs)} requests completed)"))
-    times["server_stop_s"] = round(time.perf_counter() - t_stop, 1)
+            leftovers = [s for pid in list(cell.collector.by_prompt) for s in cell.spans_for(pid)]
+            if leftovers:
+                on_spans(leftovers)
+            crashed = not server.alive()
+            if crashed:
+                code = server.proc.poll() if server.proc is not None else None
+                taken = sum(1 for r in emitted if r.error is not None and r.error.startswith(CRASHED))
+                crashes.append({"server": start, "exit_code": code, "error": server.crash_line(),
+                                "requests_in_flight": taken - sum(c["requests_in_flight"] for c in crashes),
+                                "requests_not_sent": len(held_back)})
+                progress(f"{cell.label}: the server crashed (exit code {code}: {server.crash_line()}); "
+                         f"{len(held_back)} request(s) not sent yet" + (", restarting it" if held_back else ""))
+        times["server_stop_s"] = round(times.get("server_stop_s", 0.0) + time.perf_counter() - t_stop, 1)
+        held = {spec.prompt_id for spec in held_back}
+        remaining = [spec for spec in remaining if spec.prompt_id in held]  # in the cell's order, as first sent
+        if not remaining:
+            break
+    for spec in remaining:  # the last server crashed too: what it was never sent is an error, once
+        res = chat.ChatResult(prompt_id=spec.prompt_id, tag=spec.tag,
+                              error=f"{CRASHED}: not sent, the cell's server crashed {len(crashes)} times "
+                                    f"(at most {MAX_SERVER_STARTS} starts per cell); log: {cell.log_path}")
+        record = cell.record(res, [])
+        emitted.append(record)
+        on_request(record)
+    if crashes:
+        times["crashes"] = crashes
 
     collector = cell.collector
     if collector.total == 0 and any(r.error is None for r in emitted):
@@ -533,12 +574,13 @@ def run_cell(
     seed: int = 0,
 ) -> dict[str, float]:
     """Launch the arm's server with the deploy, send every prompt at once, emit records as they complete;
-    returns where the cell's time went (``server_start_s``, ``requests_s``, ``server_stop_s``).
+    returns where the cell's time went (``server_start_s``, ``requests_s``, ``server_stop_s``) and its
+    server crashes (``crashes``, when any).
 
     Each ``RequestRecord`` is emitted once, right after its response (its Talker spans are already
     traced by then, so ``events`` is filled); its spans go to ``on_spans`` just before it. A server
-    that dies mid-run: records already emitted stay, the rest get an error naming the log, then
-    ``UserError`` (exit 2).
+    that dies mid-run: records already emitted stay, the requests it was sent are errors naming the
+    crash, the ones not sent yet go to a restarted server (``step_cell``).
     """
     return step_cell(build_cell(arm, deploy, prompts, repeat, run_dir, options), on_request, on_spans, seed)
 
@@ -664,9 +706,12 @@ class ServeBackend:
 
         times = run_cell(job.arm, job.deploy, job.prompts, job.repeat, self.run_dir, self.options,
                          on_request=on_request, on_spans=emit_spans, seed=job.seed)
-        return CellOutcome(seconds=time.perf_counter() - t0,
-                           extra={"implementation": implementation_of(self.run_dir, job.arm, job.deploy, job.repeat,
-                                                                      self.options), "serve_seconds": times})
+        crashes = times.pop("crashes", None)
+        extra = {"implementation": implementation_of(self.run_dir, job.arm, job.deploy, job.repeat, self.options),
+                 "serve_seconds": times}
+        if crashes:
+            extra["crashes"] = crashes  # the manifest's cells[].crashes: each server that died, and what it said
+        return CellOutcome(seconds=time.perf_counter() - t0, extra=extra)
 
     def close(self, cancel: bool = False) -> None:
         return None

@@ -189,6 +189,9 @@ class ChatResult:
     # request's first send and at the start of the attempt that answered: time to the first codec token.
     sent_at: float | None = None
     answered_attempt_at: float | None = None
+    # The server died before this request was sent (a paced load holds requests back): it may be sent
+    # again to a restarted server, so it is not a result of this server.
+    not_sent: bool = False
 
 
 class ServerGone(Exception):
@@ -298,12 +301,13 @@ class _Sender:
 
 async def _collect(tasks: dict[asyncio.Future, RequestSpec], on_result: Callable[[ChatResult], None],
                    server_alive: Callable[[], bool], server_gone_message: Callable[[], str],
-                   watch_interval_s: float) -> dict[str, ChatResult]:
+                   watch_interval_s: float, started: set[str] | None = None) -> dict[str, ChatResult]:
     """Each task's result handed to ``on_result`` as it finishes; if the server dies, the tasks still
     in flight are cancelled (after a grace interval for responses already on the wire) and their
-    requests get ``server_gone_message()``."""
+    requests get ``server_gone_message()``; those whose prompt id is not in ``started`` (never sent)
+    are marked ``not_sent``."""
     results: dict[str, ChatResult] = {}
-    started = time.monotonic()
+    t_start = time.monotonic()
     pending = set(tasks)
 
     async def watchdog() -> None:
@@ -325,7 +329,8 @@ async def _collect(tasks: dict[asyncio.Future, RequestSpec], on_result: Callable
                 spec = tasks[task]
                 if task.cancelled():
                     res = ChatResult(prompt_id=spec.prompt_id, tag=spec.tag, error=server_gone_message(),
-                                     wall_s=time.monotonic() - started)
+                                     wall_s=time.monotonic() - t_start,
+                                     not_sent=started is not None and spec.prompt_id not in started)
                 else:
                     res = task.result()
                 results[spec.prompt_id] = res
@@ -359,7 +364,8 @@ async def run_requests(
     (in this thread) as each finishes. A result's ``wall_s`` runs from its send: the end-to-end latency.
 
     A request never raises out of here: its error is recorded in its result. If the server process
-    dies, the requests still in flight are cancelled and get ``server_gone_message()``.
+    dies, the requests still in flight are cancelled and get ``server_gone_message()``; the ones the
+    load had not sent yet are marked ``not_sent`` (the caller may send them to a restarted server).
     """
     url = base_url.rstrip("/") + path  # the family's request API (harness.families.Family.request_api)
     limits = httpx.Limits(max_connections=len(specs) + 4, max_keepalive_connections=len(specs) + 4)
@@ -371,10 +377,16 @@ async def run_requests(
     async with httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits) as client:
         sender = _Sender(client, url, request_timeout_s, retries, server_alive, server_gone_message, retry_backoff_s)
 
+        started: set[str] = set()
+
         async def one(spec: RequestSpec, index: int) -> ChatResult:
             async with pacing.slot(index):
+                if not server_alive():  # held back by the load until the server died: never sent
+                    return ChatResult(prompt_id=spec.prompt_id, tag=spec.tag, error=server_gone_message(),
+                                      not_sent=True)
+                started.add(spec.prompt_id)
                 return await sender.send(spec)
 
         tasks = {asyncio.ensure_future(one(spec, i)): spec for i, spec in enumerate(specs)}
-        results = await _collect(tasks, on_result, server_alive, server_gone_message, watch_interval_s)
+        results = await _collect(tasks, on_result, server_alive, server_gone_message, watch_interval_s, started)
     return [results[s.prompt_id] for s in specs if s.prompt_id in results]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shlex
 import signal
 import socket
@@ -123,6 +124,24 @@ def read_tail(path: Path, start: int = 0, lines: int = TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+_LOG_PREFIX = re.compile(r"^\([^)]*pid=\d+[^)]*\) ")  # vLLM's prefix on its workers' lines: "(EngineCore pid=12) "
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Fault|Failure)\b")
+
+
+def last_traceback_line(text: str) -> str | None:
+    """The exception line that ends the last Python traceback in ``text`` (a server log: a worker's
+    crash is the last thing it printed), e.g. ``RuntimeError: shape mismatch``; None if the text
+    holds no traceback. vLLM's per-process prefix (``(EngineCore pid=12) ``) is dropped."""
+    lines = [_LOG_PREFIX.sub("", line) for line in text.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1:]:
+        if not line[:1].isspace() and _EXCEPTION_LINE.match(line):
+            return line.strip()[:300]
+    return None
+
+
 class ServerLauncher:
     """One server process: ``start()`` blocks until ``/health`` answers 200, ``stop()`` always reaps it.
 
@@ -184,6 +203,15 @@ class ServerLauncher:
 
     def tail(self, lines: int = TAIL_LINES) -> str:
         return read_tail(self.log_path, self._log_start, lines)
+
+    def crash_line(self) -> str:
+        """What the crash said: the last traceback's exception line of this launch's log, else its last line."""
+        text = read_tail(self.log_path, self._log_start, 400)
+        line = last_traceback_line(text)
+        if line is None:
+            rest = [x.strip() for x in text.splitlines() if x.strip()]
+            line = rest[-1][:300] if rest else "no output"
+        return line
 
     def death_message(self, when: str) -> str:
         code = self.proc.returncode if self.proc is not None else None

@@ -15,7 +15,7 @@ A ``profile-dummy`` request is traced once at start-up (unmatched by the harness
 
 Control by environment (comma lists name prompt ids, matched inside X-Request-Id):
 FAKE_VLLM_ARGV_FILE (append argv+env as a JSON line), FAKE_VLLM_PIDFILE (write server and worker
-pids), FAKE_VLLM_NEVER_HEALTHY=1, FAKE_VLLM_STARTUP_DELAY=s, FAKE_VLLM_DIE_AFTER=K (exit 3 after K
+pids), FAKE_VLLM_NEVER_HEALTHY=1, FAKE_VLLM_STARTUP_DELAY=s, FAKE_VLLM_DIE_AFTER=K (a traceback, then exit 3 after K
 responses), FAKE_VLLM_MALFORMED=ids, FAKE_VLLM_BAD_AUDIO=ids (not base64), FAKE_VLLM_NOT_WAV=ids,
 FAKE_VLLM_FAIL_ONCE=ids (HTTP 500 on the first attempt), FAKE_VLLM_HANG=ids (never answer),
 FAKE_VLLM_IGNORE=INT,TERM (ignore those signals), FAKE_VLLM_WORKER=1 (spawn a child that ignores
@@ -131,6 +131,19 @@ def main() -> None:
         pass  # like a crashed parent: the worker is left to the launcher's group sweep
 
 
+def _crash() -> None:
+    """Dies as a crashed engine does: a traceback on stderr (vLLM's worker prefix on its lines), exit 3."""
+    try:
+        raise RuntimeError("talker preprocess: index 37 is out of bounds for dimension 0 with size 32 (fake crash)")
+    except RuntimeError:
+        import traceback
+
+        for line in traceback.format_exc().splitlines():
+            print(f"(EngineCore_DP0 pid={os.getpid()}) {line}", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(3)
+
+
 async def serve(args: argparse.Namespace, model, FakeTensor, P: int) -> None:
     from aiohttp import web
 
@@ -175,7 +188,7 @@ async def serve(args: argparse.Namespace, model, FakeTensor, P: int) -> None:
             model.preprocess(input_ids=FakeTensor(n, dim=0), input_embeds=None, request_id=engine_id,
                              _omni_prompt_len=P, _omni_num_computed_tokens=c, _omni_is_prefill=c < P,
                              _omni_max_tokens=spl[1].get("max_tokens"), _omni_seed=spl[1].get("seed"))
-        if die_after and state["started"] >= die_after:
+        if die_after and index >= die_after:  # by arrival order, so which requests it takes is not a race
             await asyncio.sleep(3600)  # the server is about to die; this request never completes
         state["started"] += 1
         audio = base64.b64encode(wav).decode()
@@ -202,7 +215,7 @@ async def serve(args: argparse.Namespace, model, FakeTensor, P: int) -> None:
         await resp.write_eof()
         state["done"] += 1
         if die_after and state["done"] == die_after:
-            asyncio.get_running_loop().call_later(0.3, os._exit, 3)
+            asyncio.get_running_loop().call_later(0.3, _crash)
         return resp
 
     app = web.Application()

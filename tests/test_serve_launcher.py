@@ -251,3 +251,22 @@ def test_signal_to_the_launcher_process_reaps_the_server(tmp_path, sig):
             proc.kill()
     assert rc == -signal.SIGKILL if sig == signal.SIGKILL else rc != 0
     assert wait_gone(server, worker, timeout=STOP_BOUND_S), "server or its worker survived the launcher"
+
+
+def test_last_traceback_line_is_the_exception_that_ended_the_last_traceback():
+    from harness.serve.launcher import last_traceback_line
+
+    log = "\n".join([
+        "INFO 12-05 starting",
+        "Traceback (most recent call last):",
+        '  File "a.py", line 3, in <module>',
+        "ValueError: an earlier one, handled",
+        "(EngineCore_DP0 pid=812) Traceback (most recent call last):",
+        '(EngineCore_DP0 pid=812)   File "/venv/vllm_omni/worker/gpu_model_runner.py", line 1880, in _preprocess',
+        "(EngineCore_DP0 pid=812)     req_embeds = self.model.talker_preprocess(**kw)",
+        "(EngineCore_DP0 pid=812) torch.AcceleratorError: CUDA error: an illegal memory access was encountered",
+        "(APIServer pid=800) INFO shutting down",
+    ])
+    assert last_traceback_line(log) == "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
+    assert last_traceback_line("INFO no traceback\nERROR something else") is None
+    assert last_traceback_line("Traceback (most recent call last):\n  File \"x\", line 1") is None  # cut off

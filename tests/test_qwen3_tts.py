@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, SMALL_PROMPTS, run_cli
 from harness.config import load_arms, load_deploy, load_prompts
 from harness.families.qwen3_tts.contract import PROMPT_LEN, TTSRowRef, expected_row
 from harness.sim.codec import CODEC_BOS, CODEC_PAD
@@ -262,3 +262,36 @@ def test_conform_beside_a_run_puts_the_verdicts_next_to_the_sims_spans(tmp_path)
     assert table[8] == ("| decode after a replay (conform: restart after preemption) | no restart | "
                         "3796 spans, 154 misaligned; 6 requests, worst p11-volcano (WER 0.967, first wrong span step "
                         "1246 c=17 n=1) |")
+
+
+def test_beside_table_puts_conform_sim_and_real_side_by_side():
+    """Issue 31's three-way table: the conform verdict, then the sim's cells, then the real server's (pure)."""
+    from harness.conform.beside import BesideRun, beside_table
+
+    matrix = {"models": [{"model": "qwen3-tts", "cells": {"cross_replay": {"summary": "differs @0"},
+                                                          "restart": {"summary": "no restart"}}}]}
+    sim = BesideRun("sim", [("a", "d", "v1")],
+                    [_span(0, 0, 5), _span(9, 0, 11, mis=11, cross_boundary=True)], {("a", "d", "r1"): 0.5})
+    real_spans = [{**_span(0, 0, 9), "request": "r2"}, {**_span(1, 9, 1), "request": "r2"},
+                  {**_span(7, 0, 11, cross_boundary=True), "request": "r2"}, {**_span(8, 11, 1, mis=1), "request": "r2"}]
+    real = BesideRun("real", [("a", "d", "v1"), ("b", "d", "v1")], real_spans, {("a", "d", "r2"): 0.25})
+    lines = beside_table(matrix, "qwen3-tts", [sim, real]).splitlines()
+    assert lines[0] == "| situation | conform qwen3-tts (V1) | sim a / d | real a / d |"
+    assert lines[5] == ("| cross-boundary replay | differs @0 | 1 spans, 1 misaligned; 1 requests, worst r1 (WER 0.500, "
+                        "first wrong span step 9 c=0 n=11) | 1 spans, 0 misaligned |")
+    assert lines[6] == ("| decode after a replay (conform: restart after preemption) | no restart | not reached (0 spans) "
+                        "| 1 spans, 1 misaligned; 1 requests, worst r2 (WER 0.250, first wrong span step 8 c=11 n=1) |")
+    assert lines[-1] == "Cells that reached none of these situations: real b / d."
+
+
+def test_conform_beside_refuses_runs_of_two_families(tmp_path):
+    tts = run_cli("run", "--family", "qwen3-tts", "--deploy", "qwen3-tts-reference", "--arm", "tts-fix", "--asr", "none",
+                  "--quiet", "--no-cache", "--out", str(tmp_path), "--run-id", "t")
+    omni = run_cli("run", "--deploy", "reference", "--arm", "pr", "--asr", "none", "--quiet", "--no-cache",
+                   "--out", str(tmp_path), "--run-id", "o", "--prompts", str(SMALL_PROMPTS))
+    assert tts.exit_code == 0 and omni.exit_code == 0, tts.stderr[-1000:] + omni.stderr[-1000:]
+    res = run_cli("conform", "--beside", str(tmp_path / "t"), "--beside", str(tmp_path / "o"), "--deploy", "none")
+    assert res.exit_code == 2
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"omni-stress: error: --beside {tmp_path / 'o'}: a run of conform model 'qwen2.5-omni', not 'qwen3-tts' like "
+        f"--beside {tmp_path / 't'} (put runs of one model family side by side)")

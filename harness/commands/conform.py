@@ -43,16 +43,16 @@ def _finite_seconds(ctx: click.Context, param: click.Parameter, value: float | N
                    "also one that needs changed settings (any).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help="Also write the matrix as JSON.")
 @click.option("--html", "html_path", type=click.Path(path_type=Path), default=None, help="Also write an HTML page.")
-@click.option("--beside", "beside_dir", type=click.Path(path_type=Path), default=None, metavar="RUN_DIR",
+@click.option("--beside", "beside_dirs", type=click.Path(path_type=Path), multiple=True, metavar="RUN_DIR",
               help="Also print, per situation, the conform verdict beside what the run in RUN_DIR shows of it (spans "
                    "of that kind, misaligned ones, the worst request's WER and first wrong span), for the run's model "
-                   "family's conform model.")
+                   "family's conform model. Repeatable: a sim run and a real one give conform | sim | real.")
 @click.option("--arm-timeout", type=click.FloatRange(0, 86400), callback=_finite_seconds, default=10.0,
               show_default=True, help="Seconds one preprocess call may take before it fails its schedule (the cell "
                                       "says raised; 0: no limit).")
 def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[str, ...], num_requests: int, generated: int,
             deploy_generated: int, fail_on: str, json_path: Path | None, html_path: Path | None,
-            beside_dir: Path | None, arm_timeout: float) -> None:
+            beside_dirs: tuple[Path, ...], arm_timeout: float) -> None:
     """Check each model's preprocess for schedule invariance: model x situation."""
     from harness.conform.check import DEFAULT_DEPLOYS, check_model, modes_for
     from harness.conform.models import CALIBRATION, MODELS, UPSTREAM_MODELS, resolve_model
@@ -60,9 +60,13 @@ def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[st
     from harness.conform.report import Matrix, Report, format_html, format_json, format_text
     from harness.config import load_deploy
 
-    beside_run = _load_beside(beside_dir) if beside_dir is not None else None  # a bad run is refused first
-    if beside_run is not None and not models:
-        models = (beside_run[0],)  # the run's family's model
+    beside_runs = [_load_beside(d) for d in dict.fromkeys(beside_dirs)]  # a bad run is refused first
+    for d, (model, _run, _cells) in zip(dict.fromkeys(beside_dirs), beside_runs):
+        if model != beside_runs[0][0]:
+            raise UserError(f"--beside {d}: a run of conform model {model!r}, not {beside_runs[0][0]!r} like "
+                            f"--beside {beside_dirs[0]} (put runs of one model family side by side)")
+    if beside_runs and not models:
+        models = (beside_runs[0][0],)  # the runs' family's model
     unknown = [m for m in models if resolve_model(m) is None]
     if unknown:
         raise UserError(f"--model {unknown[0]}: unknown model; known: {', '.join(MODELS)}, or MODEL:package.module:attr "
@@ -109,8 +113,8 @@ def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[st
                                fail_on))
     report = Report(matrices)
     click.echo(format_text(report), nl=False)
-    if beside_run is not None:
-        click.echo(_beside(report, *beside_run), nl=False)
+    if beside_runs:
+        click.echo(_beside(report, beside_runs), nl=False)
     for path, text in ((json_path, format_json(report) if json_path else None),
                        (html_path, format_html(report) if html_path else None)):
         if path is None or text is None:
@@ -144,15 +148,22 @@ def _load_beside(run_dir: Path) -> tuple[str, Any, list[tuple[str, str, str]]]:
     return family.conform_model, run, cells
 
 
-def _beside(report: Any, model: str, run: Any, cells: list[tuple[str, str, str]]) -> str:
-    from harness.conform.beside import beside_table
+def _beside(report: Any, runs: list[tuple[str, Any, list[tuple[str, str, str]]]]) -> str:
+    from harness.backends import is_simulated
+    from harness.conform.beside import BesideRun, beside_table
     from harness.records import read_spans
 
-    spans = [dict(s.__dict__) for s in read_spans(run.run_dir)]
-    wer = {(r.arm, r.deploy, r.prompt_id): r.wer if r.wer is not None else r.oracle_wer for r in run.requests}
+    model = runs[0][0]
+    beside = []
+    for _model, run, cells in runs:
+        spans = [dict(s.__dict__) for s in read_spans(run.run_dir)]
+        wer = {(r.arm, r.deploy, r.prompt_id): r.wer if r.wer is not None else r.oracle_wer for r in run.requests}
+        simulated = all(is_simulated(r.backend) for r in run.requests)
+        beside.append(BesideRun("sim" if simulated else "real", cells, spans, wer))
     data = report.to_json()
+    where = ", ".join(str(run.run_dir) for _m, run, _c in runs)
     out = []
     for matrix in data.get("releases", [data]):
-        out.append(f"\nconform beside run {run.run_dir} ({matrix['source']}):\n\n"
-                   + beside_table(matrix, model, cells, spans, wer))
+        out.append(f"\nconform beside run{'s' if len(runs) > 1 else ''} {where} ({matrix['source']}):\n\n"
+                   + beside_table(matrix, model, beside))
     return "".join(out)

@@ -103,29 +103,44 @@ def conform_rows(matrix: dict[str, Any], model: str) -> dict[str, dict[str, str]
     return rows
 
 
-def beside_table(matrix: dict[str, Any], model: str, cells: list[tuple[str, str, str]],
-                 spans: list[dict[str, Any]], wer: dict[tuple[str, str, str], float | None]) -> str:
-    """The markdown table: one row per situation; the conform verdict on each runner the run's cells use,
-    then one column per (arm, deploy, runner) cell of the run."""
+@dataclass
+class BesideRun:
+    """One run put beside the conform verdicts: its column label (``sim``, ``real``), its (arm, deploy,
+    runner) cells, its span records and each request's WER (by (arm, deploy, prompt))."""
+
+    label: str
+    cells: list[tuple[str, str, str]]
+    spans: list[dict[str, Any]]
+    wer: dict[tuple[str, str, str], float | None]
+
+
+def beside_table(matrix: dict[str, Any], model: str, runs: list[BesideRun]) -> str:
+    """The markdown table: one row per situation; the conform verdict on each runner the runs' cells use,
+    then one column per (arm, deploy) cell of each run, in the order given (e.g. the sim's, then the
+    real server's: conform | sim | real, issue 31)."""
     conform = conform_rows(matrix, model)
-    runners = sorted({runner for _a, _d, runner in cells})
-    by_cell: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for s in spans:
-        by_cell.setdefault((s["arm"], s["deploy"]), []).append(s)
-    evidence = {(a, d): cell_evidence(by_cell.get((a, d), [])) for a, d, _r in cells}
-    quiet = [(a, d) for a, d, _r in cells if not any(e.spans for e in evidence[(a, d)].values())]
-    cells = [c for c in cells if (c[0], c[1]) not in quiet]  # a cell that reached none of them says nothing
+    runners = sorted({runner for run in runs for _a, _d, runner in run.cells})
+    columns: list[tuple[str, dict[str, Evidence], dict[str, float | None]]] = []
+    quiet: list[str] = []
+    for run in runs:
+        by_cell: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for s in run.spans:
+            by_cell.setdefault((s["arm"], s["deploy"]), []).append(s)
+        for a, d, _r in run.cells:
+            evidence = cell_evidence(by_cell.get((a, d), []))
+            if not any(e.spans for e in evidence.values()):  # a cell that reached none of them says nothing
+                quiet.append(f"{run.label} {a} / {d}")
+                continue
+            cell_wer = {rid: w for (aa, dd, rid), w in run.wer.items() if (aa, dd) == (a, d)}
+            columns.append((f"{run.label} {a} / {d}", evidence, cell_wer))
     label = {"v1": "V1", "v2": "MRV2"}
-    head = (["situation"] + [f"conform {model} ({label[r]})" for r in runners]
-            + [f"sim {a} / {d}" for a, d, _r in cells])
+    head = ["situation"] + [f"conform {model} ({label[r]})" for r in runners] + [name for name, _e, _w in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, name in SITUATIONS:
         row = [name] + [conform.get(r, {}).get(key, "not checked") for r in runners]
-        for a, d, _r in cells:
-            rwer = {rid: w for (aa, dd, rid), w in wer.items() if (aa, dd) == (a, d)}
-            row.append(evidence[(a, d)][key].describe(rwer))
+        row += [evidence[key].describe(cell_wer) for _n, evidence, cell_wer in columns]
         lines.append("| " + " | ".join(row) + " |")
     if quiet:
         lines.append("")
-        lines.append("Cells that reached none of these situations: " + ", ".join(f"{a} / {d}" for a, d in quiet) + ".")
+        lines.append("Cells that reached none of these situations: " + ", ".join(quiet) + ".")
     return "\n".join(lines) + "\n"

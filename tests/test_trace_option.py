@@ -62,9 +62,9 @@ def test_a_run_at_off_is_recorded_reported_and_refused_by_the_gate(tmp_path: Pat
                                         "env": {"OMNI_STRESS_CONTRACT": "0"}}}}}
     arms_file = tmp_path / "arms.yaml"
     arms_file.write_text(yaml.safe_dump(arms))
-    res = invoke_cli("run", "--backend", "vllm-omni", "--model", "fake/model", "--arms-file", str(arms_file),
-                     "--arm", "main", "--deploy", "stress", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS),
-                     "--out", str(tmp_path / "out"), "--run-id", "r", "--request-timeout", "20", "--trace", "off")
+    args = ["run", "--backend", "vllm-omni", "--model", "fake/model", "--arms-file", str(arms_file), "--arm", "main",
+            "--deploy", "stress", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS), "--request-timeout", "20"]
+    res = invoke_cli(*args, "--out", str(tmp_path / "out"), "--run-id", "r", "--trace", "off")
     assert res.exit_code == 0, res.stderr
     assert "no Talker spans were traced" not in res.stderr  # off on purpose: no warning
     run = tmp_path / "out" / "r"
@@ -76,3 +76,5 @@ def test_a_run_at_off_is_recorded_reported_and_refused_by_the_gate(tmp_path: Pat
     gate = invoke_cli("gate", str(run))
     assert gate.exit_code == 2, gate.stdout + gate.stderr
     assert "ran with --trace off (no span facts); rerun with --trace spans or contract" in gate.stdout + gate.stderr
+    resumed = invoke_cli(*args, "--resume", str(run), "--trace", "spans")
+    assert_one_line_error(resumed, "trace differ from the manifest (was 'off', now 'spans')")

@@ -165,6 +165,7 @@ class HostCopy:
 
     def __init__(self, flat: Any) -> None:
         self.event: Any = None
+        self.device: Any = None
         self.host = flat
         if flat.device.type == "cpu":
             return
@@ -180,6 +181,7 @@ class HostCopy:
             event = event_cls()
             event.record()
             self.host, self.event = host, event
+            self.device = flat  # kept until the line is written: the copy reads it after the call returns
         except Exception:  # noqa: BLE001 - a device without pinned memory or events: a blocking copy
             self.host = flat.cpu()
 
@@ -360,7 +362,10 @@ class TraceWriter:
         """Writes every queued line, waiting for values still in flight (process exit, tests)."""
         with self._lock:
             if self._pid == os.getpid():
-                self._drain(wait=True)
+                try:
+                    self._drain(wait=True)
+                except Exception as exc:  # noqa: BLE001 - at exit the device may be gone already
+                    _warn(f"cannot write the last trace lines: {type(exc).__name__}: {exc}")
 
     def _start_flusher(self) -> None:
         """The thread that writes lines whose values land after their call returned (a device)."""

@@ -25,6 +25,8 @@ from harness.families import family_names
 from harness.backends import BACKENDS, DEFAULT_SIM_TALKER, SIM_TALKERS
 from harness.sim import armcall
 
+TRACE_LEVELS = ("off", "spans", "contract")  # harness.serve.trace_plugin.LEVELS (that module stays stdlib-only)
+
 COMMANDS = ("run", "sweep")
 
 
@@ -131,6 +133,14 @@ _OPTIONS: tuple[_Opt, ...] = (
              "run": "vllm-omni backend: the server's platform profile (auto: gpu when this host has a GPU device "
                     "node).",
              "sweep": "vllm-omni backend: the server's platform profile."}}),
+    _Opt("--trace", "trace", type=click.Choice(list(TRACE_LEVELS)), default=None, show_default=False,
+         per_command={"help": {
+             "run": "vllm-omni backend: what the Talker worker's trace plugin does on every talker_preprocess call "
+                    "(default contract): 'contract' traces the spans and checks the contract's rows; 'spans' "
+                    "traces without the check; 'off' runs the server untouched (no span facts: no events, no "
+                    "misaligned counts, no codec stream; the gate refuses the rules that need them). Recorded per "
+                    "cell in the manifest and named in the latency notes (docs/real-backend.md).",
+             "sweep": "vllm-omni backend: the trace plugin's level (see `omni-stress run --help`; default contract)."}}),
     _Opt("--serve-python", type=click.Path(path_type=Path), default=None, per_command={"help": {
         "run": "vllm-omni backend: interpreter for arms whose arms.yaml entry has no serve: entry (default "
                "$OMNI_STRESS_SERVE_PYTHON, else ./.venv-omni/bin/python).",
@@ -212,6 +222,7 @@ class RunArgs:
     arm_timeout: float
     executor: str
     ray_address: str | None
+    trace: str | None = None  # --trace (None: not given; the real backend's default is contract)
     deploys: tuple[str, ...] = ()  # run only (a sweep's deploys are its grid)
     dry_run: bool = False  # run only
 

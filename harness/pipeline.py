@@ -170,6 +170,8 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "backend": o.backend,
         "family": plan.family,
         "sim_talker": o.sim_talker if get_backend(o.backend).simulated else None,
+        # --trace: the level asked for (each cell's "trace" says what its server ran, the arm's env included)
+        "trace": None if get_backend(o.backend).simulated else getattr(o.serve, "trace_level", "contract"),
         "asr": {"backend": o.asr, "model": o.asr_model, "beam_size": o.beam_size,
                 **({"batch": o.asr_batch} if o.asr_batch and o.asr != "none" else {})},
         "seed": o.seed,

@@ -275,6 +275,15 @@ def manifest_sim_talker(manifest: dict[str, Any]) -> str | None:
     return mode if isinstance(mode, str) else DEFAULT_SIM_TALKER
 
 
+def manifest_trace(manifest: dict[str, Any]) -> str | None:
+    """The ``--trace`` level a run's manifest records: None on the sim, ``contract`` for a real run
+    written before the option (issue 34) existed."""
+    if is_simulated(manifest.get("backend", "sim")):
+        return None
+    level = manifest.get("trace")
+    return level if isinstance(level, str) else "contract"
+
+
 def manifest_family(manifest: dict[str, Any]) -> str:
     """The model family a run's manifest records (a run written before families: Qwen2.5-Omni)."""
     family = manifest.get("family")
@@ -311,7 +320,7 @@ def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
         old = read_manifest(run_dir)
     except ValueError as exc:
         raise UserError(f"{run_dir / MANIFEST_FILE}: unreadable manifest ({exc})") from None
-    for key in ("config_hashes", "cells", "seed", "backend", "family", "sim_talker"):
+    for key in ("config_hashes", "cells", "seed", "backend", "family", "sim_talker", "trace"):
         was, now = old.get(key), plan_manifest.get(key)
         if key == "family":  # a run written before families ran Qwen2.5-Omni
             was, now = manifest_family(old), manifest_family(plan_manifest)
@@ -319,6 +328,8 @@ def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
             was, now = _cell_keys(was), _cell_keys(now)
         if key == "sim_talker":
             was, now = manifest_sim_talker(old), manifest_sim_talker(plan_manifest)
+        if key == "trace":  # a real run written before --trace traced at contract
+            was, now = manifest_trace(old), manifest_trace(plan_manifest)
         if key == "config_hashes" and isinstance(was, dict) and isinstance(now, dict):
             arm = next((k for k in now if k.startswith("arm:") and k in was and was[k] != now[k]), None)
             if arm is not None:

@@ -114,6 +114,14 @@ def test_pr_speaks_under_stress_as_unstressed_and_main_does_not(real_run: Path) 
     assert sum(r.oracle_wer > 0.5 for r in main.values()) >= 3, {k: r.oracle_wer for k, r in main.items()}
 
 
+def test_every_cell_ran_at_the_default_trace_level(real_run: Path) -> None:
+    """Issue 34: the manifest says at which --trace level the latencies were measured (default contract)."""
+    manifest = json.loads((real_run / "manifest.json").read_text())
+    assert manifest["trace"] == "contract"
+    assert [c["trace"] for c in manifest["cells"]] == ["contract"] * 4
+    assert "Trace level (--trace): contract in every cell" in (real_run / "summary.md").read_text()
+
+
 def test_the_server_audio_lasts_one_50_hz_frame_per_codec_token(real_run: Path) -> None:
     for r in read_requests(real_run):
         assert r.num_codec_tokens > 0 and abs(r.audio_seconds - r.num_codec_tokens / 50) < 0.021, (

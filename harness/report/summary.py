@@ -357,6 +357,13 @@ class CellSummary:
     records: list[RequestRecord] = field(default_factory=list, repr=False)  # the cell's requests, by prompt id
     not_measurable: int = 0  # requests whose reference normalises to no words (no WER; the gate refuses them)
     crashed: int = 0  # requests a real server's crash took down (errors starting with records.CRASHED_ERROR)
+    trace: str | None = None  # the real server's --trace level (None: the sim); "off": no span facts at all
+
+    @property
+    def span_facts(self) -> bool:
+        """False for a real cell run with ``--trace off``: its events, row counts, misaligned positions,
+        preemptions and codec stream were never traced (they read 0 without meaning 0)."""
+        return self.trace != "off"
 
     @property
     def prompt_scores(self) -> dict[str, float]:
@@ -451,6 +458,7 @@ def summarize_cells(run: Run) -> list[CellSummary]:
     manifest_wall = {
         (str(c["arm"]), str(c["deploy"]), int(c["repeat"])): c.get("wall_s") for c in run.manifest.get("cells", [])
     }
+    traces = cell_trace_levels(run)
     roles = run.roles
 
     out = []
@@ -482,9 +490,22 @@ def summarize_cells(run: Run) -> list[CellSummary]:
             wall_s=float(wall), wer_source=wer_source, run_number=key[2] + offset,
             accepted=[float(r.accepted_tokens_per_step) for r in recs if r.accepted_tokens_per_step is not None],
             role=roles.get(key[0], DEFAULT_ROLE), records=sorted(recs, key=lambda r: r.prompt_id),
-            not_measurable=sum(r.not_measurable for r in recs),
+            not_measurable=sum(r.not_measurable for r in recs), trace=traces.get(key),
             crashed=sum(1 for r in recs if r.error is not None and r.error.startswith(CRASHED_ERROR)),
         ))
+    return out
+
+
+def cell_trace_levels(run: Run) -> dict[CellKey, str | None]:
+    """Each cell's ``--trace`` level: what the manifest's cell says its server ran, else the run's
+    (``harness.rundir.manifest_trace``: None on the sim)."""
+    from harness.rundir import manifest_trace
+
+    default = manifest_trace(run.manifest)
+    out: dict[CellKey, str | None] = {}
+    for c in run.manifest.get("cells", []):
+        level = c.get("trace") if isinstance(c.get("trace"), str) else default
+        out[(str(c["arm"]), str(c["deploy"]), int(c["repeat"]))] = level
     return out
 
 

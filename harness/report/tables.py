@@ -172,7 +172,8 @@ def seed_table(cells: list[CellSummary]) -> pd.DataFrame:
             SEED_COLUMNS[0]: row_label(group),
             SEED_COLUMNS[1]: _join(fmt_wer(c.mean_wer) for c in group),
             SEED_COLUMNS[2]: _join(fmt_ratio(c.requests_over(), c.scored) for c in group),
-            **{m.column: _join(str(getattr(c.events, m.name)) for c in group) for m in SEED_METRICS},
+            **{m.column: _join(str(getattr(c.events, m.name)) if c.span_facts else NA for c in group)
+               for m in SEED_METRICS},
         })
     return pd.DataFrame(rows, columns=SEED_COLUMNS, dtype=object)
 
@@ -190,16 +191,21 @@ def extended_table(cells: list[CellSummary]) -> pd.DataFrame:
     rows = []
     for c in cells:
         ev = c.events
+
+        def traced(text: str, c: CellSummary = c) -> str:  # --trace off: never traced, not zero
+            return text if c.span_facts else NA
+
         rows.append([
             c.arm, c.deploy, str(c.run_number), str(c.requests), WER_SOURCE_TEXT[c.wer_source].split(" (")[0],
             fmt_wer(c.mean_wer), fmt_wer(c.median_wer), fmt_wer(c.oracle_mean_wer),
-            fmt_ratio(c.requests_over(), c.scored), str(c.not_measurable), str(ev.nonzero_offset_chunks),
-            str(ev.cross_boundary_replays),
-            str(ev.multi_position_decode_spans), fmt_accepted(c.accepted_tokens_per_step), str(ev.one_token_tails),
-            fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls),
+            fmt_ratio(c.requests_over(), c.scored), str(c.not_measurable), traced(str(ev.nonzero_offset_chunks)),
+            traced(str(ev.cross_boundary_replays)),
+            traced(str(ev.multi_position_decode_spans)), fmt_accepted(c.accepted_tokens_per_step),
+            traced(str(ev.one_token_tails)), traced(fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls)),
             str(ev.misaligned_text_positions) if c.misaligned_known else NA,
             str(ev.misaligned_end_positions) if c.misaligned_known else NA, fmt_worst(c),
-            str(c.preemptions), f"{c.errors} ({c.crashed} crashed)" if c.crashed else str(c.errors), f"{c.wall_s:.1f}",
+            traced(str(c.preemptions)), f"{c.errors} ({c.crashed} crashed)" if c.crashed else str(c.errors),
+            f"{c.wall_s:.1f}",
         ])
     return pd.DataFrame(rows, columns=EXTENDED_COLUMNS, dtype=object)
 
@@ -436,7 +442,34 @@ def run_header(run: Run) -> list[str]:
     problems = run_problems(run)
     if problems:
         lines.append(f"WARNING: incomplete run, the gate refuses it: {'; '.join(problems)}")
+    note = trace_note(run)
+    if note:
+        lines.append(note)
     return lines
+
+
+def trace_note(run: Run) -> str | None:
+    """Which ``--trace`` level the real server's Talker ran at, per cell, and what that leaves out;
+    every latency and wall time of the run was measured with the plugin at that level. None on the sim."""
+    from harness.report.summary import cell_trace_levels
+
+    levels = cell_trace_levels(run)
+    if not levels or all(v is None for v in levels.values()):
+        return None
+    kinds = list(dict.fromkeys(v for v in levels.values() if v is not None))
+    if len(kinds) == 1:
+        text = f"Trace level (--trace): {kinds[0]} in every cell"
+    else:
+        text = "Trace level (--trace) per cell: " + ", ".join(
+            f"{arm}/{deploy} run {repeat}: {level}" for (arm, deploy, repeat), level in levels.items())
+    text += "; latency and wall times were measured at that level (the plugin's cost: docs/real-backend.md)"
+    if "spans" in kinds:
+        text += "; at spans the contract is not checked (misaligned: n/a)"
+    if "off" in kinds:
+        text += ("; at off nothing was traced: events, row counts, misaligned positions and preemptions read n/a "
+                 "(not 0), TTFA and the speaking model's oracle transcript are unknown, and the gate refuses the "
+                 "rules that need them")
+    return text
 
 
 def terminal_text(run: Run, cells: list[CellSummary], with_requests: bool = False, with_paired: bool = False) -> str:
@@ -451,7 +484,7 @@ def terminal_text(run: Run, cells: list[CellSummary], with_requests: bool = Fals
 
 def markdown_text(run: Run, cells: list[CellSummary], with_requests: bool = True) -> str:
     parts = [f"### omni-stress run `{run.run_id}`", "", render_markdown(seed_table(cells)), "",
-             wer_source_note(run, cells), "", "<details><summary>Extended table</summary>", "",
+             wer_source_note(run, cells), "", *([note, ""] if (note := trace_note(run)) else []), "<details><summary>Extended table</summary>", "",
              render_markdown(extended_table(cells)), "", "</details>"]
     paired = paired_table(run, cells)
     if len(paired):

@@ -45,8 +45,8 @@ from harness.speaking import decode as decode_codes
 from harness.serve import client as chat
 from harness.serve.deploy_args import DeployTranslation, detect_platform, translate_deploy
 from harness.serve.launcher import HOST, ServerLauncher, progress
-from harness.serve.trace_plugin import (DEFAULT_TARGET, ENV_ARM, ENV_DIR, ENV_ROW_IDS, ENV_TARGET, IMPLEMENTATION_GLOB,
-                                        TRACE_GLOB)
+from harness.serve.trace_plugin import (DEFAULT_LEVEL, DEFAULT_TARGET, ENV_ARM, ENV_DIR, ENV_LEVEL, ENV_ROW_IDS,
+                                        ENV_TARGET, IMPLEMENTATION_GLOB, TRACE_GLOB, trace_level)
 
 BACKEND = "vllm-omni"
 CLI_MODULE = "vllm.entrypoints.cli.main"  # `vllm serve ... --omni` delegates to vllm_omni (maybe_run_omni)
@@ -63,6 +63,7 @@ class ServeOptions:
     extra_args: tuple[str, ...] = ()
     platform: str = "auto"  # gpu, cpu, or auto (harness.serve.deploy_args.detect_platform)
     default_python: str | None = None  # for arms without a serve: entry (--serve-python)
+    trace_level: str = DEFAULT_LEVEL  # --trace: off, spans or contract (harness.serve.trace_plugin.LEVELS)
 
     @property
     def resolved_platform(self) -> str:
@@ -209,7 +210,14 @@ def server_env_overrides(arm: ArmSpec, trace_dir: Path, options: ServeOptions | 
     target = get_family(arm.family).trace_target
     if target != DEFAULT_TARGET:  # the plugin's default is Qwen2.5-Omni's Talker
         env[ENV_TARGET] = target
+    if options is not None and options.trace_level != DEFAULT_LEVEL:  # --trace; the default leaves the arm's env
+        env[ENV_LEVEL] = options.trace_level                          # (an older OMNI_STRESS_CONTRACT=0) in force
     return env
+
+
+def cell_trace_level(env: dict[str, str]) -> str:
+    """The level the cell's server traces at, from its environment (``--trace``, or the arm's serve env)."""
+    return trace_level(env)
 
 
 ENV_PREFIX = "OMNI_STRESS_"
@@ -552,7 +560,9 @@ def step_cell(cell: ServeCell, on_request: Callable[[RequestRecord], None],
         times["crashes"] = crashes
 
     collector = cell.collector
-    if collector.total == 0 and any(r.error is None for r in emitted):
+    if cell_trace_level(cell.env) == "off":
+        pass  # nothing was traced on purpose: the manifest and the report say so
+    elif collector.total == 0 and any(r.error is None for r in emitted):
         progress(f"warning: no Talker spans were traced for {arm.name}/{deploy.name} r{repeat}: is omni-stress "
                  f"installed in the arm's environment (entry point {PLUGIN_GROUP}:{PLUGIN_NAME}) and is VLLM_PLUGINS "
                  "unset or listing it? The event columns will read 0.")
@@ -704,11 +714,11 @@ class ServeBackend:
             if record.prompt_id not in job.skip:
                 emit(record)
 
-        times = run_cell(job.arm, job.deploy, job.prompts, job.repeat, self.run_dir, self.options,
-                         on_request=on_request, on_spans=emit_spans, seed=job.seed)
+        cell = build_cell(job.arm, job.deploy, job.prompts, job.repeat, self.run_dir, self.options)
+        times = step_cell(cell, on_request, emit_spans, seed=job.seed)
         crashes = times.pop("crashes", None)
         extra = {"implementation": implementation_of(self.run_dir, job.arm, job.deploy, job.repeat, self.options),
-                 "serve_seconds": times}
+                 "serve_seconds": times, "trace": cell_trace_level(cell.env)}
         if crashes:
             extra["crashes"] = crashes  # the manifest's cells[].crashes: each server that died, and what it said
         return CellOutcome(seconds=time.perf_counter() - t0, extra=extra)

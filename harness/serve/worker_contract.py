@@ -50,12 +50,15 @@ spread the code; the shipped arms and upstream slice, concatenate and add.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from harness.contract import misaligned_regions
 
 ULPS = 4
 ROW_ID_DIMS = (60, 61, 62, 63)  # kind, request code, index // 256, index % 256 (speaking_model.ROW_ID)
+_IDS = slice(ROW_ID_DIMS[0], ROW_ID_DIMS[-1] + 1)  # the same dimensions as a slice: no index tensor to copy
+assert tuple(range(_IDS.start, _IDS.stop)) == ROW_ID_DIMS
 KIND_PROMPT, KIND_OUTPUT = 1, 2
 ENV_ROW_IDS = "OMNI_STRESS_ROW_IDS"
 
@@ -115,6 +118,47 @@ def strip_ids(result: Any, input_embeds: Any) -> Any:
         return result
     rows = result[1].clone()
     rows[:, dims] = 0
+    return (result[0], rows, *result[2:])
+
+
+def tag_payload_on_device(info: dict[str, Any]) -> tuple[dict[str, Any], Any] | None:
+    """:func:`tag_payload` without reading a value back: the shapes are checked on the host; whether the
+    Thinker rows are zero in :data:`ROW_ID_DIMS` stays a 0-dim bool tensor ``coded`` on their device,
+    and each row is its tagged copy where ``coded`` holds, itself elsewhere (``torch.where``). Returns
+    ``(payload, coded)``, or None when the shapes cannot carry codes. :func:`tag_payload`'s ``.any()``
+    is a device sync per call; this is the trace plugin's path (issue 34)."""
+    import torch
+
+    embed, hs = info.get("embed"), info.get("hidden_states")
+    if not isinstance(embed, dict) or not isinstance(hs, dict):
+        return None
+    prefill, output = embed.get("prefill"), hs.get("output")
+    for rows in (prefill, output):
+        if not isinstance(rows, torch.Tensor) or rows.ndim != 2 or rows.shape[1] <= max(ROW_ID_DIMS) \
+                or rows.shape[0] > 65535:
+            return None
+    if prefill.device != output.device:
+        return None
+    coded = ~(prefill[:, _IDS].any() | output[:, _IDS].any())
+    code = request_code(info.get("request_id"))
+    tagged_prefill = torch.where(coded, _tagged(prefill, KIND_PROMPT, code), prefill)
+    tagged_output = torch.where(coded, _tagged(output, KIND_OUTPUT, code), output)
+    return ({**info, "embed": {**embed, "prefill": tagged_prefill},
+             "hidden_states": {**hs, "output": tagged_output}}, coded)
+
+
+def strip_ids_on_device(result: Any, input_embeds: Any, coded: Any) -> Any:
+    """:func:`strip_ids` where ``coded`` (the 0-dim tensor of :func:`tag_payload_on_device`) holds, the
+    rows untouched where it does not (a checkpoint whose rows use those dimensions), without a sync."""
+    import torch
+
+    if isinstance(input_embeds, torch.Tensor) and input_embeds.ndim == 2 and input_embeds.shape[1] > max(ROW_ID_DIMS):
+        input_embeds[:, _IDS].masked_fill_(coded.to(input_embeds.device), 0)
+    if not (isinstance(result, tuple) and len(result) >= 2 and isinstance(result[1], torch.Tensor)
+            and result[1].ndim == 2 and result[1].shape[1] > max(ROW_ID_DIMS)):
+        return result
+    rows = result[1].clone()
+    rows[:, _IDS].masked_fill_(coded.to(rows.device), 0)
     return (result[0], rows, *result[2:])
 
 _RELEASES: dict[type, dict[str, Any]] = {}  # model class -> its members as the release defined them
@@ -235,12 +279,35 @@ def delivered_rows(result: Any, embeds_after: Any, n: int) -> tuple[Any, int]:
     return torch.cat(parts, dim=0), undefined
 
 
-def count_misaligned(model: Any, info: dict[str, Any], ids_before: Any, result: Any, embeds_after: Any,
-                     row_ids: bool = False) -> dict[str, Any]:
-    """``{"misaligned_text": t, "misaligned_end": e}`` (plus ``first_misaligned``, the first such position,
-    when there is one) for one call, or ``{"contract_error": why}``. ``row_ids``: ``info`` is the tagged
-    payload the arm saw (:func:`tag_payload`) and ``result`` still carries the codes: they must match
-    exactly, the other dimensions within the tolerance."""
+@dataclass
+class PendingContract:
+    """One call's contract result with its values still on the device (issue 34: a GPU worker must
+    not sync per call): ``mask`` is the bool tensor of positions ``c..c+defined-1`` whose delivered row
+    is not the contract's; the rest are host facts. :meth:`finish` turns the mask's values, read back
+    whenever the trace writer has them, into the trace keys."""
+
+    mask: Any
+    c: int
+    defined: int
+    undefined: int
+    P: int
+    last_reply: int  # index of the last Thinker output row (its reply ends there)
+
+    def finish(self, mask_values: list[int]) -> dict[str, Any]:
+        bad = [self.c + i for i, v in enumerate(mask_values) if v] + [self.c + self.defined + i
+                                                                      for i in range(self.undefined)]
+        text, end = misaligned_regions(bad, self.P, self.last_reply)
+        out: dict[str, Any] = {"misaligned_text": text, "misaligned_end": end}
+        if bad:
+            out["first_misaligned"] = bad[0]
+        return out
+
+
+def misaligned_on_device(model: Any, info: dict[str, Any], ids_before: Any, result: Any, embeds_after: Any,
+                         row_ids: bool = False, coded: Any = None) -> PendingContract | dict[str, Any]:
+    """The comparison of :func:`count_misaligned`, left on the device: a :class:`PendingContract`, or
+    ``{"contract_error": why}``. ``coded``: the 0-dim tensor of :func:`tag_payload_on_device`; the
+    identities are compared only where it holds (``row_ids`` is then implied)."""
     import torch
 
     try:
@@ -254,22 +321,33 @@ def count_misaligned(model: Any, info: dict[str, Any], ids_before: Any, result: 
         eps = torch.finfo(got.dtype).eps if got.dtype.is_floating_point else 0.0
         got = got.float()
         same_id = None
-        if row_ids:
-            dims = list(ROW_ID_DIMS)
-            same_id = (got[:, dims] == want[:, dims]).all(dim=1)
-            keep = [d for d in range(want.shape[1]) if d not in ROW_ID_DIMS]
-            got, want = got[:, keep], want[:, keep]
+        if row_ids or coded is not None:
+            same_id = (got[:, _IDS] == want[:, _IDS]).all(dim=1)
+            if coded is not None:
+                same_id = same_id | ~coded.to(same_id.device)
+            got = torch.cat([got[:, :_IDS.start], got[:, _IDS.stop:]], dim=1)
+            want = torch.cat([want[:, :_IDS.start], want[:, _IDS.stop:]], dim=1)
         tol = ULPS * eps * (want.abs() + want.abs().mean(dim=1, keepdim=True))
         close = ((got - want).abs() <= tol).all(dim=1)
         if same_id is not None:
             close &= same_id
-        # one device-to-host copy per call (a GPU worker would otherwise sync once per position)
-        bad = [c + int(i) for i in (~close).nonzero().flatten().tolist()] + [c + defined + i for i in range(undefined)]
         _, thinker_result, _, _ = _payload(info)
-        text, end = misaligned_regions(bad, P, int(thinker_result.shape[0]) - 1)
-        out: dict[str, Any] = {"misaligned_text": text, "misaligned_end": end}
-        if bad:
-            out["first_misaligned"] = bad[0]
-        return out
+        return PendingContract(~close, c, int(defined), undefined, P, int(thinker_result.shape[0]) - 1)
+    except Exception as exc:  # noqa: BLE001 - the check must never break the server
+        return {"contract_error": f"{type(exc).__name__}: {exc}"}
+
+
+def count_misaligned(model: Any, info: dict[str, Any], ids_before: Any, result: Any, embeds_after: Any,
+                     row_ids: bool = False) -> dict[str, Any]:
+    """``{"misaligned_text": t, "misaligned_end": e}`` (plus ``first_misaligned``, the first such position,
+    when there is one) for one call, or ``{"contract_error": why}``. ``row_ids``: ``info`` is the tagged
+    payload the arm saw (:func:`tag_payload`) and ``result`` still carries the codes: they must match
+    exactly, the other dimensions within the tolerance. Reads the mask back at once (one transfer); the
+    trace plugin defers that (:func:`misaligned_on_device`)."""
+    pending = misaligned_on_device(model, info, ids_before, result, embeds_after, row_ids)
+    if isinstance(pending, dict):
+        return pending
+    try:
+        return pending.finish(pending.mask.tolist())
     except Exception as exc:  # noqa: BLE001 - the check must never break the server
         return {"contract_error": f"{type(exc).__name__}: {exc}"}

@@ -237,6 +237,8 @@ class SimBackend:
 
         from harness.sim import armcall
 
+        if not jobs:
+            return  # a resumed run with every cell done: nothing to run, no pool
         workers = self.options.sim_workers if self.options.sim_workers >= 0 else default_workers(len(jobs))
         if threading.active_count() > 1:
             return  # forking a process with other threads (a host application, a test runner) is unsafe

@@ -22,7 +22,14 @@ class SimEntry:
 
     @staticmethod
     def prepare(args: Any, options: Any, prompts: Any) -> None:
-        """Nothing to add to the run's options (the real backend adds its server options here)."""
+        """Nothing to add to the run's options (the real backend adds its server options here); ``--trace``
+        is refused: the sim computes spans and the contract itself, there is no plugin to turn down."""
+        if getattr(args, "trace", None) is not None:
+            from harness.errors import UserError
+
+            raise UserError(f"--trace {args.trace} applies to --backend vllm-omni (the trace plugin in the real "
+                            "Talker worker); the sim records its spans and contract itself, at no cost to what it "
+                            "measures")
 
     @staticmethod
     def dry_run(arm_specs: list, deploy_specs: list, run_dir: Path, options: Any) -> str:

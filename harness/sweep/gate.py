@@ -189,6 +189,10 @@ def evaluate_map(rules: Rules, cells: list[CellSummary], sweep: dict[str, Any]) 
         verdict = ArmVerdict(arm=arm, role=role, reference=[], cells=[], knee=None)
         if ref_name is None or not refs:
             verdict.problems.append(f"no {arm}/{ref_name} reference cell in this run")
+        untraced = [c for c in mine if not c.span_facts]
+        if untraced:  # which points were stressed is a span fact: without it the map cannot be gated
+            verdict.problems.append(f"{len(untraced)} {arm} cell(s) ran with --trace off (no span facts: which "
+                                    "points were stressed is unknown); rerun with --trace spans or contract")
         for ref in refs:
             for rule in _rules_for(rules, arm, role, ref.deploy):
                 verdict.reference.append(CaseResult(rule, ref, [check(rule, b, ref, mine, rules.wer_threshold)

@@ -262,15 +262,20 @@ def table_rows(m: SweepMap) -> tuple[list[str], list[list[str]]]:
 
 
 def latency_note(m: SweepMap) -> str | None:
-    """What the latency columns mean on the real backend (None for a sim sweep: steps)."""
+    """What the latency columns mean on the real backend (None for a sim sweep: steps), and the
+    ``--trace`` level they were measured at (the plugin runs in the Talker they time)."""
     if _unit(m) != "s":
         return None
+    from harness.report.tables import trace_note
+
+    level = trace_note(m.run)
     return ("latency (real backend, wall seconds on this host): E2E from the request's send to its whole response; "
             "TTFA is not streamed (the client asks for stream: false and the audio arrives whole with the "
             "response, at E2E): it is the seconds from the send to the Talker's first codec token, read from the "
             "server's trace (its first call at a generated position), the earliest a streaming API could send "
             "audio; RTF = E2E / the audio's seconds; Dur. ratio, Truncated (< 90 %) and Overrun (> 110 %) compare "
-            "each request's codec tokens with the same prompt's reference cell.")
+            "each request's codec tokens with the same prompt's reference cell."
+            + (f" {level}." if level else ""))
 
 
 def _render_text(head: list[str], body: list[list[str]]) -> str:

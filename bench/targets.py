@@ -57,8 +57,11 @@ def _stored(name: str) -> tuple[dict | None, str]:
     path = ROOT / "bench" / name
     if not path.is_file():
         return None, f"no {path.relative_to(ROOT)}"
-    stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime(path.stat().st_mtime))
-    return json.loads(path.read_text()), f"from {path.relative_to(ROOT)} ({stamp} UTC, not re-run)"
+    data = json.loads(path.read_text())
+    # when it was measured: its own date, else the commit that last wrote it (a checkout's mtime says nothing)
+    stamp = data.get("date") or subprocess.run(["git", "log", "-1", "--format=%cs %h", "--", str(path)], cwd=ROOT,
+                                               capture_output=True, text=True, check=False).stdout.strip() or "?"
+    return data, f"from {path.relative_to(ROOT)} ({stamp}, not re-run)"
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -21,7 +21,8 @@ class ServeEntry:
 
         return ServeOptions(model=args.model, health_timeout_s=args.health_timeout,
                             request_timeout_s=args.request_timeout, platform=args.serve_platform,
-                            default_python=str(args.serve_python) if args.serve_python else None)
+                            default_python=str(args.serve_python) if args.serve_python else None,
+                            stream=bool(getattr(args, "stream", False)))
 
     @classmethod
     def prepare(cls, args: Any, options: Any, prompts: Any) -> None:

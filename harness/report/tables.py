@@ -204,6 +204,45 @@ def extended_table(cells: list[CellSummary]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=EXTENDED_COLUMNS, dtype=object)
 
 
+STREAM_COLUMNS = ["Arm", "Deploy", "Run", "Streamed", "TTFA med / max (s)", "E2E med (s)", "Chunks (med)",
+                  "Gap max (s)", "Underruns", "Underrun s (total)", "RTF (med)"]
+
+
+def _med(values: list[float]) -> float | None:
+    return float(pd.Series(values, dtype=float).median()) if values else None
+
+
+def _secs(value: float | None, digits: int = 3) -> str:
+    return NA if value is None else f"{value:.{digits}f}"
+
+
+def streaming_table(cells: list[CellSummary]) -> pd.DataFrame:
+    """One row per cell with streamed requests (``run --stream``; docs/streaming.md): TTFA to the first
+    audio bytes (measured), the stream's end, audio chunks, the longest gap, underruns of a player
+    started at the first chunk (count and total seconds), RTF. Empty when nothing streamed."""
+    rows = []
+    for c in cells:
+        recs = [r for r in c.records if r.error is None and r.stream_ttfa_s is not None]
+        if not recs:
+            continue
+        gaps = [g for r in recs for g in (r.stream_gaps_s or [])]
+        rtfs = [r.rtf for r in recs if r.rtf is not None]
+        rows.append([
+            c.arm, c.deploy, str(c.run_number), fmt_ratio(len(recs), c.requests),
+            f"{_secs(_med([r.stream_ttfa_s for r in recs]))} / {_secs(max(r.stream_ttfa_s for r in recs))}",
+            _secs(_med([r.stream_end_s for r in recs if r.stream_end_s is not None])),
+            f"{_med([float(r.stream_chunks or 0) for r in recs]):g}", _secs(max(gaps) if gaps else None),
+            str(sum(len(r.stream_underruns or []) for r in recs)),
+            _secs(sum(r.stream_underrun_s or 0.0 for r in recs)), _secs(_med(rtfs), 2),
+        ])
+    return pd.DataFrame(rows, columns=STREAM_COLUMNS, dtype=object)
+
+
+STREAM_NOTE = ("Streamed audio (--stream, measured by the client): TTFA from the send to the first audio bytes; "
+               "E2E to the stream's last byte; a gap is the time between two audio chunks; an underrun is a moment "
+               "a player started at the first chunk runs dry (docs/streaming.md).")
+
+
 def cells_frame(cells: list[CellSummary]) -> pd.DataFrame:
     """Numbers, not strings: one row per cell, for summary.csv and summary.json."""
     rows = []
@@ -442,6 +481,9 @@ def run_header(run: Run) -> list[str]:
 def terminal_text(run: Run, cells: list[CellSummary], with_requests: bool = False, with_paired: bool = False) -> str:
     parts = run_header(run) + ["", render_text(seed_table(cells)), wer_source_note(run, cells), "",
                                render_text(extended_table(cells))]
+    streamed = streaming_table(cells)
+    if len(streamed):
+        parts += ["", render_text(streamed), STREAM_NOTE]
     if with_paired:
         parts += ["", render_text(paired_table(run, cells)), paired_note(cells)]
     if with_requests:
@@ -453,6 +495,10 @@ def markdown_text(run: Run, cells: list[CellSummary], with_requests: bool = True
     parts = [f"### omni-stress run `{run.run_id}`", "", render_markdown(seed_table(cells)), "",
              wer_source_note(run, cells), "", "<details><summary>Extended table</summary>", "",
              render_markdown(extended_table(cells)), "", "</details>"]
+    streamed = streaming_table(cells)
+    if len(streamed):
+        parts += ["", "<details><summary>Streamed audio</summary>", "", render_markdown(streamed), "", STREAM_NOTE,
+                  "", "</details>"]
     paired = paired_table(run, cells)
     if len(paired):
         parts += ["", "<details><summary>Paired per-prompt table (vs the reference deploy)</summary>", "",

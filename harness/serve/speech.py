@@ -60,9 +60,11 @@ class SpeechResult:
 
 
 async def send_speech(client: httpx.AsyncClient, base_url: str, body: dict[str, Any], *, timeout_s: float,
-                      pcm_rate: int = QWEN3_TTS_SAMPLE_RATE, pcm_channels: int = 1) -> SpeechResult:
+                      pcm_rate: int = QWEN3_TTS_SAMPLE_RATE, pcm_channels: int = 1,
+                      request_id: str | None = None) -> SpeechResult:
     """POST ``body`` (``streaming.speech_body``) to ``base_url`` + ``/v1/audio/speech``; ``pcm_rate``:
-    the rate of a ``pcm`` response (the wire does not say it). Errors are recorded, not raised."""
+    the rate of a ``pcm`` response (the wire does not say it); ``request_id``: sent as ``X-Request-Id``
+    (a trace matches its lines by it). Errors are recorded, not raised."""
     mode = "audio" if body.get("stream_format") == "audio" else "sse" if body.get("stream") else "none"
     fmt = str(body.get("response_format", "wav"))
     result = SpeechResult(mode=mode)
@@ -74,7 +76,8 @@ async def send_speech(client: httpx.AsyncClient, base_url: str, body: dict[str, 
 
     async def read() -> tuple[float, float]:
         sent = time.perf_counter()
-        async with client.stream("POST", url, json=body) as resp:
+        headers = {"X-Request-Id": request_id} if request_id else None
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
             result.status = resp.status_code
             if resp.status_code != 200:
                 raw = await resp.aread()

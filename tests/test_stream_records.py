@@ -144,3 +144,33 @@ def test_resume_refuses_a_run_streamed_the_other_way(tmp_path: Path) -> None:
     assert check_resume(tmp_path, dict(base)).done == set()  # neither streamed: as before the key existed
     with pytest.raises(UserError, match=r"stream differ from the manifest \(was False, now True\)"):
         check_resume(tmp_path, {**base, "stream": True})
+
+
+def test_the_tables_show_streamed_cells_only(tmp_path: Path) -> None:
+    from harness.records import write_manifest
+    from harness.report.tables import html_report, load_run, markdown_text, summarize_cells, terminal_table
+    from harness.serve.backend import stream_fields
+
+    write_manifest(tmp_path, {"run_id": "t", "backend": "vllm-omni", "arms": [{"name": "pr", "role": "candidate"}],
+                              "deploys": ["cpu-reference"], "prompt_ids": ["c01", "c02"], "repeat": 1,
+                              "cells": [{"arm": "pr", "deploy": "cpu-reference", "repeat": 1}], "stream": True})
+    lines = []
+    for pid, chunks in (("c01", [Chunk(1.0, 12000), Chunk(2.0, 12000)]), ("c02", [Chunk(3.0, 24000)])):
+        rec = RequestRecord(arm="pr", deploy="cpu-reference", repeat=1, prompt_id=pid, backend="vllm-omni",
+                            reference_text="hi", wall_s=4.0, rtf=2.0, audio_seconds=1.0)
+        stream_fields(rec, stream_metrics(chunks, 24000, end_at=3.5 if pid == "c01" else 3.25))
+        lines.append(to_json(rec))
+    (tmp_path / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    run = load_run(tmp_path)
+    cells = summarize_cells(run)
+    text = terminal_table(run, cells)
+    head = text.splitlines().index(next(ln for ln in text.splitlines() if ln.startswith("Arm ") and "Streamed" in ln))
+    # TTFA 1.0 and 3.0 (median 2.0, max 3.0); end 3.5 and 3.25; one gap of 1.0 s after 0.5 s of audio: one
+    # underrun of 0.5 s
+    assert text.splitlines()[head + 2].split() == ["pr", "cpu-reference", "1", "2/2", "2.000", "/", "3.000", "3.375",
+                                                   "1.5", "1.000", "1", "0.500", "2.00"]
+    assert "<summary>Streamed audio</summary>" in markdown_text(run, cells)
+    assert 'id="streamed"' in html_report(run, cells, {})
+    (tmp_path / "requests.jsonl").write_text(to_json(_record()) + "\n")
+    plain = load_run(tmp_path)
+    assert "Streamed" not in terminal_table(plain, summarize_cells(plain))

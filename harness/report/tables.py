@@ -609,7 +609,7 @@ code{background:#f4f4f4;padding:1px 4px}
 SECTIONS = {  # id -> heading, in page order (plots between the summary and the extended table)
     "summary": "Summary (the seed's table)", "wer": "WER per request", "events": "Scheduler events per cell",
     "timeline": "Span timeline of one stressed request", "extended": "Extended table",
-    "paired": "Paired per-prompt table", "requests": "Per-request rows",
+    "paired": "Paired per-prompt table", "requests": "Per-request rows", "streamed": "Streamed audio",
 }
 
 
@@ -624,7 +624,9 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> 
         return f"<h2 id=\"{key}\">{html.escape(title or SECTIONS[key])}</h2>"
 
     paired = html_paired(run, cells)
-    shown = ["summary", *plots, "extended", *(["paired"] if paired else []), "requests"]
+    streamed = streaming_table(cells)
+    shown = ["summary", *plots, "extended", *(["streamed"] if len(streamed) else []), *(["paired"] if paired else []),
+             "requests"]
     toc = " ".join(f"<a href=\"#{html.escape(k)}\">{html.escape(SECTIONS.get(k, k))}</a>" for k in shown)
     parts = [
         "<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
@@ -642,6 +644,8 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> 
         parts.append(h2(name, SECTIONS.get(name, name)))
         parts.append(f"<img alt=\"{html.escape(name)}\" src=\"data:image/png;base64,{data}\">")
     parts += [h2("extended"), _html_table(extended_table(cells), "extended", _EXTENDED_SHORT)]
+    if len(streamed):
+        parts += [h2("streamed"), table(streamed, "streamed"), f"<p class=\"note\">{html.escape(STREAM_NOTE)}</p>"]
     if paired:
         parts += [h2("paired"), paired, f"<p class=\"note\">{html.escape(paired_note(cells))} The worst request of "
                                         "each cell plays here next to the reference deploy's audio for the same "

@@ -63,6 +63,7 @@ class RunOptions:
     executor: str = "local"  # harness.executors.EXECUTORS
     ray_address: str | None = None  # --ray-address (None: Ray's own default, RAY_ADDRESS or a local cluster)
     latency: bool = False  # sim: records carry their sent/arrival/first-token/finish steps (omni-stress sweep)
+    stream: bool = False  # --stream (real backend): audio streamed and measured as it arrives (docs/streaming.md)
 
 
 @dataclass

@@ -128,6 +128,9 @@ _OPTIONS: tuple[_Opt, ...] = (
          help="vllm-omni backend: seconds to wait for /health."),
     _Opt("--request-timeout", type=float, callback=finite_seconds, default=900.0, show_default=True,
          help="vllm-omni backend: seconds per request."),
+    _Opt("--stream", is_flag=True, help="vllm-omni backend: ask for the audio streamed (stream: true) and measure it "
+         "as it arrives: time to the first audio bytes, every inter-chunk gap, underruns of a player started at the "
+         "first chunk (docs/streaming.md). The records gain stream_* fields; the map's TTFA is then measured."),
     _Opt("--platform", "serve_platform", type=click.Choice(["auto", "gpu", "cpu"]), default="auto",
          show_default=True, per_command={"help": {
              "run": "vllm-omni backend: the server's platform profile (auto: gpu when this host has a GPU device "
@@ -223,6 +226,7 @@ class RunArgs:
     executor: str
     ray_address: str | None
     trace: str | None = None  # --trace (None: not given; the real backend's default is contract)
+    stream: bool = False
     deploys: tuple[str, ...] = ()  # run only (a sweep's deploys are its grid)
     dry_run: bool = False  # run only
 
@@ -248,6 +252,11 @@ class RunArgs:
 
             raise UserError(f"--asr-batch {args.asr_batch}: the batched pipeline is faster-whisper's "
                             f"(--asr faster-whisper), not --asr {args.asr}")
+        if args.stream and args.backend != "vllm-omni":
+            from harness.errors import UserError
+
+            raise UserError(f"--stream: streamed audio is measured on the real server (--backend vllm-omni), not on "
+                            f"--backend {args.backend} (the sim's TTFA is in steps: omni-stress sweep)")
         get_executor(args.executor).preflight(args.ray_address, dry_run=args.dry_run)
         return args
 
@@ -261,4 +270,5 @@ class RunArgs:
                           asr_workers=-1 if self.asr_workers is None else self.asr_workers,
                           asr_batch=self.asr_batch,
                           sim_workers=-1 if self.sim_workers is None else self.sim_workers,
-                          sim_talker=self.sim_talker, executor=self.executor, ray_address=self.ray_address, **extra)
+                          sim_talker=self.sim_talker, executor=self.executor, ray_address=self.ray_address,
+                          stream=self.stream, **extra)

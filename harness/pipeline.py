@@ -186,6 +186,7 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count()},
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "finished": None,
+        **({"stream": True} if o.stream else {}),  # absent when not streamed: manifests as they were
     }
 
 

@@ -131,6 +131,22 @@ class RequestRecord:
     ttfa_s: float | None = None
     rtf: float | None = None
     schedule: str | None = None  # sha256 (16 hex) of the request's (P, c, n) span sequence: ``schedule_digest``
+    # Streamed audio (``run --stream``, real backend; written only when measured, see ``STREAM_FIELDS``;
+    # definitions in ``harness.stream_metrics``): seconds since the answering attempt's send. ``stream_ttfa_s``
+    # to the first audio bytes (measured, unlike ``ttfa_s``), ``stream_end_s`` to the body's last byte,
+    # ``stream_chunks`` audio chunks with ``stream_chunk_frames`` frames each at ``stream_sample_rate`` Hz
+    # (``stream_audio_events``: audio chunks the server sent, some possibly empty), ``stream_gaps_s`` every
+    # gap between consecutive chunks, ``stream_underruns`` each [start, length] a player started at the
+    # first chunk ran dry, ``stream_underrun_s`` their total.
+    stream_ttfa_s: float | None = None
+    stream_end_s: float | None = None
+    stream_chunks: int | None = None
+    stream_audio_events: int | None = None
+    stream_sample_rate: int | None = None
+    stream_chunk_frames: list[int] | None = None
+    stream_gaps_s: list[float] | None = None
+    stream_underruns: list[list[float]] | None = None
+    stream_underrun_s: float | None = None
 
     @property
     def key(self) -> tuple[str, str, int, str]:
@@ -145,6 +161,9 @@ class RequestRecord:
 # Optional fields left out of requests.jsonl while None, so records without them are byte-identical
 # to those written before the fields existed.
 LATENCY_FIELDS = ("sent_step", "arrival_step", "first_token_step", "finish_step", "ttfa_s", "rtf", "schedule")
+STREAM_FIELDS = ("stream_ttfa_s", "stream_end_s", "stream_chunks", "stream_audio_events", "stream_sample_rate",
+                 "stream_chunk_frames", "stream_gaps_s", "stream_underruns", "stream_underrun_s")
+_OMITTED_WHEN_NONE = LATENCY_FIELDS + STREAM_FIELDS
 
 
 def schedule_digest(spans: list[SpanRecord]) -> str:
@@ -205,6 +224,11 @@ def _request_dict(record: RequestRecord) -> dict[str, Any]:
     data = {name: getattr(record, name) for name in _REQUEST_FIELDS}
     data["events"] = dataclasses.asdict(record.events)
     data["codec_tokens"] = list(record.codec_tokens)
+    for name in ("stream_chunk_frames", "stream_gaps_s"):
+        if data[name] is not None:
+            data[name] = list(data[name])
+    if data["stream_underruns"] is not None:
+        data["stream_underruns"] = [list(u) for u in data["stream_underruns"]]
     return data
 
 
@@ -213,7 +237,7 @@ def to_json(record: Any) -> str:
         return span_json(record)
     data = _request_dict(record) if type(record) is RequestRecord else dataclasses.asdict(record)
     if type(record) is RequestRecord:
-        for name in LATENCY_FIELDS:
+        for name in _OMITTED_WHEN_NONE:
             if data.get(name) is None:
                 data.pop(name, None)
     return json.dumps(data, sort_keys=True)

@@ -320,7 +320,7 @@ def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
         old = read_manifest(run_dir)
     except ValueError as exc:
         raise UserError(f"{run_dir / MANIFEST_FILE}: unreadable manifest ({exc})") from None
-    for key in ("config_hashes", "cells", "seed", "backend", "family", "sim_talker", "trace"):
+    for key in ("config_hashes", "cells", "seed", "backend", "family", "sim_talker", "trace", "stream"):
         was, now = old.get(key), plan_manifest.get(key)
         if key == "family":  # a run written before families ran Qwen2.5-Omni
             was, now = manifest_family(old), manifest_family(plan_manifest)
@@ -330,6 +330,8 @@ def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
             was, now = manifest_sim_talker(old), manifest_sim_talker(plan_manifest)
         if key == "trace":  # a real run written before --trace traced at contract
             was, now = manifest_trace(old), manifest_trace(plan_manifest)
+        elif key == "stream":  # --stream on one side only: records measured two ways in one run
+            was, now = bool(old.get("stream")), bool(plan_manifest.get("stream"))
         if key == "config_hashes" and isinstance(was, dict) and isinstance(now, dict):
             arm = next((k for k in now if k.startswith("arm:") and k in was and was[k] != now[k]), None)
             if arm is not None:

@@ -524,3 +524,34 @@ def test_span_json_is_json_dumps_byte_for_byte() -> None:
     odd.extra = 1.5
     for span in [*spans, odd]:
         assert span_json(span) == to_json(span) == json.dumps(dict(vars(span)), sort_keys=True)
+
+
+def test_streamed_ttfa_is_labelled_measured(tiny_sweep: tuple[Path, str]) -> None:
+    """Issue 31 item 3: records with a measured TTFA (``run --stream``: ``stream_ttfa_s``) put it in the
+    map labelled measured; a map whose rows mix measured and trace-derived TTFA marks each cell."""
+    import dataclasses
+
+    from harness.gate import DEFAULT_RULES, load_rules
+    from harness.report.summary import load_run
+    from harness.sweep.report import build_map, latency_note, map_json, table_rows
+
+    run_dir, _ = tiny_sweep
+    run = load_run(run_dir)
+    cleared = dict(sent_step=None, arrival_step=None, first_token_step=None, finish_step=None)
+    streamed = [dataclasses.replace(r, backend="vllm-omni", wall_s=4.0, ttfa_s=1.0, stream_ttfa_s=3.0 + i % 2,
+                                    rtf=1.0, audio_seconds=4.0, **cleared) for i, r in enumerate(run.requests)]
+    run.requests = streamed
+    m = build_map(run, load_rules(DEFAULT_RULES))
+    head, body = table_rows(m)
+    col = head.index("TTFA p50/p90/p99 (s, measured)")
+    assert {row[col] for row in body} <= {"3/4/4", "3/3/3", "4/4/4"} and body[0][col] == "3/4/4"
+    assert "TTFA is measured (the client asks for stream: true, --stream)" in latency_note(m)
+    assert {r["latency"]["ttfa_source"] for r in map_json(m)["rows"]} == {"stream"}
+
+    run.requests = [dataclasses.replace(r, stream_ttfa_s=None) if r.arm == "main" else r for r in streamed]
+    mixed = build_map(run, load_rules(DEFAULT_RULES))
+    head, body = table_rows(mixed)
+    col = head.index("TTFA p50/p90/p99 (s)")
+    assert {row[col] for row in body if row[0] == "main"} == {"1/1/1 [trace]"}
+    assert all(row[col].endswith(" [stream]") for row in body if row[0] == "pr")
+    assert "where marked [stream]" in latency_note(mixed)

@@ -210,6 +210,45 @@ def extended_table(cells: list[CellSummary]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=EXTENDED_COLUMNS, dtype=object)
 
 
+STREAM_COLUMNS = ["Arm", "Deploy", "Run", "Streamed", "TTFA med / max (s)", "E2E med (s)", "Chunks (med)",
+                  "Gap max (s)", "Underruns", "Underrun s (total)", "RTF (med)"]
+
+
+def _med(values: list[float]) -> float | None:
+    return float(pd.Series(values, dtype=float).median()) if values else None
+
+
+def _secs(value: float | None, digits: int = 3) -> str:
+    return NA if value is None else f"{value:.{digits}f}"
+
+
+def streaming_table(cells: list[CellSummary]) -> pd.DataFrame:
+    """One row per cell with streamed requests (``run --stream``; docs/streaming.md): TTFA to the first
+    audio bytes (measured), the stream's end, audio chunks, the longest gap, underruns of a player
+    started at the first chunk (count and total seconds), RTF. Empty when nothing streamed."""
+    rows = []
+    for c in cells:
+        recs = [r for r in c.records if r.error is None and r.stream_ttfa_s is not None]
+        if not recs:
+            continue
+        gaps = [g for r in recs for g in (r.stream_gaps_s or [])]
+        rtfs = [r.rtf for r in recs if r.rtf is not None]
+        rows.append([
+            c.arm, c.deploy, str(c.run_number), fmt_ratio(len(recs), c.requests),
+            f"{_secs(_med([r.stream_ttfa_s for r in recs]))} / {_secs(max(r.stream_ttfa_s for r in recs))}",
+            _secs(_med([r.stream_end_s for r in recs if r.stream_end_s is not None])),
+            f"{_med([float(r.stream_chunks or 0) for r in recs]):g}", _secs(max(gaps) if gaps else None),
+            str(sum(len(r.stream_underruns or []) for r in recs)),
+            _secs(sum(r.stream_underrun_s or 0.0 for r in recs)), _secs(_med(rtfs), 2),
+        ])
+    return pd.DataFrame(rows, columns=STREAM_COLUMNS, dtype=object)
+
+
+STREAM_NOTE = ("Streamed audio (--stream, measured by the client): TTFA from the send to the first audio bytes; "
+               "E2E to the stream's last byte; a gap is the time between two audio chunks; an underrun is a moment "
+               "a player started at the first chunk runs dry (docs/streaming.md).")
+
+
 def cells_frame(cells: list[CellSummary]) -> pd.DataFrame:
     """Numbers, not strings: one row per cell, for summary.csv and summary.json."""
     rows = []
@@ -475,6 +514,9 @@ def trace_note(run: Run) -> str | None:
 def terminal_text(run: Run, cells: list[CellSummary], with_requests: bool = False, with_paired: bool = False) -> str:
     parts = run_header(run) + ["", render_text(seed_table(cells)), wer_source_note(run, cells), "",
                                render_text(extended_table(cells))]
+    streamed = streaming_table(cells)
+    if len(streamed):
+        parts += ["", render_text(streamed), STREAM_NOTE]
     if with_paired:
         parts += ["", render_text(paired_table(run, cells)), paired_note(cells)]
     if with_requests:
@@ -486,6 +528,10 @@ def markdown_text(run: Run, cells: list[CellSummary], with_requests: bool = True
     parts = [f"### omni-stress run `{run.run_id}`", "", render_markdown(seed_table(cells)), "",
              wer_source_note(run, cells), "", *([note, ""] if (note := trace_note(run)) else []), "<details><summary>Extended table</summary>", "",
              render_markdown(extended_table(cells)), "", "</details>"]
+    streamed = streaming_table(cells)
+    if len(streamed):
+        parts += ["", "<details><summary>Streamed audio</summary>", "", render_markdown(streamed), "", STREAM_NOTE,
+                  "", "</details>"]
     paired = paired_table(run, cells)
     if len(paired):
         parts += ["", "<details><summary>Paired per-prompt table (vs the reference deploy)</summary>", "",
@@ -596,7 +642,7 @@ code{background:#f4f4f4;padding:1px 4px}
 SECTIONS = {  # id -> heading, in page order (plots between the summary and the extended table)
     "summary": "Summary (the seed's table)", "wer": "WER per request", "events": "Scheduler events per cell",
     "timeline": "Span timeline of one stressed request", "extended": "Extended table",
-    "paired": "Paired per-prompt table", "requests": "Per-request rows",
+    "paired": "Paired per-prompt table", "requests": "Per-request rows", "streamed": "Streamed audio",
 }
 
 
@@ -611,7 +657,9 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> 
         return f"<h2 id=\"{key}\">{html.escape(title or SECTIONS[key])}</h2>"
 
     paired = html_paired(run, cells)
-    shown = ["summary", *plots, "extended", *(["paired"] if paired else []), "requests"]
+    streamed = streaming_table(cells)
+    shown = ["summary", *plots, "extended", *(["streamed"] if len(streamed) else []), *(["paired"] if paired else []),
+             "requests"]
     toc = " ".join(f"<a href=\"#{html.escape(k)}\">{html.escape(SECTIONS.get(k, k))}</a>" for k in shown)
     parts = [
         "<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
@@ -629,6 +677,8 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> 
         parts.append(h2(name, SECTIONS.get(name, name)))
         parts.append(f"<img alt=\"{html.escape(name)}\" src=\"data:image/png;base64,{data}\">")
     parts += [h2("extended"), _html_table(extended_table(cells), "extended", _EXTENDED_SHORT)]
+    if len(streamed):
+        parts += [h2("streamed"), table(streamed, "streamed"), f"<p class=\"note\">{html.escape(STREAM_NOTE)}</p>"]
     if paired:
         parts += [h2("paired"), paired, f"<p class=\"note\">{html.escape(paired_note(cells))} The worst request of "
                                         "each cell plays here next to the reference deploy's audio for the same "

@@ -42,6 +42,7 @@ from harness.families import get_family
 from harness.records import CRASHED_ERROR as CRASHED, RequestRecord, SpanRecord, schedule_digest
 from harness.audio.scoring import wer
 from harness.speaking import decode as decode_codes
+from harness.stream_metrics import StreamMetrics
 from harness.serve import client as chat
 from harness.serve.deploy_args import DeployTranslation, detect_platform, translate_deploy
 from harness.serve.launcher import HOST, ServerLauncher, progress
@@ -64,6 +65,7 @@ class ServeOptions:
     platform: str = "auto"  # gpu, cpu, or auto (harness.serve.deploy_args.detect_platform)
     default_python: str | None = None  # for arms without a serve: entry (--serve-python)
     trace_level: str = DEFAULT_LEVEL  # --trace: off, spans or contract (harness.serve.trace_plugin.LEVELS)
+    stream: bool = False  # --stream: stream: true, the audio measured as it arrives (docs/streaming.md)
 
     @property
     def resolved_platform(self) -> str:
@@ -284,7 +286,7 @@ def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOpt
     prompt_set = PromptSet(name="<prompts>", description="", system_prompt="<system_prompt of the prompt set>",
                            prompts=(placeholder,), path=Path("<prompts>"))
     example = chat.build_body(options.model, prompt_set, placeholder, deploy, "omni-stress-<prompt_id>-<hex32>",
-                              options.speaking)
+                              options.speaking, options.stream)
     lines = [
         f"# arm {arm.name!r} x deploy {deploy.name!r} ({deploy.path}) -- backend vllm-omni, platform "
         f"{translation.platform}" + (f", arm {arm.talker} bound onto the installed model" if binds_arm(arm, options)
@@ -460,7 +462,8 @@ def build_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, ru
         tag = chat.make_tag(p.id)
         token_to_prompt[chat.tag_token(tag)] = p.id
         specs.append(chat.RequestSpec(
-            prompt_id=p.id, tag=tag, body=chat.build_body(options.model, prompts, p, deploy, tag, options.speaking),
+            prompt_id=p.id, tag=tag,
+            body=chat.build_body(options.model, prompts, p, deploy, tag, options.speaking, options.stream),
             audio_file=run_dir / audio_rel_path(arm, deploy, repeat, p.id),
         ))
     return ServeCell(arm, deploy, repeat, run_dir, options, trace, server_log_path(run_dir, arm, deploy),
@@ -635,6 +638,23 @@ def time_to_first_codec(res: chat.ChatResult, generated_at: Iterable[float]) -> 
     return round(max(0.0, min(times) - res.sent_at), 3) if times else None
 
 
+def stream_fields(record: RequestRecord, m: StreamMetrics, audio_events: int | None = None) -> None:
+    """A streamed request's measured facts into its record (seconds since the answering attempt's
+    send, to the microsecond): TTFA to the first audio bytes, every gap, each underrun and their total."""
+    def us(x: float) -> float:
+        return round(x, 6)
+
+    record.stream_ttfa_s = us(m.ttfa_s) if m.ttfa_s is not None else None
+    record.stream_end_s = us(m.end_s)
+    record.stream_chunks = m.chunks
+    record.stream_audio_events = audio_events
+    record.stream_sample_rate = m.sample_rate
+    record.stream_chunk_frames = list(m.chunk_frames)
+    record.stream_gaps_s = [us(g) for g in m.gaps_s]
+    record.stream_underruns = [[us(u.start_s), us(u.length_s)] for u in m.underruns]
+    record.stream_underrun_s = us(m.underrun_s)
+
+
 def reply_mismatch(prompt_id: str, expected: str | None, said: str | None) -> str | None:
     """The speaking checkpoint's Thinker is forced to say the prompt set's reply, which is then the
     WER reference: a Thinker that said something else would be scored against the wrong text, so the
@@ -665,6 +685,8 @@ def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.
     if res.error is None and res.audio_seconds:  # real-time factor: seconds of work per second of audio
         record.rtf = round(res.wall_s / res.audio_seconds, 4)
     record.ttfa_s = time_to_first_codec(res, generated_at)
+    if res.error is None and res.stream is not None:
+        stream_fields(record, res.stream, res.audio_events)
     if spans:
         record.schedule = schedule_digest(spans)
     codes = codec_stream(stream or {}, record.talker_prompt_len)

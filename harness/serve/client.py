@@ -22,6 +22,10 @@ Response format: non-streaming, the audio is base64 WAV (``DEFAULT_AUDIO_FORMAT 
 ``protocol/audio.py``) in ``choices[i].message.audio.data``. 0.30.0 merges it into the text choice of
 the same index (``_merge_audio_choices``, #7376); older builds return a separate audio choice, so
 the text is the first non-empty ``message.content`` and the audio the first ``message.audio.data``.
+Streamed (``stream: true``, ``run --stream``): SSE ``chat.completion.chunk`` objects whose ``modality``
+says whether ``choices[i].delta.content`` is Thinker text or a base64 WAV of audio
+(``harness.serve.streaming``); each read is stamped as it arrives and the audio chunks' PCM is joined
+into the request's WAV.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from typing import Any
 import httpx
 
 from harness.config import MAX_REPLY_TOKENS, Deploy, LoadSettings, Prompt, PromptSet
+from harness.serve.streaming import ChatStream, SSEParser, StreamFormatError
+from harness.stream_metrics import StreamError, StreamMetrics
 
 # vllm_omni/deploy/qwen2_5_omni.yaml (0.30.0) default_sampling_params, stage by stage.
 THINKER_DEFAULTS: dict[str, Any] = {
@@ -88,7 +94,8 @@ def tag_token(tag: str) -> str:
 
 
 def build_body(model: str, prompts: PromptSet, prompt: Prompt, deploy: Deploy, tag: str,
-               speaking: bool = False) -> dict[str, Any]:
+               speaking: bool = False, stream: bool = False) -> dict[str, Any]:
+    """The chat request; ``stream``: SSE chunks, the audio measured as it arrives (``harness.serve.streaming``)."""
     return {
         "model": model,
         "messages": [
@@ -97,7 +104,7 @@ def build_body(model: str, prompts: PromptSet, prompt: Prompt, deploy: Deploy, t
         ],
         "modalities": ["text", "audio"],
         "sampling_params_list": sampling_params_list(deploy, prompt.reply if speaking else None),
-        "stream": False,
+        "stream": stream,
         "request_id": tag,
     }
 
@@ -108,6 +115,8 @@ class ParsedResponse:
     audio: bytes
     finish_reason: str | None
     response_id: str | None
+    stream: StreamMetrics | None = None  # a streamed response: its measured arrival of audio
+    audio_events: int | None = None  # a streamed response: the audio chunks the server sent
 
 
 def parse_response(raw: bytes) -> ParsedResponse:
@@ -192,6 +201,9 @@ class ChatResult:
     # The server died before this request was sent (a paced load holds requests back): it may be sent
     # again to a restarted server, so it is not a result of this server.
     not_sent: bool = False
+    # A streamed request (``stream: true``): the audio's arrival as measured by the attempt that answered.
+    stream: StreamMetrics | None = None
+    audio_events: int | None = None
 
 
 class ServerGone(Exception):
@@ -218,6 +230,52 @@ async def _one_attempt(client: httpx.AsyncClient, url: str, spec: RequestSpec, t
             pass
         raise _HttpStatus(resp.status_code, detail)
     return parse_response(resp.content)
+
+
+async def _one_stream_attempt(client: httpx.AsyncClient, url: str, spec: RequestSpec, timeout_s: float,
+                              attempt: int) -> ParsedResponse:
+    """One ``stream: true`` attempt: every read of the body stamped with ``perf_counter`` as it
+    arrives, its SSE chunks parsed (``harness.serve.streaming.ChatStream``), the audio chunks' PCM
+    joined into one WAV; the stream metrics run from this attempt's send to the body's last byte."""
+    rid = attempt_id(spec.tag, attempt)
+    body = spec.body if rid == spec.body.get("request_id") else {**spec.body, "request_id": rid}
+    audio_opts = body.get("audio") if isinstance(body.get("audio"), dict) else {}
+    chat = ChatStream(requested_format=str(audio_opts.get("format") or "wav"))
+    parser = SSEParser()
+
+    async def read() -> tuple[float, float]:
+        sent = time.perf_counter()
+        async with client.stream("POST", url, json=body, headers={"X-Request-Id": rid}) as resp:
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                detail = raw[:300].decode("utf-8", errors="replace").strip()
+                try:
+                    err = json.loads(raw).get("error")
+                    if isinstance(err, dict) and err.get("message"):
+                        detail = str(err["message"])[:300]
+                except (json.JSONDecodeError, AttributeError, ValueError):
+                    pass
+                raise _HttpStatus(resp.status_code, detail)
+            async for piece in resp.aiter_raw():
+                at = time.perf_counter()
+                for event in parser.feed(piece):
+                    chat.event(event, at)
+        return sent, time.perf_counter()
+
+    try:
+        sent, end = await asyncio.wait_for(read(), timeout=timeout_s)
+        parser.close()
+        if not chat.done:
+            raise ResponseError("the stream ended without data: [DONE] (cut short)")
+        if not chat.thinker_text.strip():
+            raise ResponseError("the stream has no Thinker text (text chunks' choices[].delta.content)")
+        if chat.audio.format is None or not chat.audio.pcm:
+            raise ResponseError(f"the stream has no audio ({chat.audio_events} audio chunks, none with frames)")
+        metrics = chat.audio.metrics(sent, end)
+    except (StreamFormatError, StreamError) as exc:
+        raise ResponseError(f"malformed stream: {exc}") from None
+    return ParsedResponse(text=chat.thinker_text, audio=chat.audio.wav(), finish_reason=chat.finish_reason,
+                          response_id=chat.response_id, stream=metrics, audio_events=chat.audio_events)
 
 
 class _HttpStatus(Exception):
@@ -262,7 +320,8 @@ class _Sender:
             a0 = time.monotonic()
             a0_wall = time.time()
             try:
-                parsed = await _one_attempt(self.client, self.url, spec, self.request_timeout_s, attempt)
+                one = _one_stream_attempt if spec.body.get("stream") is True else _one_attempt
+                parsed = await one(self.client, self.url, spec, self.request_timeout_s, attempt)
                 self._answered(res, spec, parsed, a0_wall)
                 res.attempts.append({"attempt": attempt, "request_id": attempt_id(spec.tag, attempt), "ok": True,
                                      "wall_s": round(time.monotonic() - a0, 3)})
@@ -297,6 +356,7 @@ class _Sender:
         res.response_id = parsed.response_id
         res.error = None
         res.answered_attempt_at = attempt_wall
+        res.stream, res.audio_events = parsed.stream, parsed.audio_events
 
 
 async def _collect(tasks: dict[asyncio.Future, RequestSpec], on_result: Callable[[ChatResult], None],

@@ -22,7 +22,8 @@ class ServeEntry:
         return ServeOptions(model=args.model, health_timeout_s=args.health_timeout,
                             request_timeout_s=args.request_timeout, platform=args.serve_platform,
                             default_python=str(args.serve_python) if args.serve_python else None,
-                            trace_level=args.trace or "contract")
+                            trace_level=args.trace or "contract",
+                            stream=bool(getattr(args, "stream", False)))
 
     @classmethod
     def prepare(cls, args: Any, options: Any, prompts: Any) -> None:

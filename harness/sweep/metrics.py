@@ -6,7 +6,9 @@ audio first token - sent, both in scheduler steps. The real backend's are second
 to end (send to the whole response), ``ttfa_s`` send to the Talker's first codec token (the server's
 trace; the chat API is asked for ``stream: false``, so no audio byte arrives before the response:
 this is the earliest a streaming API could send audio, not a streamed measurement), ``rtf`` (end to
-end over the audio's duration).
+end over the audio's duration). A streamed run (``--stream``) measures TTFA instead: ``stream_ttfa_s``,
+send to the first audio bytes received; ``ttfa`` takes it where a record has it, and ``ttfa_source``
+labels each value (``stream``: measured; ``trace``: trace-derived; ``steps``: the sim's).
 
 Duration: each request's codec tokens (and audio seconds, where both have audio) against the same
 prompt's cell in the reference deploy (same arm, same repeat, else its only repeat): under
@@ -55,12 +57,22 @@ def e2e(record: RequestRecord) -> float | None:
 
 
 def ttfa(record: RequestRecord) -> float | None:
-    """Time to first audio: steps (sim) or seconds (real, not streamed: see the module) to the first codec token."""
+    """Time to first audio: steps (sim), seconds to the first audio bytes (real, streamed: measured), else
+    seconds to the Talker's first codec token (real, not streamed: trace-derived, see the module)."""
     if is_simulated(record.backend):
         if record.first_token_step is None or record.sent_step is None:
             return None
         return float(record.first_token_step - record.sent_step)
-    return record.ttfa_s
+    return record.stream_ttfa_s if record.stream_ttfa_s is not None else record.ttfa_s
+
+
+def ttfa_source(record: RequestRecord) -> str | None:
+    """Where ``ttfa(record)`` comes from: ``steps`` (sim), ``stream`` (measured), ``trace`` (derived), None."""
+    if ttfa(record) is None:
+        return None
+    if is_simulated(record.backend):
+        return "steps"
+    return "stream" if record.stream_ttfa_s is not None else "trace"
 
 
 def unit(records: list[RequestRecord]) -> str:
@@ -74,14 +86,17 @@ class Latency:
     ttfa: dict[int, float | None]
     rtf: dict[int, float | None]
     measured: int
+    ttfa_source: str | None = None  # ``ttfa_source`` of every TTFA value, "mixed" when they differ, None: none
 
 
 def latency(records: list[RequestRecord]) -> Latency:
     e = [v for r in records if (v := e2e(r)) is not None]
     t = [v for r in records if (v := ttfa(r)) is not None]
     f = [r.rtf for r in records if r.rtf is not None]
+    sources = {s for r in records if (s := ttfa_source(r)) is not None}
+    source = next(iter(sources)) if len(sources) == 1 else "mixed" if sources else None
     return Latency(unit(records), {q: percentile(e, q) for q in PERCENTILES}, {q: percentile(t, q) for q in PERCENTILES},
-                   {q: percentile(f, q) for q in PERCENTILES}, len(e))
+                   {q: percentile(f, q) for q in PERCENTILES}, len(e), source)
 
 
 def audio_seconds(records: list[RequestRecord]) -> float | None:

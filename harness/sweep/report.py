@@ -230,16 +230,25 @@ def _percentiles(values: dict[int, float | None]) -> str:
     return "/".join(_fmt_num(values[q]) for q in PERCENTILES)
 
 
+def _ttfa_sources(m: SweepMap) -> set[str]:
+    return {r.latency.ttfa_source for r in m.rows if r.latency.ttfa_source is not None}
+
+
 def table_rows(m: SweepMap) -> tuple[list[str], list[list[str]]]:
     """The map's columns; RTF and the audio's seconds only where some row has them (the real backend,
-    or a sim run with TTS), so a sim sweep's table keeps its columns."""
+    or a sim run with TTS), so a sim sweep's table keeps its columns. TTFA says where it comes from:
+    measured on a stream (``--stream``: "measured" in its head), else the trace's first codec token;
+    a map with both marks each cell ``[stream]`` or ``[trace]``."""
     shorts = [a["short"] for a in m.axes]
     unit = _unit(m)
+    sources = _ttfa_sources(m)
+    mark = len(sources) > 1 or "mixed" in sources
+    ttfa_head = f"TTFA p50/p90/p99 ({unit}, measured)" if sources == {"stream"} else f"TTFA p50/p90/p99 ({unit})"
     with_rtf = any(r.latency.rtf[50] is not None for r in m.rows)
     with_audio = any(r.audio_seconds is not None for r in m.rows)
     head = (["Arm", "Point"] + shorts + ["WER (mean)", "WER > 0.5", "Misaligned (text)", "Chunks", "Replays",
                                           "Multi-decode", "Preempt.", f"E2E p50/p90/p99 ({unit})",
-                                          f"TTFA p50/p90/p99 ({unit})"]
+                                          ttfa_head]
             + (["RTF p50/p90/p99"] if with_rtf else []) + (["Audio s (med)"] if with_audio else [])
             + ["Dur. ratio (med)", "Truncated", "Overrun", "Stressed", "Map gate"])
     body = []
@@ -251,7 +260,7 @@ def table_rows(m: SweepMap) -> tuple[list[str], list[list[str]]]:
                     + [_fmt(r.mean_wer), f"{r.over}/{r.scored}", str(r.events("misaligned_text_positions")),
                        str(r.events("nonzero_offset_chunks")), str(r.events("cross_boundary_replays")),
                        str(r.events("multi_position_decode_spans")), str(r.preemptions), _percentiles(lat.e2e),
-                       _percentiles(lat.ttfa)]
+                       _percentiles(lat.ttfa) + (f" [{lat.ttfa_source}]" if mark and lat.ttfa_source else "")]
                     + ([_percentiles(lat.rtf)] if with_rtf else [])
                     + ([_fmt(r.audio_seconds, 2)] if with_audio else [])
                     + [_fmt(r.duration.median_ratio, 2) if r.coords else "1 (ref)",
@@ -266,14 +275,24 @@ def latency_note(m: SweepMap) -> str | None:
     ``--trace`` level they were measured at (the plugin runs in the Talker they time)."""
     if _unit(m) != "s":
         return None
+    sources = _ttfa_sources(m)
+    trace = ("the seconds from the send to the Talker's first codec token, read from the server's trace (its first "
+             "call at a generated position), the earliest a streaming API could send audio")
+    if sources == {"stream"}:
+        ttfa = ("TTFA is measured (the client asks for stream: true, --stream): the seconds from the send to the "
+                "first audio bytes received; each request's chunks, gaps and underruns are in its record "
+                "(stream_* fields, docs/streaming.md)")
+    elif "stream" in sources or "mixed" in sources:
+        ttfa = ("TTFA is measured on a stream where marked [stream] (the seconds from the send to the first audio "
+                f"bytes received) and trace-derived where marked [trace] ({trace})")
+    else:
+        ttfa = ("TTFA is not streamed (the client asks for stream: false and the audio arrives whole with the "
+                f"response, at E2E): it is {trace}")
     from harness.report.tables import trace_note
 
     level = trace_note(m.run)
     return ("latency (real backend, wall seconds on this host): E2E from the request's send to its whole response; "
-            "TTFA is not streamed (the client asks for stream: false and the audio arrives whole with the "
-            "response, at E2E): it is the seconds from the send to the Talker's first codec token, read from the "
-            "server's trace (its first call at a generated position), the earliest a streaming API could send "
-            "audio; RTF = E2E / the audio's seconds; Dur. ratio, Truncated (< 90 %) and Overrun (> 110 %) compare "
+            f"{ttfa}; RTF = E2E / the audio's seconds; Dur. ratio, Truncated (< 90 %) and Overrun (> 110 %) compare "
             "each request's codec tokens with the same prompt's reference cell."
             + (f" {level}." if level else ""))
 
@@ -334,7 +353,7 @@ def map_json(m: SweepMap) -> dict[str, Any]:
             "multi_position_decode_spans": r.events("multi_position_decode_spans"),
             "preemptions": r.preemptions, "errors": r.errors,
             "latency": {"unit": r.latency.unit, "e2e": r.latency.e2e, "ttfa": r.latency.ttfa, "rtf": r.latency.rtf,
-                        "measured": r.latency.measured},
+                        "measured": r.latency.measured, "ttfa_source": r.latency.ttfa_source},
             "audio_seconds_median": r.audio_seconds,
             "duration": {"compared": r.duration.compared, "truncated": r.duration.truncated,
                          "overrun": r.duration.overrun, "median_ratio": r.duration.median_ratio},

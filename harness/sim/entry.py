@@ -22,7 +22,13 @@ class SimEntry:
 
     @staticmethod
     def prepare(args: Any, options: Any, prompts: Any) -> None:
-        """Nothing to add to the run's options (the real backend adds its server options here)."""
+        """Nothing to add to the run's options (the real backend adds its server options here); ``--stream``
+        is refused: nothing streams in the sim."""
+        if getattr(args, "stream", False):
+            from harness.errors import UserError
+
+            raise UserError("--stream: streamed audio is measured on the real server (--backend vllm-omni), not on "
+                            "--backend sim (the sim's TTFA is in steps: omni-stress sweep)")
 
     @staticmethod
     def dry_run(arm_specs: list, deploy_specs: list, run_dir: Path, options: Any) -> str:

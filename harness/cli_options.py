@@ -252,11 +252,6 @@ class RunArgs:
 
             raise UserError(f"--asr-batch {args.asr_batch}: the batched pipeline is faster-whisper's "
                             f"(--asr faster-whisper), not --asr {args.asr}")
-        if args.stream and args.backend != "vllm-omni":
-            from harness.errors import UserError
-
-            raise UserError(f"--stream: streamed audio is measured on the real server (--backend vllm-omni), not on "
-                            f"--backend {args.backend} (the sim's TTFA is in steps: omni-stress sweep)")
         get_executor(args.executor).preflight(args.ray_address, dry_run=args.dry_run)
         return args
 

@@ -23,13 +23,17 @@ class SimEntry:
     @staticmethod
     def prepare(args: Any, options: Any, prompts: Any) -> None:
         """Nothing to add to the run's options (the real backend adds its server options here); ``--trace``
-        is refused: the sim computes spans and the contract itself, there is no plugin to turn down."""
-        if getattr(args, "trace", None) is not None:
-            from harness.errors import UserError
+        is refused (the sim computes spans and the contract itself, there is no plugin to turn down), and
+        so is ``--stream`` (nothing streams in the sim)."""
+        from harness.errors import UserError
 
+        if getattr(args, "trace", None) is not None:
             raise UserError(f"--trace {args.trace} applies to --backend vllm-omni (the trace plugin in the real "
                             "Talker worker); the sim records its spans and contract itself, at no cost to what it "
                             "measures")
+        if getattr(args, "stream", False):
+            raise UserError("--stream: streamed audio is measured on the real server (--backend vllm-omni), not on "
+                            "--backend sim (the sim's TTFA is in steps: omni-stress sweep)")
 
     @staticmethod
     def dry_run(arm_specs: list, deploy_specs: list, run_dir: Path, options: Any) -> str:

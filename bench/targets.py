@@ -85,7 +85,7 @@ def rows_for(sim: dict, sweep: dict, trace: dict | None, trace_src: str, asr: di
                  "floor_what": f"the scheduler; {total.get('floor_with_arm_cpu')} with the arms' own calls",
                  "ratio": r, "target": f"<= {TARGETS['sim_over_scheduler']}x",
                  "met": None if r is None else r <= TARGETS["sim_over_scheduler"]})
-    d = sweep.get("default") or {}
+    d = sweep.get("default") or sweep  # bench/sweep.py's JSON (older ones nested it under "default")
     st = d.get("stages") or {}
     sweep_floor = None
     if st.get("sim_floor_s") is not None and st.get("other_floor_s (import vllm + cli --help)") is not None:
@@ -132,19 +132,28 @@ def main() -> int:
     ap.add_argument("--asr", action="store_true", help="run bench/asr_scale.py (about 15 minutes)")
     ap.add_argument("--work", type=Path, default=None, help="where the benches' own JSONs go (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "targets.json")
+    ap.add_argument("--reuse", action="store_true",
+                    help="re-tabulate the JSONs a previous run left in --work instead of running the benches")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="omni-stress-targets-"))
     work.mkdir(parents=True, exist_ok=True)
     load_before = [round(x, 2) for x in os.getloadavg()]
     t0 = time.perf_counter()
-    sim = _bench("sim_vs_vllm.py", [], work / "sim_vs_vllm.json")
-    sweep = _bench("sweep.py", [], work / "sweep_results.json")
+    previous: dict = {}
+    if args.reuse:
+        if args.work is None:
+            raise SystemExit("bench: --reuse needs --work (the folder of a previous run's JSONs)")
+        previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
+        load_before = previous.get("load_average_before", load_before)
+    bench = (lambda script, bargs, out, flag="--out": json.loads(out.read_text())) if args.reuse else _bench
+    sim = bench("sim_vs_vllm.py", [], work / "sim_vs_vllm.json")
+    sweep = bench("sweep.py", [], work / "sweep_results.json")
     if args.trace:
-        trace, trace_src = _bench("trace_cost.py", [], work / "trace_cost.json", "--json"), "measured in this run"
+        trace, trace_src = bench("trace_cost.py", [], work / "trace_cost.json", "--json"), "measured in this run"
     else:
         trace, trace_src = _stored("trace_cost.json")
     if args.asr:
-        asr, asr_src = _bench("asr_scale.py", [], work / "asr_scale.json"), "measured in this run"
+        asr, asr_src = bench("asr_scale.py", [], work / "asr_scale.json"), "measured in this run"
     else:
         asr, asr_src = _stored("asr_scale.json")
     rows = rows_for(sim, sweep, trace, trace_src, asr, asr_src)
@@ -152,12 +161,16 @@ def main() -> int:
     result = {"what": "issue 34's targets beside their floors (bench/targets.py)", "targets": TARGETS,
               "host": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
               "load_average_before": load_before, "load_average_after": load_after,
-              "bench_wall_s": round(time.perf_counter() - t0, 1), "rows": rows, "work": str(work)}
+              "bench_wall_s": (previous.get("bench_wall_s") if args.reuse else round(time.perf_counter() - t0, 1)),
+              "rows": rows, "work": str(work)}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print()
     print(format_table(rows))
-    quiet = max(load_before[0], load_after[0]) < 0.5 * (os.cpu_count() or 1)
-    print(f"load average before {load_before}, after {load_after} ({os.cpu_count()} cpus)"
+    # the load after includes the benches' own processes (a vLLM server keeps both cores busy): only the
+    # load before says whether neighbours shared the machine
+    quiet = load_before[0] < 0.5 * (os.cpu_count() or 1)
+    print(f"load average before {load_before}, after {load_after} (the benches' own work included; "
+          f"{os.cpu_count()} cpus)"
           + ("" if quiet else ": NOT a quiet machine, the wall-time rows are inflated by the neighbours"))
     print(f"wrote {args.out}")
     return 0

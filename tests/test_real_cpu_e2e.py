@@ -1,5 +1,6 @@
 """End to end on a real ``vllm serve --omni``, on CPU: the speaking tiny Qwen2.5-Omni (docs/speaking-model.md),
-arms main and pr bound into the real Talker worker, the CPU reference and stress deploys, four prompts.
+arms main and pr bound into the real Talker worker, the CPU reference and stress deploys, four prompts, the
+audio streamed (``--stream``: ``stream: true`` on ``/v1/chat/completions``, measured as it arrives).
 
 Runs the CLI as a user would (``omni-stress tiny-model``, then ``omni-stress run --backend vllm-omni``,
 ``gate``, ``transcribe``) and asserts on the real trace (what vLLM-Omni 0.30.0's runner scheduled and
@@ -11,11 +12,13 @@ except under ``OMNI_STRESS_REQUIRE_REAL=1`` (``.ci/run`` sets it), where its abs
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 import time
+import wave
 from collections import defaultdict
 from pathlib import Path
 
@@ -64,10 +67,11 @@ def real_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path
     run = subprocess.run(
         [*CLI, "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
          "--model", str(model), "--arm", "main", "--arm", "pr", "--deploy", "cpu-reference", "--deploy", "cpu-stress",
-         "--prompts", "cpu_smoke", "--asr", "none", "--out", str(tmp), "--run-id", "real", "--quiet",
+         "--prompts", "cpu_smoke", "--asr", "none", "--stream", "--out", str(tmp), "--run-id", "real", "--quiet",
          "--health-timeout", "900", "--request-timeout", "900"],
         cwd=tmp, capture_output=True, text=True, timeout=2700)
     sys.stderr.write(f"[real e2e] run: {time.monotonic() - t0:.1f} s\n{run.stdout}\n")
+    (tmp / "run_stdout.txt").write_text(run.stdout)
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
     return tmp / "real"
 
@@ -287,12 +291,19 @@ def test_the_sim_measured_against_the_real_server(real_run: Path) -> None:
 
 @pytest.fixture(scope="module")
 def real_sweep(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[Path, str]:
-    """``omni-stress sweep cpu`` on the real server: arm pr, cpu-stress at two loads (all at once, two
-    in flight) beside cpu-reference, the four cpu_smoke prompts: three server starts."""
+    """``omni-stress sweep`` on the real server: arm pr, cpu-stress with two requests in flight beside
+    cpu-reference, the four cpu_smoke prompts: two server starts. The shipped ``cpu`` sweep's other
+    point (load all) is the main run's pr/cpu-stress cell, so the test sweeps only ``c2`` (a YAML path:
+    the ``cpu`` sweep's file less that point)."""
     out = tmp_path_factory.mktemp("sweep")
+    import yaml
+
+    sweep_yaml = yaml.safe_load((ROOT / "deploy_configs" / "sweeps" / "cpu.yaml").read_text())
+    sweep_yaml.update(name="cpu-c2", description="cpu-stress with two in flight", axes={"load": ["c2"]})
+    (out / "cpu-c2.yaml").write_text(yaml.safe_dump(sweep_yaml, sort_keys=False))
     t0 = time.monotonic()
     run = subprocess.run(
-        [*CLI, "sweep", "cpu", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
+        [*CLI, "sweep", str(out / "cpu-c2.yaml"), "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
          "--model", str(tiny_model), "--arm", "pr", "--prompts", "cpu_smoke", "--out", str(out), "--run-id", "sweep",
          "--quiet", "--no-plots", "--health-timeout", "900", "--request-timeout", "900"],
         cwd=out, capture_output=True, text=True, timeout=2700)
@@ -313,11 +324,11 @@ def test_a_real_sweep_prints_latency_and_duration_per_cell(real_sweep: tuple[Pat
         assert column in head, (column, head)
     assert any(line.startswith("latency (real backend") and "TTFA is not streamed" in line for line in lines)
     rows = [line.split() for line in lines[lines.index(head) + 2:] if line.startswith("pr ")]
-    assert [r[1] for r in rows] == ["cpu-reference", "@load=all", "@load=c2"], rows
+    assert [r[1] for r in rows] == ["cpu-reference", "@load=c2"], rows
 
     sweep = json.loads((run_dir / "sweep.json").read_text())
     by_deploy = {r["deploy"]: r for r in sweep["rows"]}
-    assert sorted(by_deploy) == ["cpu-reference", "cpu-stress@load=all", "cpu-stress@load=c2"]
+    assert sorted(by_deploy) == ["cpu-reference", "cpu-stress@load=c2"]
     for deploy, row in by_deploy.items():
         lat = row["latency"]
         assert row["requests"] == 4 and row["errors"] == 0 and lat["unit"] == "s" and lat["measured"] == 4, deploy
@@ -330,7 +341,7 @@ def test_a_real_sweep_prints_latency_and_duration_per_cell(real_sweep: tuple[Pat
             assert row["cells"] == 1 and row["stressed_cells"] in (0, 1), deploy
 
     records = read_requests(run_dir)
-    assert len(records) == 12
+    assert len(records) == 8
     for r in records:
         assert r.error is None and r.backend == "vllm-omni", (r.deploy, r.prompt_id, r.error)
         assert r.ttfa_s is not None and 0 < r.ttfa_s <= r.wall_s, (r.deploy, r.prompt_id, r.ttfa_s, r.wall_s)
@@ -396,3 +407,54 @@ def test_the_gate_fails_broken_arms_on_the_real_server(broken_run: Path) -> None
     for name in BROKEN_ARMS:
         assert f"FAIL   candidate-contract: {name}/cpu-reference run 1 [candidate]" in gate.stdout, name
         assert f"PASS   candidate-reference-speaks: {name}/cpu-reference run 1 [candidate]" in gate.stdout, name
+
+
+# ---------------------------------------------------------------------------- streamed audio (issue 31 item 3)
+# What vLLM-Omni 0.30.0 does, pinned exactly: its chat path streams audio (``chat_completion_stream_generator``
+# builds an audio choice per stage-2 output), but Qwen2.5-Omni's stage chain has no async-chunk path, so
+# Code2Wav decodes each request once, after its Talker has finished: one audio chunk per request, holding all
+# of it (codec tokens x 480 frames at 24 kHz, one 50 Hz frame per token), so no gap and no underrun, and the
+# first audio bytes arrive after the Talker's first codec token (the trace-derived TTFA). The main run above
+# streams (one server start fewer than a run of its own, docs/streaming.md).
+
+FRAMES_PER_CODEC_TOKEN = 480  # 24000 Hz / the codec's 50 Hz
+
+
+def test_every_request_streams_its_whole_audio_in_one_chunk(real_run: Path) -> None:
+    for r in read_requests(real_run):
+        key = (r.arm, r.deploy, r.prompt_id)
+        sys.stderr.write(f"[real stream] {key}: TTFA {r.stream_ttfa_s} s (trace: first codec token {r.ttfa_s} s), "
+                         f"end {r.stream_end_s} s, E2E {r.wall_s} s, chunks {r.stream_chunks}, "
+                         f"gaps {r.stream_gaps_s}, underruns {r.stream_underruns}, RTF {r.rtf}\n")
+        assert r.error is None, (key, r.error)
+        frames = r.num_codec_tokens * FRAMES_PER_CODEC_TOKEN
+        assert (r.stream_chunks, r.stream_audio_events, r.stream_chunk_frames, r.stream_sample_rate) == (
+            1, 1, [frames], 24000), key
+        assert (r.stream_gaps_s, r.stream_underruns, r.stream_underrun_s) == ([], [], 0.0), key  # gaps = chunks - 1
+        with wave.open(io.BytesIO((real_run / r.audio_path).read_bytes()), "rb") as w:
+            assert (w.getframerate(), w.getnframes(), w.getsampwidth()) == (24000, frames, 2), key
+        assert r.audio_seconds == frames / 24000, key
+        # the first audio bytes come after the Talker's first codec token and before the stream's end
+        assert 0 < r.ttfa_s < r.stream_ttfa_s <= r.stream_end_s <= r.wall_s, r
+        assert abs(r.rtf - r.wall_s / r.audio_seconds) < 0.01, key
+    # pr unstressed: the Thinker's text arrived as text deltas, whole; the Talker said it (bytes, end region)
+    replies = {p.id: p.reply for p in load_prompts("cpu_smoke").prompts}
+    for pid, r in _records(real_run)[("pr", "cpu-reference")].items():
+        assert r.thinker_text == replies[pid] and r.oracle_wer == 0.0, pid
+        assert r.codec_tokens == speaking.encode_reply(replies[pid], end=True) and r.num_codec_tokens == 72, pid
+
+
+def test_the_run_prints_the_streamed_table_and_the_manifest_says_stream(real_run: Path) -> None:
+    stdout = (real_run.parent / "run_stdout.txt").read_text()
+    assert "Streamed audio (--stream, measured by the client)" in stdout
+    lines = stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("Arm ") and "Streamed" in line)
+    rows = [line.split() for line in lines[head + 2:head + 6]]
+    assert sorted(row[:2] for row in rows) == [["main", "cpu-reference"], ["main", "cpu-stress"],
+                                               ["pr", "cpu-reference"], ["pr", "cpu-stress"]]
+    for row in rows:
+        assert row[2:4] == ["1", "4/4"], row
+        assert row[-5:-1] == ["1", "n/a", "0", "0.000"], row  # one chunk per request: no gap, no underrun
+    manifest = json.loads((real_run / "manifest.json").read_text())
+    assert manifest["stream"] is True
+    assert "<details><summary>Streamed audio</summary>" in (real_run / "summary.md").read_text()

@@ -27,18 +27,19 @@ codec BOS), then one row per decode position: the text's next byte, then ``tts_e
    puts ``first text + codec BOS`` at ``P - 1``); otherwise it babbles: :data:`BABBLE` while its row
    carries a byte.
 2. **Speech**: a started Talker whose row at ``m`` carries byte ``b`` emits ``codec_id(b, prev)``
-   = ``256 * tag(prev) + b``, ``prev`` the byte of row ``m - 1`` (``None``: no byte there, tag 0).
+   = ``256 * tag(prev) + b`` (``tag``: the low 3 bits), ``prev`` the byte of row ``m - 1`` (``None``: no byte there, tag 0).
 3. **End**: a row without a byte: ``tts_eos``, and ``tts_pad`` after a row that is not ``tts_pad``,
    emit :data:`SILENCE`; ``tts_pad`` after ``tts_pad`` (the persistent pad) and any other row
    without a byte (a bare codec row, ``tts_bos``, a role row) emit :data:`CODEC_EOS`, which ends
    the request. A correct request says its bytes, SILENCE (``tts_eos`` at ``P + T - 1``), SILENCE
    (the first ``tts_pad``), EOS (the second): :data:`END_POSITIONS` = 2 end-region positions.
 
-**Codec ids** (the checkpoint's, equal to the sim's codec vocabulary, ``harness.sim.codec``): speech
-ids ``0 .. 8191`` (``TAGS * BYTES``; id 0, NUL after tag 0, is never said: the release masks id 0 and
-no text holds NUL), :data:`BABBLE` 8192, :data:`SILENCE` 8193 (so :data:`CODEBOOK` = 8194 codes a
-frame may hold: the release samples only ``[1, CODEBOOK)`` plus EOS, and Code2Wav decodes them),
-codec PAD/BOS/EOS 8292/8293/8294, the think tags 8300-8302, the speakers 8310+ (:data:`SPEAKERS`).
+**Codec ids** (the checkpoint's): speech ids ``0 .. 2047`` (``TAGS * BYTES``, the real codebook's
+size; id 0, NUL after tag 0, is never said: the release masks id 0 and no text holds NUL),
+:data:`BABBLE` 2048, :data:`SILENCE` 2049 (so :data:`CODEBOOK` = 2050 codes a frame may hold: the
+release samples only ``[1, CODEBOOK)`` plus EOS, and Code2Wav decodes them); Qwen3-TTS's real
+specials: codec PAD/BOS/EOS 2148/2149/2150 (the release's pipeline stops the Talker on 2150 whatever
+the config says), think tags 2154-2157, speakers :data:`SPEAKERS`; the Talker's vocabulary 3072.
 
 **Reading back** (:func:`decode`, the oracle transcript): each speech id gives its byte and the tag
 of the byte it heard before; a byte whose tag disagrees with the byte said before it is
@@ -59,18 +60,19 @@ from dataclasses import dataclass
 from harness.speaking import UNINTELLIGIBLE, Spoken, _words  # noqa: F401 - part of this module's API
 
 BYTES = 256
-TAGS = 32  # the previous byte's low 5 bits: 8192 speech ids
-BABBLE = 8192  # rule 1: a Talker that never saw a codec-BOS row
-SILENCE = 8193  # rule 3: said at tts_eos and at the first tts_pad
-CODEBOOK = 8194  # codes a frame may hold (code predictor and Code2Wav vocabulary)
-CODEC_PAD, CODEC_BOS, CODEC_EOS = 8292, 8293, 8294
-CODEC_NOTHINK, CODEC_THINK_BOS, CODEC_THINK_EOS = 8300, 8301, 8302
-CODEC_THINK = 8303  # codec_think_id (used only with a language id; "Auto" has none)
-# CustomVoice speakers: Qwen3-TTS-12Hz-*-CustomVoice's names, the sim's codec ids
-SPEAKERS = {"vivian": 8310, "serena": 8311, "uncle_fu": 8312, "dylan": 8313, "eric": 8314,
-            "ryan": 8315, "aiden": 8316, "ono_anna": 8317, "sohee": 8318}
+TAGS = 8  # the previous byte's low 3 bits: 2048 speech ids, the real codebook's size
+BABBLE = 2048  # rule 1: a Talker that never saw a codec-BOS row
+SILENCE = 2049  # rule 3: said at tts_eos and at the first tts_pad
+CODEBOOK = 2050  # codes a frame may hold (code predictor and Code2Wav vocabulary)
+# Qwen3-TTS's real codec specials: the release's pipeline stops the Talker on 2150 (``stop_token_ids``)
+CODEC_PAD, CODEC_BOS, CODEC_EOS = 2148, 2149, 2150
+CODEC_THINK, CODEC_NOTHINK, CODEC_THINK_BOS, CODEC_THINK_EOS = 2154, 2155, 2156, 2157
+# CustomVoice speakers: Qwen3-TTS-12Hz-*-CustomVoice's names; ids of the tiny checkpoint (distinct, in the
+# real vocabulary's speaker range)
+SPEAKERS = {"vivian": 3000, "serena": 3001, "uncle_fu": 3002, "dylan": 3003, "eric": 3004,
+            "ryan": 3005, "aiden": 3006, "ono_anna": 3007, "sohee": 3008}
 DEFAULT_SPEAKER = "Vivian"
-TALKER_VOCAB = 8448  # the Talker's codec vocabulary (codec_head rows)
+TALKER_VOCAB = 3072  # the Talker's codec vocabulary (codec_head rows), the real one's
 # text token ids: bytes are 0..255; Qwen's special tokens keep their real ids (configuration_qwen3_tts.py)
 IM_START, IM_END, ASSISTANT = 151644, 151645, 151646
 TTS_PAD, TTS_BOS, TTS_EOS = 151671, 151672, 151673

@@ -55,6 +55,9 @@ class Family:
     sim_talkers: tuple[str, ...]  # the sim's Talker modes for this family (--sim-talker); first = default
     sim_cell: str  # ``module:function`` building a sim cell (``harness.sim.cell.SimCell``)
     sim_check_prompts: str  # ``module:function(prompts, talker_mode)``: refuse prompts the sim would mis-score
+    # the module of this family's speaking tiny model's rules (``decode``, ``CODEC_EOS``): ``fidelity`` reads both
+    # runs' codec streams back with its ``decode``; None: the family has no speaking checkpoint
+    speaking_rules: str | None = None
     # ``module:function(arm) -> impl``: how an arm of this family is loaded (its hook's name, upstream files);
     # None: Qwen2.5-Omni's ``talker_preprocess`` arms (``harness.talkers``)
     load_arm: str | None = None

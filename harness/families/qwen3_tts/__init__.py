@@ -32,9 +32,10 @@ FAMILY = Family(
     default_arms=("tts-0.30.0", "tts-fix"),
     default_deploys=("qwen3-tts-reference", "qwen3-tts-stress", "qwen3-tts-mrv2-reference", "qwen3-tts-mrv2-stress"),
     default_prompts="qwen3_tts",
-    sim_talkers=("words",),
+    sim_talkers=("words", "speaking"),
     sim_cell="harness.families.qwen3_tts.sim:build_cell",
     sim_check_prompts="harness.families.qwen3_tts.sim:check_prompts",
+    speaking_rules="harness.families.qwen3_tts.speaking",
     load_arm="harness.families.qwen3_tts.arms:load_arm",
     serve_missing=("the vllm-omni backend does not drive the qwen3-tts family yet (its /v1/audio/speech client and a "
                    "speaking tiny Qwen3-TTS checkpoint are not built); run it on --backend sim"),

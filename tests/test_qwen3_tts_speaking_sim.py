@@ -191,3 +191,122 @@ def _lines(path: Path) -> list[dict]:
 
 def _records(run: Path) -> dict[tuple[str, str, str], dict]:
     return {(r["arm"], r["deploy"], r["prompt_id"]): r for r in _lines(run / "requests.jsonl")}
+
+
+def test_the_fix_says_every_byte_and_the_release_under_stress_babbles_after_its_replays(speaking_run):
+    recs = _records(speaking_run)
+    assert len(recs) == 16
+    texts = {p.id: p.reply for p in load_prompts(PROMPTS).prompts}
+    for (arm, deploy, pid), r in recs.items():
+        if (arm, deploy) == ("tts-0.30.0", "qwen3-tts-cpu-stress") and pid in ("t03-run", "t04-stars"):
+            continue
+        # every byte, then silence at tts_eos and at the first tts_pad (codec EOS, the stop token, not recorded)
+        assert r["codec_tokens"] == speaking.encode_reply(texts[pid]), (arm, deploy, pid)
+        assert (r["oracle_transcript"], r["oracle_wer"], r["num_codec_tokens"]) == (texts[pid], 0.0, 72)
+    # the release under stress: the two requests preempted after 56 and 23 codes are replayed from 0 with their
+    # buffer kept (V1): the replay's rows are tts_pad (prompt chunks) or bare codec rows (a chunk past the prompt),
+    # so no KV position holds codec BOS; the last position, a one-token decode span, gets its own text row: the
+    # Talker babbles through the rest of the text, then says the end region
+    release = {pid: recs[("tts-0.30.0", "qwen3-tts-cpu-stress", pid)] for pid in texts}
+    for pid, said in (("t03-run", 56), ("t04-stars", 23)):
+        r = release[pid]
+        assert r["codec_tokens"] == (speaking.encode_reply(texts[pid], end=False)[:said] + [speaking.BABBLE] * (70 - said)
+                                     + [speaking.SILENCE, speaking.SILENCE])
+        assert r["oracle_transcript"] == texts[pid].encode()[:said].decode()
+    assert release["t03-run"]["oracle_transcript"] == "Begin with short runs mixed with walks, three or four da"
+    assert release["t04-stars"]["oracle_transcript"] == "Stars are tiny points o"
+    assert [round(release[p]["oracle_wer"], 4) for p in texts] == [0.0, 0.0, 0.2308, 0.6923]  # 3/13, 9/13 words
+    events = {p: (r["preemptions"], r["events"]["cross_boundary_replays"], r["events"]["multi_position_decode_spans"],
+                  r["events"]["nonzero_offset_chunks"], r["events"]["misaligned_text_positions"],
+                  r["events"]["misaligned_end_positions"]) for p, r in release.items()}
+    assert events == {"t01-tea": (0, 0, 0, 0, 0, 0), "t02-plants": (0, 0, 0, 0, 0, 0),
+                      "t03-run": (1, 1, 1, 0, 64, 0), "t04-stars": (1, 1, 0, 1, 31, 0)}
+    # the fix under the same schedule: the same events, no misaligned position
+    fix = {p: recs[("tts-fix", "qwen3-tts-cpu-stress", p)] for p in texts}
+    assert {p: (r["preemptions"], r["events"]["cross_boundary_replays"], r["events"]["misaligned_positions"])
+            for p, r in fix.items()} == {"t01-tea": (0, 0, 0), "t02-plants": (0, 0, 0), "t03-run": (1, 1, 0),
+                                         "t04-stars": (1, 1, 0)}
+
+
+def test_the_report_names_the_families_blind_spots(speaking_run):
+    res = invoke_cli("report", str(speaking_run))
+    assert res.exit_code == 0, res.stderr
+    assert "the low 3 bits of the byte before it, and past the text whether a row is tts_eos" in res.stdout
+    assert "low 5 bits" not in res.stdout
+
+
+# --------------------------------------------------------------------------- fidelity by family
+
+
+def _as_real(run: Path, where: Path) -> Path:
+    """A copy of a sim run that says it came from the real backend (what fidelity's second run is)."""
+    real = where / "real"
+    shutil.copytree(run, real)
+    for name in ("manifest.json", "requests.jsonl"):
+        path = real / name
+        path.write_text(path.read_text().replace('"backend": "sim"', '"backend": "vllm-omni"'))
+    return real
+
+
+def test_fidelity_refuses_runs_of_two_families(speaking_run, tmp_path):
+    other = _as_real(speaking_run, tmp_path)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["family"] = "qwen2.5-omni"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    res = invoke_cli("fidelity", str(speaking_run), str(other))
+    assert res.exit_code == 2
+    assert res.stderr.strip().splitlines() == [
+        f"omni-stress: error: fidelity {speaking_run} {other}: the first run is of family 'qwen3-tts', the second "
+        "of 'qwen2.5-omni'; fidelity compares two runs of one model family"]
+
+
+def test_fidelity_of_a_sim_run_against_itself_is_all_identical(speaking_run, tmp_path):
+    out = tmp_path / "f.json"
+    res = invoke_cli("fidelity", str(speaking_run), str(speaking_run), "--same-backend", "--json", str(out))
+    assert res.exit_code == 0, res.stderr
+    assert "16 requests in both runs, 16 identical" in res.stdout and "Where they differ" not in res.stdout
+    data = json.loads(out.read_text())
+    assert data["identical_requests"] == 16
+    assert all(r["same_codec_tokens"] and r["schedule"] == "same" and r["first_code_difference"] is None
+               and r["said"] is None for r in data["requests"])
+    ratios = [v["ratio"] for item in data["cells"] + data["requests"] for v in item["metrics"].values()]
+    assert ratios and all(r == 1.0 for r in ratios)
+
+
+def test_fidelity_says_per_request_where_the_codes_part_and_whether_the_spans_match(speaking_run, tmp_path):
+    """A "real" run whose fix request t04-stars said what the release said (on the same spans), and whose
+    t03-run lost one span (a different schedule): each is named with its reason, the codes read back by
+    Qwen3-TTS's rules (Qwen2.5-Omni's would garble them: other tags, other specials)."""
+    real = _as_real(speaking_run, tmp_path)
+    recs = _lines(real / "requests.jsonl")
+    by = {(r["arm"], r["deploy"], r["prompt_id"]): r for r in recs}
+    stars = by[("tts-fix", "qwen3-tts-cpu-stress", "t04-stars")]
+    said = by[("tts-0.30.0", "qwen3-tts-cpu-stress", "t04-stars")]
+    stars.update(codec_tokens=said["codec_tokens"], oracle_transcript=said["oracle_transcript"],
+                 oracle_wer=said["oracle_wer"])
+    (real / "requests.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in recs))
+    spans = _lines(real / "spans.jsonl")
+    run_spans = [s for s in spans if (s["arm"], s["deploy"], s["request"]) == ("tts-fix", "qwen3-tts-cpu-stress",
+                                                                                "t03-run")]
+    spans.remove(run_spans[-1])
+    (real / "spans.jsonl").write_text("".join(json.dumps(s, sort_keys=True) + "\n" for s in spans))
+
+    out = tmp_path / "f.json"
+    res = invoke_cli("fidelity", str(speaking_run), str(real), "--json", str(out))
+    assert res.exit_code == 0, res.stderr
+    tail = res.stdout[res.stdout.index("Where they differ"):].splitlines()
+    assert tail[:3] == [
+        "Where they differ, per request (2):",
+        "  tts-fix/qwen3-tts-cpu-stress/1/t03-run: the spans differ (the schedule: docs/fidelity.md); identical "
+        "codec tokens",
+        "  tts-fix/qwen3-tts-cpu-stress/1/t04-stars: identical spans; codec tokens differ from token 23 on identical "
+        "spans (the Talker or the runner differs); sim says 'Stars are tiny points of light, and moving air bends the "
+        "light around.', real says 'Stars are tiny points o'"]
+    data = json.loads(out.read_text())
+    reqs = {(r["arm"], r["deploy"], r["prompt_id"]): r for r in data["requests"]}
+    r = reqs[("tts-fix", "qwen3-tts-cpu-stress", "t04-stars")]
+    assert (r["schedule"], r["first_code_difference"]) == ("same", 23)
+    assert r["said"] == {"sim": "Stars are tiny points of light, and moving air bends the light around.",
+                         "real": "Stars are tiny points o"}
+    assert reqs[("tts-fix", "qwen3-tts-cpu-stress", "t03-run")]["schedule"] == "differs"
+    assert data["identical_requests"] == 15  # identical codes and counts: t03-run too (its spans are named above)

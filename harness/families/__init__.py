@@ -58,6 +58,9 @@ class Family:
     # the module of this family's speaking tiny model's rules (``decode``, ``CODEC_EOS``): ``fidelity`` reads both
     # runs' codec streams back with its ``decode``; None: the family has no speaking checkpoint
     speaking_rules: str | None = None
+    # what that speaking Talker cannot hear, for the note under the seed table when its oracle is the WER (None:
+    # Qwen2.5-Omni's, ``harness.report.tables.SPEAKING_BLIND_SPOTS``)
+    speaking_blind_spots: str | None = None
     # ``module:function(arm) -> impl``: how an arm of this family is loaded (its hook's name, upstream files);
     # None: Qwen2.5-Omni's ``talker_preprocess`` arms (``harness.talkers``)
     load_arm: str | None = None

@@ -36,6 +36,12 @@ FAMILY = Family(
     sim_cell="harness.families.qwen3_tts.sim:build_cell",
     sim_check_prompts="harness.families.qwen3_tts.sim:check_prompts",
     speaking_rules="harness.families.qwen3_tts.speaking",
+    speaking_blind_spots=(
+        "the speaking Talker hears only whether a codec-BOS row exists, the byte of the row at each sampled position, "
+        "the low 3 bits of the byte before it, and past the text whether a row is tts_eos, tts_pad or neither for two "
+        "positions; wrong rows elsewhere (the role header and tts_pad rows before P-2, codec ids other than BOS, the "
+        "high bits of the previous byte, tts_pad where tts_eos belongs, the end region past its first two positions, "
+        "a row's scale) are counted only by the misaligned columns"),
     load_arm="harness.families.qwen3_tts.arms:load_arm",
     serve_missing=("the vllm-omni backend does not drive the qwen3-tts family yet (its /v1/audio/speech client and a "
                    "speaking tiny Qwen3-TTS checkpoint are not built); run it on --backend sim"),

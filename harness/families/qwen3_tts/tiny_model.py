@@ -72,7 +72,7 @@ def config_dict() -> dict[str, Any]:
 def speech_tokenizer_config() -> dict[str, Any]:
     """``speech_tokenizer/config.json``: 24 kHz in and out, 1920 samples per frame (12.5 Hz), the real 16 codebooks."""
     encoder = dict(sampling_rate=24000, frame_rate=12.5, audio_channels=1, hidden_size=16, num_filters=2,
-                   num_residual_layers=1, upsampling_ratios=[8, 6, 5, 4], codebook_size=sp.CODEBOOK, codebook_dim=16,
+                   num_residual_layers=1, upsampling_ratios=[8, 6, 5, 4], codebook_size=2048, codebook_dim=16,
                    num_quantizers=NUM_CODE_GROUPS, num_semantic_quantizers=1, vector_quantization_hidden_dimension=16,
                    upsample_groups=16, num_hidden_layers=1, intermediate_size=32, num_attention_heads=2,
                    num_key_value_heads=2, head_dim=8, sliding_window=250, max_position_embeddings=8000)

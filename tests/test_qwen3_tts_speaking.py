@@ -3,6 +3,12 @@ checkpoint's build (deterministic) and the transformers-free self-check's margin
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from harness.families.qwen3_tts import speaking as sp
@@ -65,3 +71,69 @@ def test_ids_fit_the_codebook_and_the_specials_are_outside_it():
         sp.check_text("")
     with pytest.raises(ValueError, match="outside the KV"):
         sp.say([sp.Row()], 1)
+
+
+# ------------------------------------------------------------------ the checkpoint (real environment)
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL_PY = ROOT / ".venv-omni" / "bin" / "python"
+CLI = [sys.executable, "-m", "harness.cli"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """``omni-stress tiny-model DIR --family qwen3-tts``, once for the module."""
+    if not REAL_PY.exists():
+        if os.environ.get("OMNI_STRESS_REQUIRE_REAL") == "1":
+            pytest.fail(f"OMNI_STRESS_REQUIRE_REAL=1 but {REAL_PY} is missing (scripts/install-real-cpu.sh)")
+        pytest.skip("no real CPU environment (.venv-omni): run scripts/install-real-cpu.sh")
+    out = tmp_path_factory.mktemp("tts") / "tiny"
+    res = subprocess.run([*CLI, "tiny-model", str(out), "--family", "qwen3-tts", "--python", str(REAL_PY)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out, json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_the_checkpoint_is_built_offline_and_byte_identical_on_rebuild(built, tmp_path):
+    out, summary = built
+    assert (summary["family"], summary["hidden_size"], summary["codebook"], summary["speaking"]) == (
+        "qwen3-tts", 64, sp.CODEBOOK, True)
+    names = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert {"config.json", "model.safetensors", "omni_stress_tiny_model.json", "tokenizer.json",
+            "speech_tokenizer/config.json", "speech_tokenizer/model.safetensors",
+            "speech_tokenizer/preprocessor_config.json"} <= set(names)
+    again = tmp_path / "again"
+    res = subprocess.run([str(REAL_PY), "-m", "harness.families.qwen3_tts.tiny_model", str(again)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for name in names:
+        if name != "omni_stress_tiny_model.json":  # holds the path
+            assert (out / name).read_bytes() == (again / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_self_check_holds_with_margins(built, dtype):
+    out, _ = built
+    res = subprocess.run([str(REAL_PY), "-m", "harness.families.qwen3_tts.speaking_check", str(out), "--dtype", dtype],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert res.returncode == 0 and result["ok"] is True, result
+    assert result["correct"]["said"] == result["text"] and result["no_bos"]["said"] == ""
+    assert result["wrong_row"]["said"] == result["text"].replace("it is", "itqis", 1) or result["wrong_row"]["ok"]
+    assert result["min_margin"] >= 25.0 and result["min_prob"] == 1.0, result
+
+
+def test_the_cli_refuses_a_random_qwen3_tts_checkpoint_in_one_line(tmp_path):
+    res = subprocess.run([*CLI, "tiny-model", str(tmp_path / "m"), "--family", "qwen3-tts", "--random",
+                          "--python", sys.executable], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "omni-stress: error: tiny-model --family qwen3-tts: only the speaking checkpoint is built (drop --random)"]
+
+
+def test_the_self_check_refuses_a_folder_that_is_no_checkpoint(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "harness.families.qwen3_tts.speaking_check", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"omni-stress: error: {tmp_path}: not a tiny Qwen3-TTS checkpoint (no config.json and model.safetensors)"]

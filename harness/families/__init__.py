@@ -66,6 +66,9 @@ class Family:
     load_arm: str | None = None
     # None: the real backend (``--backend vllm-omni``) drives this family; else why it does not, said to the user
     serve_missing: str | None = None
+    # the real backend's family-specific module (``translate``, ``speech_body``, ``oracle``, ``server_env``):
+    # None: Qwen2.5-Omni's chat path (``--stage-overrides``, ``/v1/chat/completions``)
+    serve_module: str | None = None
     # the gate's default rules for a run of this family (``omni-stress gate`` without --rules; a name in
     # deploy_configs/): the seed's bounds are Qwen2.5-Omni's, another model's bug may show in other measures
     gate_rules: str = "gates"

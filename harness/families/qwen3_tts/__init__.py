@@ -14,7 +14,10 @@ No Thinker: the input is the text (plus a speaker). What is specific to this fam
 * deploys ``qwen3-tts-reference``, ``qwen3-tts-stress`` (V1) and their ``-mrv2`` twins; prompt set
   ``qwen3_tts``.
 
-The real server (``/v1/audio/speech``, a speaking tiny Qwen3-TTS checkpoint) is not driven yet.
+The real server (``--backend vllm-omni``, V1 runner): ``harness.families.qwen3_tts.serve`` (its deploy YAML,
+``/v1/audio/speech`` requests, the worker's trace and contract check of ``preprocess`` and
+``preprocess_decode_batch``); the speaking tiny checkpoint: ``speaking`` (rules), ``speaking_model``
+(weights), ``tiny_model`` (the build), ``speaking_check`` (its self-check).
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ FAMILY = Family(
         "high bits of the previous byte, tts_pad where tts_eos belongs, the end region past its first two positions, "
         "a row's scale) are counted only by the misaligned columns"),
     load_arm="harness.families.qwen3_tts.arms:load_arm",
-    serve_missing=("the vllm-omni backend does not drive the qwen3-tts family yet (its /v1/audio/speech client and a "
-                   "speaking tiny Qwen3-TTS checkpoint are not built); run it on --backend sim"),
+    serve_module="harness.families.qwen3_tts.serve",
     gate_rules="gates-qwen3-tts",
 )

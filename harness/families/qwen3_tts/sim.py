@@ -24,9 +24,15 @@ What the sim models (docs/simulation.md "Qwen3-TTS"):
   ``j`` sits at ``P - 1 + j``: the first in the prompt, the rest in the decode positions' text
   steps), and ``tts_eos`` / ``tts_pad`` end it. ``R`` is Qwen3-TTS's (``harness.physics``).
 
-Codec ids are the sim's codec vocabulary (``harness.sim.codec``: PAD 8292, BOS 8293, EOS 8294), not
-Qwen3-TTS's (2148-2150); the think and speaker ids below are the sim's too. Only their
-distinctness matters to the rows.
+* **The speaking Talker** (``--sim-talker speaking``, ``_speaking_cell``): the speaking tiny Qwen3-TTS's
+  rules (``harness.families.qwen3_tts.speaking``) over the rows each KV position holds when it is read
+  (``harness.sim.speaking_talker``), with the tiny tokenizer's rows (one per text byte; the role header's
+  ``\\n`` carries its byte), the checkpoint's codec ids as the sampled codes (speech ids below 2048, BABBLE,
+  SILENCE, codec EOS 2150 as the stop token) and ``speaking.decode`` as the oracle transcript.
+
+Codec ids of the prompt rows are the sim's codec vocabulary (``harness.sim.codec``: PAD 8292, BOS 8293,
+EOS 8294), not Qwen3-TTS's (2148-2150); the think and speaker ids below are the sim's too. Only their
+distinctness matters to the rows (the speaking Talker reads only whether a codec part is BOS).
 """
 
 from __future__ import annotations

@@ -238,6 +238,15 @@ def test_the_report_names_the_families_blind_spots(speaking_run):
 # --------------------------------------------------------------------------- fidelity by family
 
 
+def test_first_difference_of_two_codec_streams():
+    from harness.report.fidelity import first_difference
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1, 2, 3], [1, 2]) == 2
+    assert first_difference([], []) is None and first_difference([], [7]) == 0
+
+
 def _as_real(run: Path, where: Path) -> Path:
     """A copy of a sim run that says it came from the real backend (what fidelity's second run is)."""
     real = where / "real"

@@ -26,7 +26,7 @@ def test_the_stress_deploy_becomes_a_v1_deploy_yaml_with_the_cpu_profile():
     assert {k: talker[k] for k in ("stage_id", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                                    "num_gpu_blocks_override", "block_size", "max_model_len",
                                    "enable_prefix_caching")} == {
-        "stage_id": 0, "max_num_seqs": 4, "max_num_batched_tokens": 32, "enable_chunked_prefill": True,
+        "stage_id": 0, "max_num_seqs": 4, "max_num_batched_tokens": 8, "enable_chunked_prefill": True,
         "num_gpu_blocks_override": 6, "block_size": 32, "max_model_len": 160, "enable_prefix_caching": False}
     assert talker["default_sampling_params"] == {"temperature": 0.9, "top_p": 1.0, "top_k": 50, "seed": 42,
                                                  "max_tokens": 100}

@@ -121,15 +121,19 @@ def test_the_fix_says_every_text_under_stress_and_the_release_does_not(real_run:
 
 
 def test_the_stress_deploy_chunks_preempts_and_replays_across_the_prompt(real_run: Path) -> None:
+    """Four 83-position requests in 5 usable KV blocks of 32: when they pass 32 positions the cache runs
+    out and three are preempted, each replay crossing the prompt boundary (measured: 3 and 3 for both
+    arms; the count follows the cache, not the server's timing); an 8-token budget chunks every prompt."""
     cells, records = _spans(real_run), _records(real_run)
     for arm in ARMS:
         ref = cells[(arm, REF)]
         assert ref and sum(s.nonzero_offset for s in ref) == 0 and sum(s.cross_boundary for s in ref) == 0, arm
+        assert sum(r.preemptions for r in records[(arm, REF)].values()) == 0, arm
         spans = cells[(arm, STRESS)]
-        assert sum(s.nonzero_offset for s in spans) > 0, arm
-        assert sum(s.cross_boundary for s in spans) >= 1, arm
         assert all(s.n <= 8 for s in spans), arm  # max_num_batched_tokens
-        assert sum(r.preemptions for r in records[(arm, STRESS)].values()) > 0, arm
+        assert sum(s.nonzero_offset for s in spans) >= len(records[(arm, STRESS)]), arm  # every prompt chunked
+        assert sum(r.preemptions for r in records[(arm, STRESS)].values()) == 3, arm
+        assert sum(s.cross_boundary for s in spans) == 3, arm
 
 
 def test_each_position_is_traced_once_per_schedule(real_run: Path) -> None:

@@ -27,7 +27,7 @@ from harness.sim.codec import CODEC_BOS
 from harness.talkers import load_impl
 
 PROMPTS = "qwen3_tts_cpu_smoke"
-TEA = "Heat the water and steep the tea leaves."
+TEA = "Heat the water until it is hot but not boiling, then steep the tea well."
 
 # --------------------------------------------------------------------------- the cell
 
@@ -48,7 +48,7 @@ def test_the_speaking_cell_uses_the_tiny_tokenizers_bytes_and_the_real_codec_spe
     cell, _runner, out = _cell("tts-fix", prompts_n=4)
     assert out.prompt.reply == TEA
     assert [r.P for r in cell.requests] == [9, 9, 9, 9]  # the real server's P (speaking.PROMPT_LEN)
-    assert [r.T for r in cell.requests] == [40, 40, 40, 40]  # one text row per byte
+    assert [r.T for r in cell.requests] == [72, 72, 72, 72]  # one text row per byte
     assert out.reply_tokens == [chr(b) for b in TEA.encode()]
     assert cell.stop_token_ids == [speaking.CODEC_EOS] == [2150]
     talker = cell.talker
@@ -193,38 +193,41 @@ def _records(run: Path) -> dict[tuple[str, str, str], dict]:
     return {(r["arm"], r["deploy"], r["prompt_id"]): r for r in _lines(run / "requests.jsonl")}
 
 
-def test_the_fix_says_every_byte_and_the_release_under_stress_babbles_after_its_replays(speaking_run):
+def test_the_fix_says_every_byte_and_the_release_under_stress_stops_or_babbles_after_its_replays(speaking_run):
     recs = _records(speaking_run)
     assert len(recs) == 16
     texts = {p.id: p.reply for p in load_prompts(PROMPTS).prompts}
+    preempted = ("t02-plants", "t03-run", "t04-stars")
     for (arm, deploy, pid), r in recs.items():
-        if (arm, deploy) == ("tts-0.30.0", "qwen3-tts-cpu-stress") and pid in ("t03-run", "t04-stars"):
+        if (arm, deploy) == ("tts-0.30.0", "qwen3-tts-cpu-stress") and pid in preempted:
             continue
         # every byte, then silence at tts_eos and at the first tts_pad (codec EOS, the stop token, not recorded)
         assert r["codec_tokens"] == speaking.encode_reply(texts[pid]), (arm, deploy, pid)
-        assert (r["oracle_transcript"], r["oracle_wer"], r["num_codec_tokens"]) == (texts[pid], 0.0, 42)
-    # the release under stress: the two requests preempted after 24 and 23 codes are replayed from 0 with their
-    # buffer kept (V1): the replay's prompt chunk gets tts_pad rows and no codec part, so no KV position holds
-    # codec BOS; the last position, a one-token decode span, gets its own text row: the Talker babbles through
-    # the rest of the text, then says the end region
+        assert (r["oracle_transcript"], r["oracle_wer"], r["num_codec_tokens"]) == (texts[pid], 0.0, 74)
+    # the release under stress: three requests are preempted and replayed from 0 with their buffer kept (V1) in
+    # 8-row chunks: prompt chunks get tts_pad rows and no codec part, chunks past the prompt bare codec rows, so
+    # no KV position holds codec BOS. t02's replay ends with a one-token decode span, whose row is its own text
+    # row: the Talker babbles through the rest of the text, then says the end region. t03's and t04's end inside
+    # a chunk past the prompt: a bare codec row, codec EOS at once.
     release = {pid: recs[("tts-0.30.0", "qwen3-tts-cpu-stress", pid)] for pid in texts}
-    for pid, said in (("t03-run", 24), ("t04-stars", 23)):
+    for pid, said, babble in (("t02-plants", 56, True), ("t03-run", 24, False), ("t04-stars", 21, False)):
         r = release[pid]
-        assert r["codec_tokens"] == (speaking.encode_reply(texts[pid], end=False)[:said] + [speaking.BABBLE] * (40 - said)
-                                     + [speaking.SILENCE, speaking.SILENCE])
+        rest = [speaking.BABBLE] * (72 - said) + [speaking.SILENCE, speaking.SILENCE] if babble else []
+        assert r["codec_tokens"] == speaking.encode_reply(texts[pid], end=False)[:said] + rest, pid
         assert r["oracle_transcript"] == texts[pid].encode()[:said].decode()
-    assert release["t03-run"]["oracle_transcript"] == "Start with short runs an"
-    assert release["t04-stars"]["oracle_transcript"] == "Moving air bends the li"
-    assert [round(release[p]["oracle_wer"], 4) for p in texts] == [0.0, 0.0, 0.4286, 0.5]  # 3/7, 4/8 words
+    assert {p: r["oracle_transcript"] for p, r in release.items() if p in preempted} == {
+        "t02-plants": "Winter air is dry and the days are short, so give plants",
+        "t03-run": "Begin with short runs mi", "t04-stars": "Stars are tiny points"}
+    assert [round(release[p]["oracle_wer"], 4) for p in texts] == [0.0, 0.2, 0.7143, 0.6923]  # 3/15, 10/14, 9/13
     events = {p: (r["preemptions"], r["events"]["cross_boundary_replays"], r["events"]["multi_position_decode_spans"],
                   r["events"]["nonzero_offset_chunks"], r["events"]["misaligned_text_positions"],
                   r["events"]["misaligned_end_positions"]) for p, r in release.items()}
-    assert events == {"t01-tea": (0, 0, 0, 0, 0, 0), "t02-plants": (0, 0, 0, 0, 0, 0),
-                      "t03-run": (1, 1, 0, 0, 32, 0), "t04-stars": (1, 1, 0, 1, 31, 0)}
-    # the fix under the same schedule: the same events, no misaligned position
+    assert events == {"t01-tea": (0, 0, 0, 1, 0, 0), "t02-plants": (1, 1, 6, 2, 64, 0),
+                      "t03-run": (1, 1, 3, 2, 33, 0), "t04-stars": (1, 1, 3, 3, 30, 0)}
+    # the fix under stress: preempted and replayed too, no misaligned position, every byte said
     fix = {p: recs[("tts-fix", "qwen3-tts-cpu-stress", p)] for p in texts}
     assert {p: (r["preemptions"], r["events"]["cross_boundary_replays"], r["events"]["misaligned_positions"])
-            for p, r in fix.items()} == {"t01-tea": (0, 0, 0), "t02-plants": (0, 0, 0), "t03-run": (1, 1, 0),
+            for p, r in fix.items()} == {"t01-tea": (0, 0, 0), "t02-plants": (1, 1, 0), "t03-run": (1, 1, 0),
                                          "t04-stars": (1, 1, 0)}
 
 
@@ -308,13 +311,14 @@ def test_fidelity_says_per_request_where_the_codes_part_and_whether_the_spans_ma
         "Where they differ, per request (2):",
         "  tts-fix/qwen3-tts-cpu-stress/1/t03-run: the spans differ (the schedule: docs/fidelity.md); identical "
         "codec tokens",
-        "  tts-fix/qwen3-tts-cpu-stress/1/t04-stars: identical spans; codec tokens differ from token 23 on identical "
-        "spans (the Talker or the runner differs); sim says 'Moving air bends the light of the stars.', real says "
-        "'Moving air bends the li'"]
+        "  tts-fix/qwen3-tts-cpu-stress/1/t04-stars: identical spans; codec tokens differ from token 21 on identical "
+        "spans (the Talker or the runner differs); sim says 'Stars are tiny points of light, and moving air bends "
+        "their light around.', real says 'Stars are tiny points'"]
     data = json.loads(out.read_text())
     reqs = {(r["arm"], r["deploy"], r["prompt_id"]): r for r in data["requests"]}
     r = reqs[("tts-fix", "qwen3-tts-cpu-stress", "t04-stars")]
-    assert (r["schedule"], r["first_code_difference"]) == ("same", 23)
-    assert r["said"] == {"sim": "Moving air bends the light of the stars.", "real": "Moving air bends the li"}
+    assert (r["schedule"], r["first_code_difference"]) == ("same", 21)
+    assert r["said"] == {"sim": "Stars are tiny points of light, and moving air bends their light around.",
+                         "real": "Stars are tiny points"}
     assert reqs[("tts-fix", "qwen3-tts-cpu-stress", "t03-run")]["schedule"] == "differs"
     assert data["identical_requests"] == 15  # identical codes and counts: t03-run too (its spans are named above)

@@ -174,9 +174,9 @@ def test_list_families_shows_each_familys_chain_hook_and_defaults():
         "  qwen3-tts    talker -> code2wav; talker's preprocess under test",
         "               real server: /v1/audio/speech, trace "
         "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker:Qwen3TTSTalkerForConditionalGeneration; "
-        "conform model qwen3-tts (not driven by --backend vllm-omni yet)",
+        "conform model qwen3-tts",
         "               defaults: --arm tts-0.30.0 --arm tts-fix --deploy qwen3-tts-reference --deploy qwen3-tts-stress "
-        "--deploy qwen3-tts-mrv2-reference --deploy qwen3-tts-mrv2-stress --prompts qwen3_tts; sim Talkers words",
+        "--deploy qwen3-tts-mrv2-reference --deploy qwen3-tts-mrv2-stress --prompts qwen3_tts; sim Talkers words, speaking",
     ]
 
 

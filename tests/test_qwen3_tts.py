@@ -182,13 +182,13 @@ def test_the_gate_fails_the_release_as_a_candidate(tmp_path):
     assert gate.stdout.splitlines()[-1].startswith("gate: ") and "-> FAIL (a rule failed) (exit 1)" in gate.stdout
 
 
-def test_a_qwen3_tts_run_on_the_real_backend_is_refused_in_one_line(tmp_path):
+def test_a_qwen3_tts_mrv2_deploy_on_the_real_backend_is_refused_in_one_line(tmp_path):
     res = run_cli("run", "--family", "qwen3-tts", "--backend", "vllm-omni", "--dry-run", "--out", str(tmp_path))
     assert res.exit_code == 2
-    path = REPO / "deploy_configs" / "qwen3-tts-reference.yaml"
+    path = REPO / "deploy_configs" / "qwen3-tts-mrv2-reference.yaml"
     assert res.stderr.strip().splitlines() == [
-        f"omni-stress: error: {path}: family qwen3-tts: the vllm-omni backend does not drive the qwen3-tts family yet "
-        "(its /v1/audio/speech client and a speaking tiny Qwen3-TTS checkpoint are not built); run it on --backend sim"]
+        f"omni-stress: error: {path}: talker.model_runner: v2: MRV2 runs on CUDA only; the vllm-omni backend's CPU "
+        "platform runs the V1 runner (run MRV2 deploys on --backend sim)"]
 
 
 def test_a_model_runner_other_than_v1_or_v2_is_refused(tmp_path):

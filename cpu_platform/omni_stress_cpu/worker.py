@@ -17,6 +17,15 @@ Corrections, each needed on CPU and harmless to what is measured:
 * The first forward: Qwen2.5-Omni's Talker sets ``self.voice_type`` only inside its first forward
   (``qwen2_5_omni.py:346-348``) and ``talker_preprocess`` reads it; vLLM's CPU worker skips the
   profile run in eager mode, so ``compile_or_warm_up_model`` runs one dummy forward here.
+* The talker-MTP buffers (Qwen3-TTS, issue 31): vLLM-Omni's ``_init_talker_mtp`` sizes the buffers it
+  hands the model's ``talker_mtp`` (the code predictor's per-step inputs: ids, codec rows, last hidden
+  states, text steps) as ``max(max_num_reqs, compilation_config.max_cudagraph_capture_size)``; on CPU
+  there are no CUDA graphs and the capture size is ``None``, so that ``max`` raises TypeError at load.
+  ``_TalkerMTPBuffersMixin`` runs the release's ``_init_talker_mtp`` unchanged with the capture size
+  read as 0 for the call (buffers of ``max_num_reqs`` rows, all a CPU step can use). It replaces
+  nothing of ``preprocess``, ``preprocess_decode_batch`` or ``_preprocess`` (the code under test), nor of
+  ``talker_mtp`` itself; the code predictor runs eager on CPU by the release's own rule
+  (``supports_torch_inductor`` is False, ``platform.py``).
 * Seeded sampling: vLLM rewinds a seeded request's generator after a partial prefill chunk with
   ``generator.set_offset`` (``gpu_model_runner.py``), which CPU generators do not support ("CPU
   Generator does not use offset"); the CPU runner keeps the generator's state instead
@@ -80,8 +89,23 @@ class _SeededRewindMixin:
             self.input_batch.generators.update(hidden)
 
 
+class _TalkerMTPBuffersMixin:
+    """The release's ``_init_talker_mtp`` with no CUDA-graph capture size (None on CPU) read as 0."""
+
+    def _init_talker_mtp(self) -> None:
+        config = self.compilation_config
+        saved = getattr(config, "max_cudagraph_capture_size", 0)
+        if saved is not None:
+            return super()._init_talker_mtp()
+        object.__setattr__(config, "max_cudagraph_capture_size", 0)
+        try:
+            return super()._init_talker_mtp()
+        finally:
+            object.__setattr__(config, "max_cudagraph_capture_size", saved)
+
+
 @_pin_cpu_methods
-class CPUARModelRunner(_SeededRewindMixin, GPUARModelRunner, CPUModelRunner):
+class CPUARModelRunner(_TalkerMTPBuffersMixin, _SeededRewindMixin, GPUARModelRunner, CPUModelRunner):
     pass
 
 

@@ -1,5 +1,6 @@
 """``omni-stress fidelity SIM_RUN REAL_RUN``: the sim beside a real run of the same work, with ratios.
 
+Two runs of different model families are refused, one line, exit 2 (one family's codec streams mean nothing to the other's Talker).
 Two sim runs (the same run twice included) or two real runs are refused, one line, exit 2: ratios of a
 run against itself (1.00 everywhere) measure nothing about the sim's fidelity. ``--same-backend``
 compares them anyway, as a self-check that the output labels as such (issue 33, case 4). An incomplete
@@ -9,6 +10,7 @@ run (killed, a torn last line) gets the warning ``report`` and ``compare`` give,
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -33,10 +35,14 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
     from harness.report import fidelity, summary
     from harness.errors import UserError
     from harness.backends import is_simulated
-    from harness.rundir import manifest_sim_talker
+    from harness.rundir import manifest_family, manifest_sim_talker
     from harness.records import write_file_atomic
 
     runs = [summary.load_run(sim_run), summary.load_run(real_run)]
+    families = [manifest_family(run.manifest) for run in runs]
+    if families[0] != families[1]:
+        raise UserError(f"fidelity {sim_run} {real_run}: the first run is of family {families[0]!r}, the second of "
+                        f"{families[1]!r}; fidelity compares two runs of one model family")
     for run in runs:  # the check report and compare make, with the same warning (the gate refuses such a run)
         problems = summary.run_problems(run)
         if problems and strict:
@@ -58,13 +64,16 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
         raise UserError(f"fidelity {sim_run} {real_run}: the first run is the real one (backend {backends[0]}) and "
                         f"the second the sim run: give the sim run first (fidelity SIM_RUN REAL_RUN)")
 
+    def side_talker(run: summary.Run) -> str | None:
+        return manifest_sim_talker(run.manifest)
+
     def side(run: summary.Run) -> fidelity.Side:
         return fidelity.Side(label=run.run_id, backend=run.manifest.get("backend"),
                              talker=manifest_sim_talker(run.manifest), records=run.requests,
                              events=summary.request_events(run),
                              schedules=fidelity.span_schedules(run.spans.raw))
 
-    result = fidelity.compare(side(runs[0]), side(runs[1]))
+    result = fidelity.compare(side(runs[0]), side(runs[1]), _decoder(families[0], [side_talker(r) for r in runs]))
     data = fidelity.as_json(result)
     text = fidelity.render_text(result)
     if self_check is not None:
@@ -76,3 +85,18 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
         except OSError as exc:
             raise UserError(f"--json {json_path}: cannot write ({exc.strerror or exc})") from None
     click.echo(text, nl=False)
+
+
+def _decoder(family_name: str, talkers: list[str | None]) -> Callable[[list[int]], str] | None:
+    """The family's speaking read-back (codes -> transcript) when both sides ran a speaking Talker (the real
+    server's speaking checkpoint, or the sim's ``speaking`` mode); None otherwise (a words sim's codes are
+    not the speaking table's)."""
+    import importlib
+
+    from harness.families import get_family
+
+    rules = get_family(family_name).speaking_rules
+    if rules is None or any(t not in (None, "speaking") for t in talkers):
+        return None
+    decode = importlib.import_module(rules).decode
+    return lambda codes: decode(codes).text

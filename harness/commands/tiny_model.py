@@ -1,4 +1,6 @@
-"""``omni-stress tiny-model DIR``: build the tiny (speaking or random) Qwen2.5-Omni checkpoint for the real backend on CPU.
+"""``omni-stress tiny-model DIR [--family F]``: build a tiny checkpoint for the real backend on CPU: the speaking or
+random Qwen2.5-Omni (``harness.serve.tiny_model``) or the speaking Qwen3-TTS
+(``harness.families.qwen3_tts.tiny_model``).
 
 Why a subprocess: the checkpoint's processor (Qwen2-VL image and video processors) needs the
 transformers and torchvision of the real environment (``.venv-omni``), not of the sim's; the
@@ -15,6 +17,7 @@ import click
 from harness.errors import UserError
 
 BUILD_TIMEOUT_S = 900
+BUILDERS = {"qwen2.5-omni": "harness.serve.tiny_model", "qwen3-tts": "harness.families.qwen3_tts.tiny_model"}
 
 
 @click.command("tiny-model")
@@ -24,10 +27,12 @@ BUILD_TIMEOUT_S = 900
 @click.option("--speaking/--random", default=True, show_default=True,
               help="Speaking: Thinker and Talker weights built so the Talker says what its rows say "
                    "(docs/speaking-model.md); random: every weight random.")
+@click.option("--family", type=click.Choice(sorted(BUILDERS)), default="qwen2.5-omni", show_default=True,
+              help="Which model family's tiny checkpoint (qwen3-tts: speaking only, docs/qwen3-tts.md).")
 @click.option("--python", "python", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Interpreter of the real environment (default: --serve-python's default, ./.venv-omni/bin/python).")
-def command(out: Path, seed: int, speaking: bool, python: Path | None) -> None:
-    """Build a tiny Qwen2.5-Omni checkpoint in OUT, offline (speaking by default)."""
+def command(out: Path, seed: int, speaking: bool, family: str, python: Path | None) -> None:
+    """Build a tiny Qwen2.5-Omni (or, with --family qwen3-tts, Qwen3-TTS) checkpoint in OUT, offline (speaking by default)."""
     from harness.serve.backend import default_serve_python
 
     interpreter = str(python) if python else default_serve_python()
@@ -36,9 +41,11 @@ def command(out: Path, seed: int, speaking: bool, python: Path | None) -> None:
                         "run scripts/install-real-cpu.sh or give --python")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"tiny-model: {out} exists and is not empty (give a new folder)")
+    if family == "qwen3-tts" and not speaking:
+        raise UserError("tiny-model --family qwen3-tts: only the speaking checkpoint is built (drop --random)")
+    flags = ["--speaking"] if speaking and family == "qwen2.5-omni" else []
     try:
-        proc = subprocess.run([interpreter, "-m", "harness.serve.tiny_model", str(out), "--seed", str(seed),
-                               *(["--speaking"] if speaking else [])],
+        proc = subprocess.run([interpreter, "-m", BUILDERS[family], str(out), "--seed", str(seed), *flags],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         raise UserError(f"tiny-model: the build did not finish in {BUILD_TIMEOUT_S} s") from None

@@ -55,11 +55,20 @@ class Family:
     sim_talkers: tuple[str, ...]  # the sim's Talker modes for this family (--sim-talker); first = default
     sim_cell: str  # ``module:function`` building a sim cell (``harness.sim.cell.SimCell``)
     sim_check_prompts: str  # ``module:function(prompts, talker_mode)``: refuse prompts the sim would mis-score
+    # the module of this family's speaking tiny model's rules (``decode``, ``CODEC_EOS``): ``fidelity`` reads both
+    # runs' codec streams back with its ``decode``; None: the family has no speaking checkpoint
+    speaking_rules: str | None = None
+    # what that speaking Talker cannot hear, for the note under the seed table when its oracle is the WER (None:
+    # Qwen2.5-Omni's, ``harness.report.tables.SPEAKING_BLIND_SPOTS``)
+    speaking_blind_spots: str | None = None
     # ``module:function(arm) -> impl``: how an arm of this family is loaded (its hook's name, upstream files);
     # None: Qwen2.5-Omni's ``talker_preprocess`` arms (``harness.talkers``)
     load_arm: str | None = None
     # None: the real backend (``--backend vllm-omni``) drives this family; else why it does not, said to the user
     serve_missing: str | None = None
+    # the real backend's family-specific module (``translate``, ``speech_body``, ``oracle``, ``server_env``):
+    # None: Qwen2.5-Omni's chat path (``--stage-overrides``, ``/v1/chat/completions``)
+    serve_module: str | None = None
     # the gate's default rules for a run of this family (``omni-stress gate`` without --rules; a name in
     # deploy_configs/): the seed's bounds are Qwen2.5-Omni's, another model's bug may show in other measures
     gate_rules: str = "gates"

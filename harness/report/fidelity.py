@@ -2,7 +2,10 @@
 
 Pure functions, no I/O: ``compare`` takes two ``Side``s (a run's records and each request's event
 counts, read by the command) and matches their requests by (arm, deploy, repeat, prompt id);
-``render_text`` and ``as_json`` say the result. With ``run --sim-talker speaking`` the sim runs the
+``render_text`` and ``as_json`` say the result. Per request it also says whether the two sides ran the
+same spans (the schedule) and, where the codec streams differ, from which token and what each side's
+codes say, read back by the run's family's speaking rules (``Family.speaking_rules``: Qwen2.5-Omni's
+``harness.speaking``, Qwen3-TTS's ``harness.families.qwen3_tts.speaking``). With ``run --sim-talker speaking`` the sim runs the
 speaking tiny model's Talker, so a difference between the two sides is the scheduler, the runner or
 timing, not the Talker (docs/fidelity.md says which differences to expect and why).
 
@@ -106,6 +109,22 @@ class RequestComparison:
     values: dict[str, Value]
     same_codes: bool  # identical codec token streams
     same_schedule: bool = False  # identical (P, c, n) span sequences (``RequestRecord.schedule``) on both sides
+    schedule: str = "unknown"  # "same", "differs", or "unknown" (a side without spans)
+    first_code_difference: int | None = None  # index of the first codec token that differs (None: the same)
+    said: tuple[str, str] | None = None  # what each side's codes say (the family's ``decode``), where they differ
+
+    def difference_line(self) -> str:
+        """Why this request differs, in one line: its spans, then where its codec streams part."""
+        spans = {"same": "identical spans", "differs": "the spans differ (the schedule: docs/fidelity.md)",
+                 "unknown": "spans unknown"}[self.schedule]
+        if self.same_codes:
+            return f"{_key_text(self.key)}: {spans}; identical codec tokens"
+        text = f"{_key_text(self.key)}: {spans}; codec tokens differ from token {self.first_code_difference}"
+        if self.schedule == "same":
+            text += " on identical spans (the Talker or the runner differs)"
+        if self.said is not None:
+            text += f"; sim says {self.said[0]!r}, real says {self.said[1]!r}"
+        return text
 
 
 @dataclass
@@ -172,9 +191,19 @@ def _cell_value(metric: Metric, values: list[float | int | None]) -> float | int
     return sum(present) if present else (None if values else 0)
 
 
-def compare(sim: Side, real: Side) -> Fidelity:
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The index of the first codec token where two streams differ (a stream that stops early differs at its
+    end); None when they are identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if int(x) != int(y):
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(sim: Side, real: Side, decode: Callable[[list[int]], str] | None = None) -> Fidelity:
     """Matches the two runs' requests by (arm, deploy, repeat, prompt id); a ``UserError`` when they
-    share no arm x deploy x repeat cell (nothing to compare)."""
+    share no arm x deploy x repeat cell (nothing to compare). ``decode``: the family's speaking rules'
+    read-back (codes -> transcript), applied to both sides' codes where they differ (None: not shown)."""
     a, b = _by_key(sim, "sim"), _by_key(real, "real")
     cells_a = {k[:3] for k in a}
     cells_b = {k[:3] for k in b}
@@ -190,8 +219,13 @@ def compare(sim: Side, real: Side) -> Fidelity:
         ea, eb = _events(sim, ra), _events(real, rb)
         values = {m.key: Value(m.value(ra, ea), m.value(rb, eb)) for m in METRICS}
         sa, sb = _schedule(sim, ra), _schedule(real, rb)
-        requests.append(RequestComparison(key, values, list(ra.codec_tokens) == list(rb.codec_tokens),
-                                          sa is not None and sa == sb))
+        differ_at = first_difference(ra.codec_tokens, rb.codec_tokens)
+        said = None
+        if differ_at is not None and decode is not None:
+            said = (decode(list(ra.codec_tokens)), decode(list(rb.codec_tokens)))
+        schedule = "unknown" if sa is None or sb is None else "same" if sa == sb else "differs"
+        requests.append(RequestComparison(key, values, differ_at is None, sa is not None and sa == sb, schedule,
+                                          differ_at, said))
     cells = []
     for cell in sorted(common_cells, key=lambda c: order[c]):
         reqs = [r for r in requests if r.key[:3] == cell]
@@ -332,6 +366,10 @@ def render_text(fid: Fidelity) -> str:
                                  fmt_ratio(v.ratio)])
     out += _table(header, rows, 6)
     out.append("(* sim and real differ)")
+    apart = [r for r in fid.requests if r in fid.differing or r.schedule == "differs"]
+    if apart:  # every request whose codes, counts or spans differ, with its spans and where its codes part
+        out += ["", f"Where they differ, per request ({len(apart)}):"]
+        out += [f"  {r.difference_line()}" for r in apart]
     for name, side, keys in (("sim", fid.sim, fid.only_sim), ("real", fid.real, fid.only_real)):
         if keys:
             out += ["", f"Only in the {name} run {side.label} ({len(keys)}): "
@@ -359,6 +397,8 @@ def as_json(fid: Fidelity) -> dict[str, Any]:
         "cells": [{"arm": c.key[0], "deploy": c.key[1], "repeat": c.key[2], "requests": c.requests,
                    "metrics": _values_json(c.values)} for c in fid.cells],
         "requests": [{**key(r.key), "same_codec_tokens": r.same_codes, "same_schedule": r.same_schedule,
+                      "schedule": r.schedule, "first_code_difference": r.first_code_difference,
+                      "said": None if r.said is None else {"sim": r.said[0], "real": r.said[1]},
                       "metrics": _values_json(r.values)}
                      for r in fid.requests],
         "only_sim": [key(k) for k in fid.only_sim],

@@ -125,6 +125,14 @@ SPEAKING_BLIND_SPOTS = (
     "region past its first two positions, a row's scale) are counted only by the misaligned columns")
 
 
+def speaking_blind_spots(run: Run) -> str:
+    """What the run's family's speaking Talker cannot hear (``Family.speaking_blind_spots``)."""
+    from harness.families import get_family
+    from harness.rundir import manifest_family
+
+    return get_family(manifest_family(run.manifest)).speaking_blind_spots or SPEAKING_BLIND_SPOTS
+
+
 def speaks_with_the_speaking_talker(run: Run) -> bool:
     """Whether the run's oracle comes from the speaking Talker: a real-backend record (the oracle exists
     only with the speaking checkpoint) or a sim run with ``--sim-talker speaking``."""
@@ -144,7 +152,7 @@ def wer_source_note(run: Run, cells: list[CellSummary]) -> str:
     if source == "oracle":
         note += f" ({oracle_origin(run)}; no ASR ran)"
         if speaks_with_the_speaking_talker(run):
-            note += f"; {SPEAKING_BLIND_SPOTS}"
+            note += f"; {speaking_blind_spots(run)}"
     if source == "mixed":
         per_cell = ", ".join(f"{c.arm}/{c.deploy}/run {c.run_number}: {c.wer_source}" for c in cells)
         note += f"; per cell: {per_cell}"

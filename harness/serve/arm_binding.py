@@ -35,7 +35,13 @@ import sys
 from typing import Any
 
 ENV_ARM = "OMNI_STRESS_ARM"
+ENV_HOOK = "OMNI_STRESS_HOOK"  # the family's hook (``Family.hook``): Qwen3-TTS's ``preprocess``
 METHOD = "talker_preprocess"
+
+
+def hook_method() -> str:
+    """The method an arm must define and replaces: ``$OMNI_STRESS_HOOK``, else Qwen2.5-Omni's ``talker_preprocess``."""
+    return os.environ.get(ENV_HOOK) or METHOD
 UPSTREAM_ALIAS = "_omni_stress_upstream_talker_preprocess"
 
 
@@ -64,15 +70,15 @@ def methods_of(arm: Any) -> dict[str, Any]:
     if not isinstance(arm, type):
         if not callable(arm):
             raise TypeError(f"arm {arm!r} is neither a class nor a function")
-        return {METHOD: arm}
+        return {hook_method(): arm}
     found: dict[str, Any] = {}
     for klass in _own_classes(arm):
         for name, value in vars(klass).items():
             if name.startswith("__") or name in found:
                 continue
             found[name] = value
-    if not inspect.isfunction(found.get(METHOD)):
-        raise TypeError(f"arm class {arm.__qualname__} defines no {METHOD}")
+    if not inspect.isfunction(found.get(hook_method())):
+        raise TypeError(f"arm class {arm.__qualname__} defines no {hook_method()}")
     return found
 
 
@@ -109,7 +115,7 @@ def bind(model_cls: type, spec: str, redirect_helpers: bool = False) -> dict[str
     arm = _load(spec)
     methods = methods_of(arm)
     originals = dict(vars(model_cls))  # the installed model's own members, before any is replaced
-    original = model_cls.__dict__.get(METHOD)
+    original = model_cls.__dict__.get(hook_method())
     if original is not None and UPSTREAM_ALIAS not in model_cls.__dict__:
         setattr(model_cls, UPSTREAM_ALIAS, original)
     for name, fn in methods.items():

@@ -77,7 +77,20 @@ class ServeOptions:
         return is_speaking_checkpoint(self.model)
 
     def translate(self, deploy: Deploy) -> DeployTranslation:
+        module = family_serve_module(deploy.family)
+        if module is not None:  # a family served with its own deploy YAML (Qwen3-TTS)
+            return module.translate(deploy, self.resolved_platform)
         return translate_deploy(deploy, self.resolved_platform, self.speaking)
+
+
+def family_serve_module(family: str) -> Any:
+    """The family's real-backend module (``Family.serve_module``), imported; None for Qwen2.5-Omni's chat path."""
+    name = get_family(family).serve_module
+    if name is None:
+        return None
+    import importlib
+
+    return importlib.import_module(name)
 
 
 SPEAKING_MARKER = "omni_stress_tiny_model.json"  # written by ``omni-stress tiny-model``
@@ -187,13 +200,19 @@ def binds_arm(arm: ArmSpec, options: ServeOptions | None = None) -> bool:
     return serve_settings(arm, options).bind_arm and not arm.talker.startswith("vllm-omni:")
 
 
-def server_argv(arm: ArmSpec, deploy: Deploy, options: ServeOptions, port: int | str) -> list[str]:
-    """The exact command line: ``... serve MODEL --omni --host 127.0.0.1 --port N <deploy> <extra>``."""
+def server_argv(arm: ArmSpec, deploy: Deploy, options: ServeOptions, port: int | str,
+                deploy_file: Path | str | None = None) -> list[str]:
+    """The exact command line: ``... serve MODEL --omni --host 127.0.0.1 --port N <deploy> <extra>``;
+    ``deploy_file``: where a family's deploy YAML was written (``DeployTranslation.deploy_yaml``)."""
     translation = options.translate(deploy)
+    args = [str(deploy_file) if a == DEPLOY_FILE and deploy_file is not None else a for a in translation.cli_args]
     return [
         *server_prefix(arm, options), "serve", options.model, "--omni", "--host", HOST, "--port", str(port),
-        *translation.cli_args, *options.extra_args,
+        *args, *options.extra_args,
     ]
+
+
+DEPLOY_FILE = "<deploy.yaml>"  # a family's deploy YAML in a translation's argv (harness.families.qwen3_tts.serve)
 
 
 def server_env_overrides(arm: ArmSpec, trace_dir: Path, options: ServeOptions | None = None,
@@ -212,6 +231,9 @@ def server_env_overrides(arm: ArmSpec, trace_dir: Path, options: ServeOptions | 
     target = get_family(arm.family).trace_target
     if target != DEFAULT_TARGET:  # the plugin's default is Qwen2.5-Omni's Talker
         env[ENV_TARGET] = target
+    module = family_serve_module(arm.family)
+    if module is not None:  # the family's hook (the arm binds it) and trace wrapper
+        env.update(module.server_env())
     if options is not None and options.trace_level != DEFAULT_LEVEL:  # --trace; the default leaves the arm's env
         env[ENV_LEVEL] = options.trace_level                          # (an older OMNI_STRESS_CONTRACT=0) in force
     return env
@@ -285,8 +307,7 @@ def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOpt
     placeholder = Prompt(id="<prompt_id>", user="<user text of the prompt>", reply="")
     prompt_set = PromptSet(name="<prompts>", description="", system_prompt="<system_prompt of the prompt set>",
                            prompts=(placeholder,), path=Path("<prompts>"))
-    example = chat.build_body(options.model, prompt_set, placeholder, deploy, "omni-stress-<prompt_id>-<hex32>",
-                              options.speaking, options.stream)
+    example = request_body(options, prompt_set, placeholder, deploy, "omni-stress-<prompt_id>-<hex32>")
     lines = [
         f"# arm {arm.name!r} x deploy {deploy.name!r} ({deploy.path}) -- backend vllm-omni, platform "
         f"{translation.platform}" + (f", arm {arm.talker} bound onto the installed model" if binds_arm(arm, options)
@@ -297,15 +318,18 @@ def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOpt
         f"# environment: this shell's, without its {ENV_PREFIX}* variables, plus:",
         f"env {env_text} \\",
         f"  {cmd}",
-        f"# --stage-overrides (stage 0 Thinker, 1 Talker, 2 Code2Wav; {translation.platform} profile), on top of the "
-        "arm's default deploy/qwen2_5_omni.yaml:",
-        *("#   " + ln for ln in json.dumps(translation.stage_overrides, indent=2, sort_keys=True).splitlines()),
+        *((f"# {DEPLOY_FILE} (--deploy-config; {translation.platform} profile), written into the cell's folder:",
+           *("#   " + ln for ln in translation.deploy_yaml.splitlines())) if translation.deploy_yaml is not None else
+          (f"# --stage-overrides (stage 0 Thinker, 1 Talker, 2 Code2Wav; {translation.platform} profile), on top of "
+           "the arm's default deploy/qwen2_5_omni.yaml:",
+           *("#   " + ln for ln in json.dumps(translation.stage_overrides, indent=2, sort_keys=True).splitlines()))),
         f"# health: GET http://{HOST}:$PORT/health (timeout {options.health_timeout_s:g} s)",
-        (f"# requests: POST http://{HOST}:$PORT/v1/chat/completions, every prompt in flight, timeout "
+        (f"# requests: POST http://{HOST}:$PORT{get_family(deploy.family).request_api}, every prompt in flight, timeout "
          f"{options.request_timeout_s:g} s, retries {options.retries}, header X-Request-Id: <request_id>; body of each:"),
         *(f"#   {key}: {json.dumps(value)}" for key, value in example.items() if key != "sampling_params_list"),
-        "#   sampling_params_list (Thinker, Talker, Code2Wav):",
-        *(f"#     {json.dumps(stage)}" for stage in example["sampling_params_list"]),
+        *(("#   sampling_params_list (Thinker, Talker, Code2Wav):",
+           *(f"#     {json.dumps(stage)}" for stage in example["sampling_params_list"]))
+          if "sampling_params_list" in example else ()),
         "# files:",
         f"#   {server_log_path(run_dir, arm, deploy)}  (server log)",
         f"#   {trace}/trace-<pid>.jsonl  (Talker spans, trace plugin)",
@@ -323,9 +347,12 @@ def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOpt
 class TraceCollector:
     """Reads the plugin's ``trace-*.jsonl`` incrementally (complete lines only) and files lines by prompt."""
 
-    def __init__(self, directory: Path, token_to_prompt: dict[str, str]) -> None:
+    def __init__(self, directory: Path, token_to_prompt: dict[str, str],
+                 text_to_prompt: dict[str, str] | None = None) -> None:
         self.directory = directory
         self.token_to_prompt = token_to_prompt
+        # the speech API names its requests itself (``speech-<uuid>``): lines say their text (``tts_text``)
+        self.text_to_prompt = text_to_prompt or {}
         self._offsets: dict[Path, int] = {}
         self.by_prompt: dict[str, list[dict[str, Any]]] = {}
         self.unmatched = 0
@@ -361,6 +388,8 @@ class TraceCollector:
                     continue
                 self.total += 1
                 prompt_id = self._match(str(line.get("request_id")))
+                if prompt_id is None and isinstance(line.get("tts_text"), str):
+                    prompt_id = self.text_to_prompt.get(line["tts_text"])
                 if prompt_id is None:
                     self.unmatched += 1
                     continue
@@ -415,6 +444,7 @@ class ServeCell:
     replies: dict[str, str] = field(default_factory=dict)  # prompt id -> the prompt set's reply
     codecs: dict[str, dict[int, int]] = field(default_factory=dict)  # prompt id -> position -> codec id
     generated_at: dict[str, list[float]] = field(default_factory=dict)  # prompt id -> times of generated calls
+    deploy_file: Path | None = None  # the family's deploy YAML (``--deploy-config``), when it has one
 
     @property
     def label(self) -> str:
@@ -456,19 +486,32 @@ def build_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, ru
     for stale in list(trace.glob(TRACE_GLOB)) + list(trace.glob(IMPLEMENTATION_GLOB)) + [trace / "attempts.jsonl"]:
         stale.unlink(missing_ok=True)  # a rerun of this cell must not see the previous server's spans
     (run_dir / "audio").mkdir(parents=True, exist_ok=True)
+    deploy_file = None
+    if translation.deploy_yaml is not None:
+        deploy_file = trace / "deploy.yaml"
+        deploy_file.write_text(translation.deploy_yaml, encoding="utf-8")
     specs: list[chat.RequestSpec] = []
     token_to_prompt: dict[str, str] = {}
     for p in prompts.prompts:
         tag = chat.make_tag(p.id)
         token_to_prompt[chat.tag_token(tag)] = p.id
         specs.append(chat.RequestSpec(
-            prompt_id=p.id, tag=tag,
-            body=chat.build_body(options.model, prompts, p, deploy, tag, options.speaking, options.stream),
+            prompt_id=p.id, tag=tag, body=request_body(options, prompts, p, deploy, tag),
             audio_file=run_dir / audio_rel_path(arm, deploy, repeat, p.id),
         ))
+    text_to_prompt = {p.reply: p.id for p in prompts.prompts} if family_serve_module(deploy.family) else None
     return ServeCell(arm, deploy, repeat, run_dir, options, trace, server_log_path(run_dir, arm, deploy),
-                     server_env(arm, trace, options, translation), specs, TraceCollector(trace, token_to_prompt),
-                     replies={p.id: p.reply for p in prompts.prompts})
+                     server_env(arm, trace, options, translation), specs,
+                     TraceCollector(trace, token_to_prompt, text_to_prompt),
+                     replies={p.id: p.reply for p in prompts.prompts}, deploy_file=deploy_file)
+
+
+def request_body(options: ServeOptions, prompts: PromptSet, prompt: Prompt, deploy: Deploy, tag: str) -> dict[str, Any]:
+    """One request's body: the family's (``/v1/audio/speech`` for Qwen3-TTS) or Qwen2.5-Omni's chat request."""
+    module = family_serve_module(deploy.family)
+    if module is not None:
+        return module.speech_body(options.model, prompt.reply, options.stream, deploy)
+    return chat.build_body(options.model, prompts, prompt, deploy, tag, options.speaking, options.stream)
 
 
 # A cell's server is started at most this many times: after a crash the requests it had not been sent
@@ -494,7 +537,8 @@ def step_cell(cell: ServeCell, on_request: Callable[[RequestRecord], None],
     t0 = time.perf_counter()
     for start in range(1, MAX_SERVER_STARTS + 1):
         launcher = ServerLauncher(
-            lambda port: server_argv(arm, deploy, options, port), cell.log_path, env=cell.env, label=cell.label,
+            lambda port: server_argv(arm, deploy, options, port, cell.deploy_file), cell.log_path, env=cell.env,
+            label=cell.label,
             health_timeout_s=options.health_timeout_s,
         )
         held_back: list[chat.RequestSpec] = []
@@ -695,7 +739,8 @@ def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.
                                                                      res.thinker_text)) is not None:
         record.error = problem
     elif speaking and res.error is None:  # the speaking model's oracle: its codec stream read back through the table
-        record.oracle_transcript = decode_codes(codes).text
+        module = family_serve_module(deploy.family)
+        record.oracle_transcript = module.oracle(codes) if module is not None else decode_codes(codes).text
         record.oracle_wer = wer(record.reference_text, record.oracle_transcript)
     return record
 

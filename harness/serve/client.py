@@ -278,6 +278,30 @@ async def _one_stream_attempt(client: httpx.AsyncClient, url: str, spec: Request
                           response_id=chat.response_id, stream=metrics, audio_events=chat.audio_events)
 
 
+async def _one_speech_attempt(client: httpx.AsyncClient, url: str, spec: RequestSpec, timeout_s: float,
+                              attempt: int) -> ParsedResponse:
+    """One ``/v1/audio/speech`` attempt (Qwen3-TTS), sent and measured by the speech client
+    (``harness.serve.speech.send_speech``: whole WAV, or ``stream: true`` PCM chunks stamped as they
+    arrive). The text said is the request's ``input`` (the WER reference); a streamed answer's
+    metrics ride along as a chat stream's do."""
+    from harness.serve.speech import send_speech
+    from harness.serve.streaming import SPEECH_PATH
+
+    rid = attempt_id(spec.tag, attempt)
+    result = await send_speech(client, url[: -len(SPEECH_PATH)], spec.body, timeout_s=timeout_s, request_id=rid)
+    if result.error is not None:
+        if result.status is not None and result.status != 200:
+            raise _HttpStatus(result.status, result.error.removeprefix(f"HTTP {result.status}: "))
+        if result.error.startswith("timed out"):
+            raise asyncio.TimeoutError()
+        raise ResponseError(result.error)
+    assert result.wav is not None and result.metrics is not None
+    streamed = spec.body.get("stream") is True
+    return ParsedResponse(text=str(spec.body.get("input", "")), audio=result.wav, finish_reason=None, response_id=None,
+                          stream=result.metrics if streamed else None,
+                          audio_events=result.deltas if streamed else None)
+
+
 class _HttpStatus(Exception):
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(f"HTTP {status}: {detail}")
@@ -320,7 +344,8 @@ class _Sender:
             a0 = time.monotonic()
             a0_wall = time.time()
             try:
-                one = _one_stream_attempt if spec.body.get("stream") is True else _one_attempt
+                one = (_one_speech_attempt if self.url.endswith("/v1/audio/speech") else
+                       _one_stream_attempt if spec.body.get("stream") is True else _one_attempt)
                 parsed = await one(self.client, self.url, spec, self.request_timeout_s, attempt)
                 self._answered(res, spec, parsed, a0_wall)
                 res.attempts.append({"attempt": attempt, "request_id": attempt_id(spec.tag, attempt), "ok": True,

@@ -90,6 +90,8 @@ class DeployTranslation:
     cli_args: tuple[str, ...]
     platform: str = "gpu"
     env: tuple[tuple[str, str], ...] = ()  # what the server's environment needs on this platform
+    # a family served with a whole deploy YAML (``--deploy-config``): its text, written into the cell's folder
+    deploy_yaml: str | None = None
 
     @property
     def stage_overrides_json(self) -> str:

@@ -81,6 +81,7 @@ ENV_ARM = "OMNI_STRESS_ARM"
 ENV_CONTRACT = "OMNI_STRESS_CONTRACT"
 ENV_ROW_IDS = "OMNI_STRESS_ROW_IDS"  # "1": identity-coded Thinker rows (harness.serve.worker_contract)
 ENV_LEVEL = "OMNI_STRESS_TRACE_LEVEL"  # off | spans | contract (issue 34)
+ENV_WRAPPER = "OMNI_STRESS_TRACE_WRAPPER"  # module:function(cls, writer) that wraps a family's hooks instead
 ENV_TIMING = "OMNI_STRESS_TRACE_TIMING"  # "1": per-step instrumentation timings (timing-<pid>.jsonl)
 LEVELS = ("off", "spans", "contract")
 DEFAULT_LEVEL = "contract"
@@ -635,7 +636,7 @@ def _bind_arm(cls: type, arm: str, directory: str | None) -> None:
         def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
             raise RuntimeError(f"omni-stress: arm {arm!r} could not be bound in this worker: {info['error']}")
 
-        setattr(cls, METHOD, refuse)
+        setattr(cls, os.environ.get("OMNI_STRESS_HOOK") or METHOD, refuse)
     if directory:
         path = os.path.join(directory, f"implementation-{os.getpid()}.json")
         with open(path, "w", encoding="utf-8") as fh:
@@ -671,7 +672,14 @@ def install(directory: str | None, target: str = DEFAULT_TARGET, arm: str | None
         if arm:
             _bind_arm(cls, arm, directory)
         if writer is not None:
-            wrap_talker_preprocess(cls, writer)
+            custom = os.environ.get(ENV_WRAPPER)
+            if custom:  # a family whose hooks differ (harness.families.qwen3_tts.serve:wrap)
+                import importlib
+
+                mod, _, fn = custom.partition(":")
+                getattr(importlib.import_module(mod), fn)(cls, writer)
+            else:
+                wrap_talker_preprocess(cls, writer)
 
     if module_name in sys.modules:
         wrap(sys.modules[module_name])

@@ -1,5 +1,9 @@
 """The sim's ``speaking`` Talker mode: the speaking tiny model's rules (``harness.speaking``), on the sim's KV.
 
+The rules module is the family's (``SpeakingTalker(rules=...)``): Qwen2.5-Omni's ``harness.speaking`` by
+default, Qwen3-TTS's ``harness.families.qwen3_tts.speaking`` (its codec ids, tags and end rows) for that
+family's cell (``harness.families.qwen3_tts.sim``); the KV semantics below are the same for both.
+
 ``omni-stress run --sim-talker speaking`` runs this Talker instead of the default one
 (``harness/sim/talker.py``), so the sim and the real server with the speaking tiny checkpoint run
 the same Talker, and what differs between them is the scheduler, the runner and timing
@@ -33,6 +37,8 @@ syllable; babble ids carry no words, so a babbling request's WAV is silence.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import numpy as np
 
@@ -72,14 +78,22 @@ class SpeakingKV(TalkerKV):
 
 
 class SpeakingTalker:
-    """Rules 1-3 of ``harness.speaking`` on the rows of a ``SpeakingKV``."""
+    """Rules 1-3 of a speaking tiny model on the rows of a ``SpeakingKV``.
 
-    MARKS = (None, speaking.EOS_MARK, speaking.PAD_MARK)
+    ``rules``: the family's rules module (``harness.speaking`` for Qwen2.5-Omni,
+    ``harness.families.qwen3_tts.speaking`` for Qwen3-TTS): its ``next_code``, ``CODEC_EOS`` and marks.
+    ``byte_kinds``: the registered row kinds whose one-byte word is heard as that byte (Qwen3-TTS's role
+    header ``\\n`` row carries its byte, as the tiny tokenizer's does)."""
 
-    def __init__(self, space: RowSpace) -> None:
+    def __init__(self, space: RowSpace, rules: ModuleType = speaking,
+                 byte_kinds: tuple[str, ...] = ("prompt", "output")) -> None:
         self.space = space
+        self.rules = rules
+        self.byte_kinds = byte_kinds
+        # a row's mark by index: text-EOS, text-PAD, and text-BOS where the rules name it (Qwen3-TTS's tts_bos)
+        self.marks = (None, rules.EOS_MARK, rules.PAD_MARK, getattr(rules, "BOS_MARK", None))
         self._byte_np = np.zeros(0, dtype=np.int64)
-        self._mark_np = np.zeros(0, dtype=np.int64)  # index into MARKS
+        self._mark_np = np.zeros(0, dtype=np.int64)  # index into marks
 
     def freeze(self) -> None:
         """The byte of every registered text row, -1 for none (call once all rows exist)."""
@@ -88,7 +102,7 @@ class SpeakingTalker:
         out = np.full(len(self.space.meanings), -1, dtype=np.int64)
         marks = np.zeros(len(self.space.meanings), dtype=np.int64)
         for i, m in enumerate(self.space.meanings):
-            if m.kind in ("prompt", "output"):
+            if m.kind in self.byte_kinds:
                 b = token_byte(m.word)
                 if b is not None:
                     out[i] = b
@@ -96,14 +110,16 @@ class SpeakingTalker:
                 marks[i] = 1
             elif m.kind == "text_pad":
                 marks[i] = 2
+            elif m.kind == "text_bos":
+                marks[i] = 3
         self._byte_np = out
         self._mark_np = marks
 
     def mark_of(self, text_id: int) -> str | None:
-        """Whether a KV text component is the text-EOS or the text-PAD row (None: anything else)."""
+        """Whether a KV text component is the text-EOS, text-PAD or (rules naming it) text-BOS row (None: anything else)."""
         if text_id < 0 or text_id >= self._mark_np.shape[0]:
             return None
-        return self.MARKS[int(self._mark_np[text_id])]
+        return self.marks[int(self._mark_np[text_id])]
 
     def byte_of(self, text_id: int) -> int | None:
         """The byte of a KV text component (a registry id, NONE or UNKNOWN)."""
@@ -115,17 +131,17 @@ class SpeakingTalker:
     def next_token(self, kv: SpeakingKV, generated: int) -> int:
         m = kv.P - 1 + generated
         if m >= kv.length or m < 1:
-            return speaking.CODEC_EOS
+            return self.rules.CODEC_EOS
         text = kv._text_np
         here, before = int(text[m]), int(text[m - 1])
-        return speaking.next_code(kv.started_at(m), self.byte_of(here), self.byte_of(before), self.mark_of(here),
+        return self.rules.next_code(kv.started_at(m), self.byte_of(here), self.byte_of(before), self.mark_of(here),
                                   self.mark_of(before))
 
 
-def spoken_codes(output_token_ids: list[int]) -> list[int]:
-    """The codec tokens a request spoke: everything before codec EOS (the stop token is not speech)."""
+def spoken_codes(output_token_ids: list[int], eos: int = speaking.CODEC_EOS) -> list[int]:
+    """The codec tokens a request spoke: everything before codec EOS ``eos`` (the stop token is not speech)."""
     codes = [int(c) for c in output_token_ids]
-    return codes[:codes.index(speaking.CODEC_EOS)] if speaking.CODEC_EOS in codes else codes
+    return codes[:codes.index(eos)] if eos in codes else codes
 
 
 def speech_units(transcript: str, frames_per_word: int) -> list[str]:

@@ -37,4 +37,5 @@ FAMILY = Family(
     sim_talkers=("words", "speaking"),
     sim_cell="harness.families.qwen2_5_omni.sim:build_cell",
     sim_check_prompts="harness.families.qwen2_5_omni.sim:check_prompts",
+    speaking_rules="harness.speaking",
 )

@@ -14,7 +14,10 @@ No Thinker: the input is the text (plus a speaker). What is specific to this fam
 * deploys ``qwen3-tts-reference``, ``qwen3-tts-stress`` (V1) and their ``-mrv2`` twins; prompt set
   ``qwen3_tts``.
 
-The real server (``/v1/audio/speech``, a speaking tiny Qwen3-TTS checkpoint) is not driven yet.
+The real server (``--backend vllm-omni``, V1 runner): ``harness.families.qwen3_tts.serve`` (its deploy YAML,
+``/v1/audio/speech`` requests, the worker's trace and contract check of ``preprocess`` and
+``preprocess_decode_batch``); the speaking tiny checkpoint: ``speaking`` (rules), ``speaking_model``
+(weights), ``tiny_model`` (the build), ``speaking_check`` (its self-check).
 """
 
 from __future__ import annotations
@@ -32,11 +35,17 @@ FAMILY = Family(
     default_arms=("tts-0.30.0", "tts-fix"),
     default_deploys=("qwen3-tts-reference", "qwen3-tts-stress", "qwen3-tts-mrv2-reference", "qwen3-tts-mrv2-stress"),
     default_prompts="qwen3_tts",
-    sim_talkers=("words",),
+    sim_talkers=("words", "speaking"),
     sim_cell="harness.families.qwen3_tts.sim:build_cell",
     sim_check_prompts="harness.families.qwen3_tts.sim:check_prompts",
+    speaking_rules="harness.families.qwen3_tts.speaking",
+    speaking_blind_spots=(
+        "the speaking Talker hears only whether a codec-BOS row exists, the byte of the row at each sampled position, "
+        "the low 3 bits of the byte before it, and past the text whether a row is tts_eos, tts_pad or neither for two "
+        "positions; wrong rows elsewhere (the role header and tts_pad rows before P-2, codec ids other than BOS, the "
+        "high bits of the previous byte, tts_pad where tts_eos belongs, the end region past its first two positions, "
+        "a row's scale) are counted only by the misaligned columns"),
     load_arm="harness.families.qwen3_tts.arms:load_arm",
-    serve_missing=("the vllm-omni backend does not drive the qwen3-tts family yet (its /v1/audio/speech client and a "
-                   "speaking tiny Qwen3-TTS checkpoint are not built); run it on --backend sim"),
+    serve_module="harness.families.qwen3_tts.serve",
     gate_rules="gates-qwen3-tts",
 )

@@ -24,14 +24,21 @@ What the sim models (docs/simulation.md "Qwen3-TTS"):
   ``j`` sits at ``P - 1 + j``: the first in the prompt, the rest in the decode positions' text
   steps), and ``tts_eos`` / ``tts_pad`` end it. ``R`` is Qwen3-TTS's (``harness.physics``).
 
-Codec ids are the sim's codec vocabulary (``harness.sim.codec``: PAD 8292, BOS 8293, EOS 8294), not
-Qwen3-TTS's (2148-2150); the think and speaker ids below are the sim's too. Only their
-distinctness matters to the rows.
+* **The speaking Talker** (``--sim-talker speaking``, ``_speaking_cell``): the speaking tiny Qwen3-TTS's
+  rules (``harness.families.qwen3_tts.speaking``) over the rows each KV position holds when it is read
+  (``harness.sim.speaking_talker``), with the tiny tokenizer's rows (one per text byte; the role header's
+  ``\\n`` carries its byte), the checkpoint's codec ids as the sampled codes (speech ids below 2048, BABBLE,
+  SILENCE, codec EOS 2150 as the stop token) and ``speaking.decode`` as the oracle transcript.
+
+Codec ids of the prompt rows are the sim's codec vocabulary (``harness.sim.codec``: PAD 8292, BOS 8293,
+EOS 8294), not Qwen3-TTS's (2148-2150); the think and speaker ids below are the sim's too. Only their
+distinctness matters to the rows (the speaking Talker reads only whether a codec part is BOS).
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -73,8 +80,9 @@ class Specials:
     eos_id: int
 
     @classmethod
-    def make(cls, space: RowSpace) -> Specials:
-        role, role_first = space.make("role", [None] * ROLE_ROWS, None)
+    def make(cls, space: RowSpace, role_words: tuple[str | None, ...] = (None,) * ROLE_ROWS) -> Specials:
+        """``role_words``: what the role header's rows say (the ``speaking`` Talker hears its ``\\n`` row's byte)."""
+        role, role_first = space.make("role", list(role_words), None)
         pad, pad_id = space.make("text_pad", [None], None)  # the Talker's END class: tts_pad ends speech
         bos, bos_id = space.make("text_bos", [None], None)
         eos, eos_id = space.make("text_eos", [None], None)
@@ -122,11 +130,13 @@ class TTSRequest:
                 "language": ["Auto"], "non_streaming_mode": [False], "hidden_states": {"last": torch.zeros(1, DIM)}}
 
 
-def make_requests(prompts: PromptSet, space: RowSpace, specials: Specials) -> list[TTSRequest]:
+def make_requests(prompts: PromptSet, space: RowSpace, specials: Specials,
+                  tokenizer: Callable[[str], list[str]] = tokenize) -> list[TTSRequest]:
+    """``tokenizer``: the sim's rule (``words``) or the speaking checkpoint's bytes (:func:`byte_tokens`)."""
     out = []
     for prompt in prompts.prompts:
         rid = prompt.id
-        tokens = tokenize(prompt.reply)
+        tokens = tokenizer(prompt.reply)
         if not tokens:
             raise UserError(f"{prompts.path}: prompt {rid!r}: the text has no tokens")
         text_rows, first = space.make("output", list(tokens), rid)
@@ -255,12 +265,16 @@ class TTSKV(TalkerKV):
 class TTSContract:
     """``harness.families.qwen3_tts.contract`` as array arithmetic over row identities."""
 
-    def __init__(self, specials: Specials) -> None:
+    def __init__(self, specials: Specials, kv_class: type[TalkerKV] = TTSKV) -> None:
+        """``kv_class``: the words Talker's ``TTSKV`` (its start rows) or the speaking Talker's ``SpeakingKV``."""
         self.pad_id, self.bos_id, self.eos_id = specials.pad_id, specials.bos_id, specials.eos_id
+        self.kv_class = kv_class
 
-    def new_kv(self, out: TTSRequest, capacity: int) -> TTSKV:
-        return TTSKV(out.request_id, out.P, SPEAKER_CODECS[out.speaker.lower()], out.text_first_id, capacity,
-                     pad_id=self.pad_id, bos_id=self.bos_id)
+    def new_kv(self, out: TTSRequest, capacity: int) -> TalkerKV:
+        spk = SPEAKER_CODECS[out.speaker.lower()]
+        if self.kv_class is TTSKV:
+            return TTSKV(out.request_id, out.P, spk, out.text_first_id, capacity, pad_id=self.pad_id, bos_id=self.bos_id)
+        return self.kv_class(out.request_id, out.P, spk, out.text_first_id, capacity)
 
     def misaligned_one(self, kv: TTSKV, out: TTSRequest, span_id: int, c: int, t_id: int,
                        k_id: int) -> tuple[int, int]:
@@ -293,9 +307,13 @@ class TTSContract:
 
 
 def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_mode: str) -> SimCell:
-    if talker_mode != "words":
-        raise UserError(f"--sim-talker {talker_mode!r}: the qwen3-tts family's sim has the words Talker only")
+    """``talker_mode``: ``words`` (the words Talker with Qwen3-TTS's start rows) or ``speaking`` (the speaking
+    tiny Qwen3-TTS's rules, ``harness.families.qwen3_tts.speaking``, and its tokenizer: one row per byte)."""
+    if talker_mode not in ("words", "speaking"):
+        raise UserError(f"--sim-talker {talker_mode!r}: unknown sim Talker for qwen3-tts (choose words or speaking)")
     space = RowSpace(seed)
+    if talker_mode == "speaking":
+        return _speaking_cell(impl, deploy, prompts, space)
     specials = Specials.make(space)
     requests = make_requests(prompts, space, specials)
     model = bind_arm(impl, space, specials, requests, deploy.talker.model_runner)
@@ -313,10 +331,55 @@ def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_
                    contract=TTSContract(specials), stop_token_ids=[CODEC_EOS], speak=speak, runner_class=TTSRunner)
 
 
+SPEAKING_ROLE_WORDS = ("<|im_start|>", "assistant", "\n")  # the tiny tokenizer's role header: \n is a byte
+
+
+def byte_tokens(text: str) -> list[str]:
+    """The speaking checkpoint's tokens of a text (one per UTF-8 byte, ``harness.tokenizer.token_byte`` reads them)."""
+    from harness.families.qwen3_tts import speaking
+
+    return [chr(b) for b in speaking.text_token_ids(text)]
+
+
+def _speaking_cell(impl: Any, deploy: Deploy, prompts: PromptSet, space: RowSpace) -> SimCell:
+    """The ``speaking`` Talker's cell: rows made from the tiny tokenizer's bytes, the Talker following
+    ``speaking.next_code`` over the rows each KV position holds now (a replay's rewrite included,
+    ``SpeakingKV``), the codec stream read back by ``speaking.decode`` (the real backend's oracle)."""
+    from harness.families.qwen3_tts import speaking
+    from harness.sim.speaking_talker import SpeakingKV, SpeakingTalker, speech_units, spoken_codes
+
+    specials = Specials.make(space, SPEAKING_ROLE_WORDS)
+    requests = make_requests(prompts, space, specials, byte_tokens)
+    model = bind_arm(impl, space, specials, requests, deploy.talker.model_runner)
+    frames = deploy.sim.frames_per_text_token
+    talker = SpeakingTalker(space, speaking, byte_kinds=("output", "role"))
+    talker.freeze()
+
+    def speak(codes: list[int]) -> tuple[list[int], str, list[str]]:
+        codes = spoken_codes(codes, speaking.CODEC_EOS)
+        transcript = speaking.decode(codes).text
+        return codes, transcript, speech_units(transcript, frames)
+
+    return SimCell(requests=requests, token_ids={}, space=space, model=model, talker=talker,
+                   contract=TTSContract(specials, SpeakingKV), stop_token_ids=[speaking.CODEC_EOS], speak=speak,
+                   runner_class=TTSRunner)
+
+
 def check_prompts(prompts: PromptSet, talker_mode: str) -> None:
-    """The words Talker says each text's tokens as Qwen2.5-Omni's says a reply: the same check."""
+    """``words``: the words Talker says each text's tokens as Qwen2.5-Omni's says a reply: the same check.
+    ``speaking``: every text must be one the tiny tokenizer turns into one token per byte (``check_text``)."""
+    if talker_mode == "speaking":
+        from harness.families.qwen3_tts.speaking import check_text
+
+        for i, prompt in enumerate(prompts.prompts):
+            try:
+                check_text(prompt.reply)
+            except ValueError as exc:
+                raise ConfigError(f"{prompts.path}: prompts[{i}].text: {exc} (prompt {prompt.id!r}; --sim-talker "
+                                  "speaking)") from None
+        return
     if talker_mode != "words":
-        raise ConfigError(f"--sim-talker {talker_mode}: the qwen3-tts family's sim has the words Talker only")
+        raise ConfigError(f"--sim-talker {talker_mode}: unknown sim Talker for qwen3-tts (choose words or speaking)")
     from harness.families.qwen2_5_omni.sim import check_prompts as check_words
 
     check_words(prompts, talker_mode)

@@ -1,0 +1,165 @@
+"""Weights that make the tiny Qwen3-TTS *speak*: its Talker says what its rows say
+(``harness.families.qwen3_tts.speaking``), inside vLLM-Omni 0.30.0's unmodified Qwen3-TTS code.
+
+Built by hand, not trained. The pieces Qwen2.5-Omni's construction already has are reused from
+``harness.serve.speaking_model`` (the rotary "previous position" head and its pair weights, the
+logit design); what differs is where the rows come from and Qwen3's attention (q/k RMSNorm per head).
+
+**Where a Talker row comes from** (docs/qwen3-tts.md's contract table): position ``p``'s input row
+is ``text_projection(text_embedding(text token))`` plus a codec embedding (``codec_embedding(id)``;
+at a decode step also the 15 residual codebooks' embeddings, which the code predictor samples).
+
+* ``text_embedding``: a byte token carries its bits (``BITS``, +-``CODE``) and ``TEXT`` (``CODE``);
+  ``tts_eos``, ``tts_pad``, ``tts_bos``, ``<|im_start|>`` and ``assistant`` one ``MARKS`` dim each
+  (``CODE``); every other token zero.
+* ``text_projection`` (``fc2(silu(fc1(x)))``, both with bias): the identity, exactly:
+  ``fc1`` writes ``x`` and ``-x`` to two channel halves, ``fc2`` subtracts them, and
+  ``silu(x) - silu(-x) = x``.
+* ``codec_embedding``: zero except codec BOS (``BOS`` = ``CODE``); the code predictor's 15 residual
+  embeddings zero, so what the code predictor samples is never heard by the Talker.
+
+**The Talker** (one Qwen3 layer, hidden 64, two heads of 32, no MLP: ``down_proj`` zero):
+
+* head 0 reads the previous position: query and key are biases only (their projection weights
+  zero), on the eight fastest rotary pairs, the key rotated one position back, as in Qwen2.5-Omni's
+  construction; Qwen3 RMS-normalises each head's query and key, so ``q_norm``/``k_norm`` weights on
+  those dims equal the biases' RMS, which gives the bias back. Its value copies the previous row's
+  tag bits (``BITS[0:3]``), ``TEXT`` and the ``tts_pad`` mark into ``PREV``, ``PREV_TEXT``, ``PREV_PAD``.
+* head 1 finds the codec-BOS row: query a bias, key the ``BOS`` dim, both on the slowest rotary
+  pair (content-only score); after ``k_norm`` a BOS row's key is the same whatever its scale, a row
+  without BOS has key 0. Its value copies ``BOS`` to ``STARTED``, and its value *bias* writes
+  ``ONE`` = ``CODE`` into every position (attention weights sum to 1): the constant the logits'
+  offsets need (Qwen3's rows have no projection bias that reaches a bare codec row).
+* ``codec_head`` (``lm_head``): Qwen2.5-Omni's logit design on these dims (speech id
+  ``256 * tag + byte``, babble, silence, EOS); margins in docs/qwen3-tts.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from harness.families.qwen3_tts import speaking as sp
+from harness.serve import speaking_model as omni
+
+HIDDEN = 64
+TEXT_HIDDEN = 64
+HEAD_DIM = omni.HEAD_DIM  # 32: the pair angles of omni.thetas()
+HEADS = 2
+ROPE_THETA = omni.ROPE_THETA
+CODE = omni.CODE  # 8/3, every content dim's value in a row
+BITS = list(range(8))
+TEXT = 8
+MARKS = {sp.TTS_EOS: 9, sp.TTS_PAD: 10, sp.TTS_BOS: 11, sp.IM_START: 12, sp.ASSISTANT: 13}
+BOS = 14  # codec BOS (outside the text projection's reach: it writes dims < 32 from text dims < 14)
+PREV = [16, 17, 18]  # head 0: the previous byte's tag bits
+PREV_TEXT = 19
+PREV_PAD = 20
+STARTED = 24  # head 1: a codec-BOS row in the KV
+ONE = 25  # head 1's value bias: CODE at every position
+ROW_ID = [60, 61, 62, 63]  # never written (zero in every row): free for a worker's row-identity codes
+TAG_BITS = 3  # log2(sp.TAGS)
+# head 0's copy of a +-CODE dim after the layer's input RMSNorm: a byte row has nine such dims (8/3 each
+# after the norm); the row at P-1 also has BOS (8/sqrt(10) = 2.53); a tts_pad row has one dim (8)
+PREV_REF = 8.0 / 3.0
+STARTED_REF = 8.0 / math.sqrt(10.0)  # head 1's copy of BOS at the P-1 row (first byte + codec BOS)
+PAD_REF = 8.0  # head 0's copy of a tts_pad row's mark
+BOS_QK = 12.4  # head 1: 12.4 * 12.4 / sqrt(32) = 27 nats for the BOS row over rows without it
+# logit design (units of the residual before the final norm), as Qwen2.5-Omni's (omni.*)
+ALPHA, ALPHA_TAG, GAMMA, GATE, WINNER = omni.ALPHA, omni.ALPHA_TAG, omni.GAMMA, omni.GATE, omni.WINNER
+EOS_LOGIT, OTHER_LOGIT = omni.EOS_LOGIT, omni.OTHER_LOGIT
+BABBLE_TEXT, BABBLE_BASE, BABBLE_STARTED = omni.BABBLE_TEXT, omni.BABBLE_BASE, omni.BABBLE_STARTED
+SIL_BASE, SIL_MARK, SIL_PREV_PAD = omni.SIL_BASE, omni.SIL_MARK, omni.SIL_PREV_PAD
+
+
+def _bits(value: int, n: int) -> list[float]:
+    return [1.0 if (value >> i) & 1 else -1.0 for i in range(n)]
+
+
+def apply(state: dict[str, Any]) -> dict[str, Any]:
+    """Overwrite the Talker's weights in ``state`` (HF names, ``talker.`` prefix) with the construction."""
+    import torch
+
+    gap = omni.prev_head_gap()
+    if gap < 0.2:
+        raise RuntimeError(f"speaking model: head 0's score gap {gap:.3f} < 0.2")
+    for name in list(state):  # the Talker: zero, norms 1; the code predictor's body and heads stay random
+        if name.startswith("talker.") and not name.startswith("talker.code_predictor."):
+            state[name].fill_(1.0 if name.endswith("norm.weight") else 0.0)
+        if name.startswith("talker.code_predictor.model.codec_embedding."):
+            state[name].zero_()  # residual codebooks add nothing to the Talker's next row
+
+    # --- text side: byte codes and marks, projected unchanged ---
+    emb = state["talker.model.text_embedding.weight"]
+    for b in range(sp.BYTES):
+        emb[b, BITS] = torch.tensor(_bits(b, 8)) * CODE
+        emb[b, TEXT] = CODE
+    for tid, dim in MARKS.items():
+        emb[tid, dim] = CODE
+    half = TEXT_HIDDEN // 2
+    fc1, fc2 = state["talker.text_projection.linear_fc1.weight"], state["talker.text_projection.linear_fc2.weight"]
+    for j in range(half):
+        fc1[j, j], fc1[half + j, j] = 1.0, -1.0
+        fc2[j, j], fc2[j, half + j] = 1.0, -1.0
+    state["talker.model.codec_embedding.weight"][sp.CODEC_BOS, BOS] = CODE
+
+    # --- layer 0 attention ---
+    pre = "talker.model.layers.0.self_attn."
+    qb, kb, vb = state[pre + "q_proj.bias"], state[pre + "k_proj.bias"], state[pre + "v_proj.bias"]
+    kw, vw, ow = state[pre + "k_proj.weight"], state[pre + "v_proj.weight"], state[pre + "o_proj.weight"]
+    qn, kn = state[pre + "q_norm.weight"], state[pre + "k_norm.weight"]
+    th = omni.thetas()
+    hd = HEAD_DIM // 2
+    total = sum(omni.PREV_PAIR_WEIGHTS)
+    for j, w in enumerate(omni.PREV_PAIR_WEIGHTS):  # head 0: previous position, content-free
+        a = math.sqrt(omni.PREV_SCORE * w / total)
+        qb[j] = a
+        kb[j] = a * math.cos(th[j])
+        kb[j + hd] = a * math.sin(th[j])
+    rms0 = math.sqrt(omni.PREV_SCORE / HEAD_DIM)  # the biases' RMS over the head: q_norm/k_norm give it back
+    for j in range(len(omni.PREV_PAIR_WEIGHTS)):
+        qn[j] = kn[j] = qn[j + hd] = kn[j + hd] = rms0
+    for k, dim in enumerate(BITS[:TAG_BITS] + [TEXT, MARKS[sp.TTS_PAD]]):  # head 0's value -> PREV*
+        vw[k, dim] = 1.0
+        ow[(PREV + [PREV_TEXT, PREV_PAD])[k], k] = 1.0
+    slow = hd - 1  # head 1: the slowest rotary pair; after the norm a one-dim vector is sqrt(32) * weight
+    qb[HEAD_DIM + slow] = 1.0
+    qn[slow] = BOS_QK / math.sqrt(HEAD_DIM)
+    kw[HEAD_DIM + slow, BOS] = 1.0
+    kn[slow] = BOS_QK / math.sqrt(HEAD_DIM)
+    vw[HEAD_DIM, BOS] = 1.0  # head 1's value slot 0: BOS -> STARTED
+    ow[STARTED, HEAD_DIM] = 1.0
+    vb[HEAD_DIM + 1] = CODE  # head 1's value slot 1: a bias -> ONE at every position
+    ow[ONE, HEAD_DIM + 1] = 1.0
+
+    # --- codec_head: one row per codec id ---
+    head = state["talker.codec_head.weight"]
+    head[:, ONE] = OTHER_LOGIT / CODE
+    base = 9 * ALPHA * CODE + TAG_BITS * ALPHA_TAG * PREV_REF - WINNER
+    cur = torch.tensor([_bits(b, 8) for b in range(sp.BYTES)]) * ALPHA
+    for t in range(sp.TAGS):
+        rows = slice(t * sp.BYTES, (t + 1) * sp.BYTES)
+        head[rows, 0:8] = cur
+        head[rows, TEXT] = ALPHA
+        head[rows, PREV[0]:PREV[-1] + 1] = torch.tensor(_bits(t, TAG_BITS)) * ALPHA_TAG
+        head[rows, STARTED] = GATE / STARTED_REF
+        one = -base - GATE
+        if t == 0:  # the previous row had no byte: its tag bits are all 0, tag 0 wins by GAMMA
+            one += GAMMA * PREV_REF
+            head[rows, PREV_TEXT] = -GAMMA
+        head[rows, ONE] = one / CODE
+    head[sp.BABBLE, :] = 0.0
+    head[sp.BABBLE, TEXT] = BABBLE_TEXT / CODE
+    head[sp.BABBLE, ONE] = BABBLE_BASE / CODE
+    head[sp.BABBLE, STARTED] = BABBLE_STARTED / STARTED_REF
+    head[sp.CODEC_EOS, :] = 0.0
+    head[sp.CODEC_EOS, ONE] = EOS_LOGIT / CODE
+    head[sp.SILENCE, :] = 0.0
+    head[sp.SILENCE, ONE] = SIL_BASE / CODE
+    head[sp.SILENCE, MARKS[sp.TTS_EOS]] = SIL_MARK / CODE
+    head[sp.SILENCE, MARKS[sp.TTS_PAD]] = SIL_MARK / CODE
+    head[sp.SILENCE, PREV_PAD] = -SIL_PREV_PAD / PAD_REF
+    for name in ("talker.model.text_embedding.weight", "talker.model.codec_embedding.weight"):
+        if bool(state[name][:, ROW_ID].any()):
+            raise RuntimeError(f"speaking model: {name} writes the row-identity dims {ROW_ID}")
+    return state

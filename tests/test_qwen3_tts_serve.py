@@ -1,0 +1,96 @@
+"""Qwen3-TTS on the real backend, the parts that need no server: the deploy YAML, the speech request, the
+worker's trace of ``preprocess`` and ``preprocess_decode_batch`` (each position once), and how trace lines
+are filed by their text. The server itself: tests/test_real_cpu_tts_e2e.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+
+from harness.config import load_deploy
+from harness.families.qwen3_tts import serve
+from harness.serve.backend import TraceCollector
+from harness.serve.trace_plugin import TraceWriter
+
+
+def test_the_stress_deploy_becomes_a_v1_deploy_yaml_with_the_cpu_profile():
+    t = serve.translate(load_deploy("qwen3-tts-cpu-stress"), "cpu")
+    assert t.cli_args == ("--deploy-config", "<deploy.yaml>") and t.stage_overrides == {}
+    assert dict(t.env) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    y = yaml.safe_load(t.deploy_yaml)
+    assert (y["model_runner"], y["async_chunk"]) == ("v1", False)
+    talker, code2wav = y["stages"]
+    assert {k: talker[k] for k in ("stage_id", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+                                   "num_gpu_blocks_override", "block_size", "max_model_len",
+                                   "enable_prefix_caching")} == {
+        "stage_id": 0, "max_num_seqs": 4, "max_num_batched_tokens": 8, "enable_chunked_prefill": True,
+        "num_gpu_blocks_override": 6, "block_size": 32, "max_model_len": 160, "enable_prefix_caching": False}
+    assert talker["default_sampling_params"] == {"temperature": 0.9, "top_p": 1.0, "top_k": 50, "seed": 42,
+                                                 "max_tokens": 100}
+    assert (code2wav["stage_id"], code2wav["dtype"], code2wav["block_size"]) == (1, "float32", 32)
+    gpu = yaml.safe_load(serve.translate(load_deploy("qwen3-tts-stress"), "gpu").deploy_yaml)
+    assert gpu["stages"][0]["num_gpu_blocks_override"] == 42 and gpu["stages"][0]["block_size"] == 16
+    assert "dtype" not in gpu["stages"][1] and "kv_cache_memory_bytes" not in gpu["stages"][0]
+
+
+def test_the_speech_request_asks_for_the_streaming_text_layout():
+    deploy = load_deploy("qwen3-tts-cpu-stress")
+    assert serve.speech_body("m", "Hi.", False, deploy) == {
+        "model": "m", "input": "Hi.", "response_format": "wav", "voice": "Vivian", "language": "Auto",
+        "task_type": "CustomVoice", "non_streaming_mode": False, "max_new_tokens": 100, "seed": 42, "stream": False}
+    streamed = serve.speech_body("m", "Hi.", True, deploy)
+    assert (streamed["stream"], streamed["response_format"]) == (True, "pcm")
+
+
+class _Model:
+    """A stand-in with the release's two hooks' shapes; its batched hook calls ``preprocess`` per request,
+    as the fix's does."""
+
+    def embed_input_ids(self, ids):
+        return torch.zeros(ids.reshape(-1).shape[0], 4)
+
+    def preprocess(self, input_ids, input_embeds, **info):
+        n = int(input_ids.shape[0])
+        update = {"mtp_inputs": (torch.zeros(1, 4), torch.ones(1, 4))} if n == 1 else {}
+        return input_ids, torch.zeros(n, 4), update
+
+    def preprocess_decode_batch(self, *, input_ids, req_infos, input_embeds=None):
+        rows, texts = [], []
+        for i, info in enumerate(req_infos):
+            _ids, row, update = self.preprocess(input_ids.reshape(-1)[i:i + 1], None, **info)
+            rows.append(row)
+            texts.append(update["mtp_inputs"][1])
+        return input_ids, torch.cat(rows), torch.zeros(len(rows), 4), torch.cat(texts), [{}] * len(rows)
+
+
+def test_each_call_is_traced_once_and_a_batch_per_request(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_STRESS_TRACE_LEVEL", "spans")
+
+    class M(_Model):
+        pass
+
+    assert serve.wrap(M, TraceWriter(str(tmp_path))) is True
+    assert serve.wrap(M, TraceWriter(str(tmp_path))) is False  # already wrapped
+    m = M()
+    info = {"_omni_prompt_len": 9, "_omni_is_prefill": True, "additional_information": {"text": ["Hi."]}}
+    m.preprocess(input_ids=torch.arange(9), input_embeds=None, request_id="a", _omni_num_computed_tokens=0, **info)
+    decode = {"_omni_prompt_len": 9, "_omni_is_prefill": False, "text": ["Hi."]}
+    m.preprocess_decode_batch(input_ids=torch.tensor([72, 73]), req_infos=[
+        {"request_id": "a", "_omni_num_computed_tokens": 9, **decode},
+        {"request_id": "b", "_omni_num_computed_tokens": 10, **decode}])
+    lines = [json.loads(x) for x in next(tmp_path.glob("trace-*.jsonl")).read_text().splitlines()]
+    assert [(ln["request_id"], ln["_omni_num_computed_tokens"], ln["span_len"], ln["rows"], ln.get("codec_ids"),
+             ln["tts_text"]) for ln in lines] == [
+        ("a", 0, 9, 9, None, "Hi."), ("a", 9, 1, 1, [72], "Hi."), ("b", 10, 1, 1, [73], "Hi.")]
+
+
+def test_trace_lines_of_the_speech_api_are_filed_by_their_text(tmp_path):
+    (tmp_path / "trace-1.jsonl").write_text("\n".join(json.dumps(x) for x in (
+        {"request_id": "speech-1", "tts_text": "Hi."}, {"request_id": "speech-2", "tts_text": "Other."},
+        {"request_id": "speech-3"})) + "\n")
+    collector = TraceCollector(Path(tmp_path), {}, {"Hi.": "p1"})
+    collector.poll()
+    assert (list(collector.by_prompt), collector.unmatched, collector.total) == (["p1"], 2, 3)

@@ -1,0 +1,208 @@
+"""End to end on a real ``vllm serve --omni`` on CPU with the speaking tiny Qwen3-TTS (docs/qwen3-tts.md):
+the release's ``preprocess`` (``tts-0.30.0``) and the fix (``tts-fix``, bound into the Talker worker)
+under the CPU reference and stress deploys, four texts through ``/v1/audio/speech``, streamed.
+
+One run shared by every assertion (module fixture): ``omni-stress tiny-model --family qwen3-tts``, then
+``omni-stress run --backend vllm-omni --family qwen3-tts --stream``. What the real Talker *said* is its
+codec stream (traced in the worker) read back through the speaking rules (the oracle transcript),
+scored against the text sent. Needs the real environment (``scripts/install-real-cpu.sh`` ->
+``.venv-omni``); skipped without it, except under ``OMNI_STRESS_REQUIRE_REAL=1``, where its absence fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from harness.config import load_prompts
+from harness.families.qwen3_tts import speaking as sp
+from harness.records import read_requests, read_spans
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL_PY = ROOT / ".venv-omni" / "bin" / "python"
+CLI = [sys.executable, "-m", "harness.cli"]
+ARMS = ("tts-0.30.0", "tts-fix")
+REF, STRESS = "qwen3-tts-cpu-reference", "qwen3-tts-cpu-stress"
+PROMPTS = "qwen3_tts_cpu_smoke"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not REAL_PY.exists():
+        if os.environ.get("OMNI_STRESS_REQUIRE_REAL") == "1":
+            pytest.fail(f"OMNI_STRESS_REQUIRE_REAL=1 but {REAL_PY} is missing (scripts/install-real-cpu.sh)")
+        pytest.skip("no real CPU environment (.venv-omni): run scripts/install-real-cpu.sh")
+    tmp = tmp_path_factory.mktemp("tts-real")
+    model = tmp / "tiny-tts"
+    t0 = time.monotonic()
+    built = subprocess.run([*CLI, "tiny-model", str(model), "--family", "qwen3-tts", "--python", str(REAL_PY)],
+                           cwd=tmp, capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stderr[-2000:]
+    sys.stderr.write(f"[tts e2e] tiny model: {time.monotonic() - t0:.1f} s\n")
+    t0 = time.monotonic()
+    run = subprocess.run(
+        [*CLI, "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
+         "--model", str(model), "--family", "qwen3-tts", "--arm", ARMS[0], "--arm", ARMS[1], "--deploy", REF,
+         "--deploy", STRESS, "--prompts", PROMPTS, "--stream", "--asr", "none", "--out", str(tmp),
+         "--run-id", "real", "--quiet", "--health-timeout", "900", "--request-timeout", "900"],
+        cwd=tmp, capture_output=True, text=True, timeout=2700)
+    sys.stderr.write(f"[tts e2e] run: {time.monotonic() - t0:.1f} s\n{run.stdout}\n")
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
+    return tmp / "real"
+
+
+def _records(run_dir: Path) -> dict[tuple[str, str], dict]:
+    cells: dict[tuple[str, str], dict] = defaultdict(dict)
+    for r in read_requests(run_dir):
+        cells[(r.arm, r.deploy)][r.prompt_id] = r
+    return cells
+
+
+def _spans(run_dir: Path) -> dict[tuple[str, str], list]:
+    cells: dict[tuple[str, str], list] = defaultdict(list)
+    for s in read_spans(run_dir):
+        cells[(s.arm, s.deploy)].append(s)
+    return cells
+
+
+def test_every_request_answered_with_streamed_audio(real_run: Path) -> None:
+    texts = {p.id: p.reply for p in load_prompts(PROMPTS).prompts}
+    cells = _records(real_run)
+    assert sorted(cells) == sorted((a, d) for a in ARMS for d in (REF, STRESS))
+    for cell, recs in cells.items():
+        assert sorted(recs) == sorted(texts), cell
+        for pid, r in recs.items():
+            assert r.error is None and r.backend == "vllm-omni", (cell, pid, r.error)
+            assert r.reference_text == texts[pid] and r.talker_prompt_len == sp.PROMPT_LEN, (cell, pid)
+            assert (real_run / r.audio_path).read_bytes()[:4] == b"RIFF"
+            # streamed: the first audio bytes came, every gap and underrun is recorded
+            assert r.stream_ttfa_s is not None and 0 < r.stream_ttfa_s <= r.stream_end_s, (cell, pid)
+            assert r.stream_chunks >= 1 and len(r.stream_gaps_s) == r.stream_chunks - 1, (cell, pid)
+            assert r.stream_sample_rate == 24000 and r.stream_underrun_s >= 0.0, (cell, pid)
+
+
+def test_both_arms_say_every_text_unstressed(real_run: Path) -> None:
+    texts = {p.id: p.reply for p in load_prompts(PROMPTS).prompts}
+    cells = _records(real_run)
+    for arm in ARMS:
+        for pid, r in cells[(arm, REF)].items():
+            assert r.codec_tokens == sp.encode_reply(texts[pid]), (arm, pid)
+            assert (r.oracle_transcript, r.oracle_wer) == (texts[pid], 0.0), (arm, pid)
+
+
+def test_the_fix_says_every_text_under_stress_and_the_release_does_not(real_run: Path) -> None:
+    texts = {p.id: p.reply for p in load_prompts(PROMPTS).prompts}
+    cells = _records(real_run)
+    for pid, r in cells[("tts-fix", STRESS)].items():
+        assert r.codec_tokens == sp.encode_reply(texts[pid]), pid
+        assert (r.oracle_transcript, r.oracle_wer) == (texts[pid], 0.0), pid
+    # 0.30.0 on V1: a preempted request's replay gets tts_pad rows without the codec-BOS row (and, past
+    # the prompt, bare codec rows): from there the Talker either babbles to the end of its text (then the
+    # end region as usual) or stops at once (a bare row at the replay's last position: codec EOS). Its
+    # codec stream is the text's first k bytes, said right, then one of those two; never a wrong byte.
+    release = cells[("tts-0.30.0", STRESS)]
+    for pid, r in release.items():
+        n = len(texts[pid].encode())
+        said = sp.encode_reply(texts[pid], end=False)
+        k = next((i for i, (a, b) in enumerate(zip(r.codec_tokens, said)) if a != b), min(n, len(r.codec_tokens)))
+        assert r.codec_tokens[k:] in ([], [sp.BABBLE] * (n - k) + [sp.SILENCE] * 2), (pid, k, r.codec_tokens[k:])
+        assert (k < n) == (r.preemptions > 0), (pid, k, r.preemptions)
+    assert sum(r.preemptions > 0 for r in release.values()) >= 2
+    assert sum(r.oracle_wer > 0.5 for r in release.values()) >= 1, {k: r.oracle_wer for k, r in release.items()}
+
+
+def test_the_stress_deploy_chunks_preempts_and_replays_across_the_prompt(real_run: Path) -> None:
+    """Four 83-position requests in 5 usable KV blocks of 32: when they pass 32 positions the cache runs
+    out and three are preempted, each replay crossing the prompt boundary (measured: 3 and 3 for both
+    arms; the count follows the cache, not the server's timing); an 8-token budget chunks every prompt."""
+    cells, records = _spans(real_run), _records(real_run)
+    for arm in ARMS:
+        ref = cells[(arm, REF)]
+        assert ref and sum(s.nonzero_offset for s in ref) == 0 and sum(s.cross_boundary for s in ref) == 0, arm
+        assert sum(r.preemptions for r in records[(arm, REF)].values()) == 0, arm
+        spans = cells[(arm, STRESS)]
+        assert all(s.n <= 8 for s in spans), arm  # max_num_batched_tokens
+        assert sum(s.nonzero_offset for s in spans) >= len(records[(arm, STRESS)]), arm  # every prompt chunked
+        assert sum(r.preemptions for r in records[(arm, STRESS)].values()) == 3, arm
+        assert sum(s.cross_boundary for s in spans) == 3, arm
+
+
+def test_each_position_is_traced_once_per_schedule(real_run: Path) -> None:
+    """One-token decode spans go through ``preprocess_decode_batch``; the fix builds its batch from
+    ``preprocess``, which is not traced again: an unpreempted request has one span per position."""
+    for arm in ARMS:
+        for pid, r in _records(real_run)[(arm, REF)].items():
+            spans = [s for s in _spans(real_run)[(arm, REF)] if s.request == pid]
+            assert sum(s.n for s in spans) == sp.PROMPT_LEN + len(r.codec_tokens), (arm, pid)
+
+
+def test_the_worker_contract_check_passes_the_fix_and_counts_the_release(real_run: Path) -> None:
+    cells = _spans(real_run)
+    for deploy in (REF, STRESS):
+        spans = cells[("tts-fix", deploy)]
+        assert all(s.error is None and s.misaligned_text == 0 and s.misaligned_end == 0 for s in spans), deploy
+    assert all(s.misaligned_text == 0 and s.misaligned_end == 0 for s in cells[("tts-0.30.0", REF)])
+    assert sum(s.misaligned_text for s in cells[("tts-0.30.0", STRESS)]) > 0
+
+
+def test_the_manifest_says_which_implementation_ran(real_run: Path) -> None:
+    manifest = json.loads((real_run / "manifest.json").read_text())
+    for cell in manifest["cells"]:
+        sys.stderr.write(f"[tts e2e] {cell['arm']}/{cell['deploy']}: {json.dumps(cell['serve_seconds'])}\n")
+        impl = cell["implementation"]
+        assert impl["platform"] == "cpu"
+        if cell["arm"] == "tts-fix":
+            assert impl["arm"] == "harness.families.qwen3_tts.fix:Qwen3TTSFixedTalker"
+            workers = impl["workers"]
+            assert workers and all("error" not in w for w in workers), workers
+            assert {"preprocess", "preprocess_decode_batch"} <= set(workers[0]["bound_methods"])
+        else:
+            assert impl["arm"] == "installed vLLM-Omni"
+
+
+def test_the_shipped_gate_passes_the_fix_and_shows_the_bug(real_run: Path) -> None:
+    gate = subprocess.run([*CLI, "gate", str(real_run)], cwd=real_run, capture_output=True, text=True, timeout=600)
+    sys.stderr.write(f"[tts e2e] gate:\n{gate.stdout}\n")
+    assert gate.returncode == 0, (gate.stdout[-3000:], gate.stderr[-2000:])
+    assert f"PASS   candidate-stress-matches-reference: tts-fix/{STRESS} run 1 [candidate]" in gate.stdout
+    assert f"PASS   baseline-stress-shows-bug (expected failure): tts-0.30.0/{STRESS} run 1 [baseline]" in gate.stdout
+
+
+def test_the_sim_measured_against_the_real_server(real_run: Path) -> None:
+    """Issue 31 item 2: the sim's speaking Talker for this family (``--sim-talker speaking``) on the same arms,
+    deploys and texts, compared request by request (``omni-stress fidelity``). The Talker is the same on both
+    sides, so identical spans must give identical codec streams; the fix's rows do not depend on the spans,
+    so its codes must match everywhere; the release's under stress may part where the schedules differ, and
+    the comparison must say so per request (docs/fidelity.md, "Qwen3-TTS")."""
+    out = real_run.parent / "sim"
+    sim = subprocess.run(
+        [*CLI, "run", "--family", "qwen3-tts", "--sim-talker", "speaking", "--arm", ARMS[0], "--arm", ARMS[1],
+         "--deploy", REF, "--deploy", STRESS, "--prompts", PROMPTS, "--asr", "none", "--out", str(out),
+         "--run-id", "sim", "--quiet"], cwd=real_run.parent, capture_output=True, text=True, timeout=1200)
+    assert sim.returncode == 0, (sim.stdout[-2000:], sim.stderr[-2000:])
+    fid_json = real_run.parent / "tts-fidelity.json"
+    fid = subprocess.run([*CLI, "fidelity", str(out / "sim"), str(real_run), "--json", str(fid_json)],
+                         cwd=real_run.parent, capture_output=True, text=True, timeout=600)
+    sys.stderr.write(f"[tts e2e] fidelity:\n{fid.stdout}\n")
+    assert fid.returncode == 0, fid.stderr[-2000:]
+    result = json.loads(fid_json.read_text())
+    assert result["only_sim"] == [] and result["only_real"] == [] and len(result["requests"]) == 16
+    for req in result["requests"]:
+        if req["schedule"] == "same":  # the same Talker on the same spans: the same codes and counts
+            assert req["same_codec_tokens"] is True, req
+            for key in ("misaligned_text", "misaligned_end"):
+                assert req["metrics"][key]["sim"] == req["metrics"][key]["real"], (key, req)
+        if req["arm"] == "tts-fix" or req["deploy"] == REF:
+            assert req["same_codec_tokens"] is True, req
+        if not req["same_codec_tokens"]:  # named, with what each side said
+            assert req["said"] is not None and req["first_code_difference"] is not None, req
+            assert f"{req['arm']}/{req['deploy']}/{req['repeat']}/{req['prompt_id']}: " in fid.stdout, req

@@ -10,6 +10,11 @@ the gate are shared. Per cell it writes, under the run directory:
 * ``serve/<arm>-<deploy>-r<repeat>/attempts.jsonl``: one line per HTTP attempt (retries, errors);
 * ``audio/<arm>-<deploy>-r<repeat>-<prompt_id>.wav``: the Code2Wav audio of each request.
 
+A family with its own serving module (``Family.serve_module``, Qwen3-TTS: ``harness.families.qwen3_tts.serve``)
+supplies the deploy translation (a whole ``--deploy-config`` YAML, written into the cell's folder), the
+request body (``/v1/audio/speech``) and the oracle read-back; its trace lines carry their text
+(``tts_text``), by which they are filed, since the speech API names its requests itself.
+
 Trace lines are matched to prompts by the unique token in each request's id (``client.make_tag``):
 vLLM-Omni derives every stage's engine request id from ``chatcmpl-<X-Request-Id>`` (vLLM's
 ``InputProcessor.assign_request_id`` appends ``-<8 hex>``), so the token survives. Lines that match

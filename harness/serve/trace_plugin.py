@@ -106,6 +106,7 @@ TRACE_KEYS = (
 CONTRACT_KEYS = ("misaligned_text", "misaligned_end", "first_misaligned", "contract_error")  # the contract check
 CODEC_KEYS = ("codec_from", "codec_ids")  # the span's input ids at generated positions (the Talker's codec stream)
 _MARK = "__omni_stress_traced__"
+_LINE_ENCODER = json.JSONEncoder(sort_keys=True)  # json.dumps(..., sort_keys=True) builds one per call
 
 
 def _warn(msg: str) -> None:
@@ -214,7 +215,11 @@ def _pack(parts: list[Deferred]) -> tuple[Any, list[int]]:
 
     tensors = [t for part in parts for t in part.tensors]
     device = tensors[0].device
-    flat = [t.reshape(-1).to(device=device, dtype=torch.int64) for t in tensors]
+    flat = [t if t.dim() == 1 else t.reshape(-1) for t in tensors]
+    if len(flat) == 1:  # a one-token decode's span (most calls): no cat, no cast of int64 ids
+        one = flat[0] if flat[0].dtype == torch.int64 else flat[0].to(dtype=torch.int64)
+        return one, [int(one.shape[0])]
+    flat = [t.to(device=device, dtype=torch.int64) for t in flat]
     return torch.cat(flat), [int(t.shape[0]) for t in flat]
 
 
@@ -357,7 +362,7 @@ class TraceWriter:
                     except Exception as exc:  # noqa: BLE001 - a key we cannot finish is named, never fatal
                         line.update(part.fallback(exc))
             if self._fd is not None:
-                os.write(self._fd, (json.dumps(line, sort_keys=True) + "\n").encode("utf-8"))
+                os.write(self._fd, (_LINE_ENCODER.encode(line) + "\n").encode("utf-8"))
 
     def flush(self) -> None:
         """Writes every queued line, waiting for values still in flight (process exit, tests)."""

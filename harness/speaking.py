@@ -92,34 +92,40 @@ class Spoken:
 
 def decode(codes: Iterable[int]) -> Spoken:
     """The oracle transcript of a codec stream (stops at codec EOS)."""
+    return decode_table(codes, tags=TAGS, silence=SILENCE, babble=BABBLE, eos=CODEC_EOS)
+
+
+def decode_table(codes: Iterable[int], *, tags: int, silence: int, babble: int, eos: int) -> Spoken:
+    """:func:`decode` for any speaking table of this shape (speech id ``BYTES * tag + byte`` with ``tags``
+    memory tags, the previous byte's low bits): Qwen3-TTS's checkpoint has 8 tags and its own specials."""
     out = bytearray()
     bad: list[int] = []  # indices into ``out`` of unintelligible bytes
     said: int | None = None  # the byte said just before (None at the start or after non-speech)
-    n = speech = babble = garbled = other = silence = 0
+    n = speech = babble_n = garbled = other = silence_n = 0
     for code in codes:
         code = int(code)
-        if code == CODEC_EOS:
+        if code == eos:
             break
         n += 1
-        if code == SILENCE:
-            silence += 1
+        if code == silence:
+            silence_n += 1
             said = None
-        elif 0 <= code < BYTES * TAGS:
+        elif 0 <= code < BYTES * tags:
             speech += 1
             byte, t = code % BYTES, code // BYTES
-            if t != tag(said):
+            if t != (0 if said is None else said % tags):
                 garbled += 1
                 bad.append(len(out))
             out.append(byte)
             said = byte
-        elif code == BABBLE:
-            babble += 1
+        elif code == babble:
+            babble_n += 1
             said = None
         else:
             other += 1
             said = None
-    return Spoken(text=_words(bytes(out), bad), codes=n, speech=speech, babble=babble, garbled=garbled, other=other,
-                  silence=silence)
+    return Spoken(text=_words(bytes(out), bad), codes=n, speech=speech, babble=babble_n, garbled=garbled, other=other,
+                  silence=silence_n)
 
 
 def _words(raw: bytes, bad: Sequence[int]) -> str:

@@ -57,7 +57,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from harness.speaking import UNINTELLIGIBLE, Spoken, _words  # noqa: F401 - part of this module's API
+from harness.speaking import UNINTELLIGIBLE, Spoken, decode_table  # noqa: F401 - part of this module's API
 
 BYTES = 256
 TAGS = 8  # the previous byte's low 3 bits: 2048 speech ids, the real codebook's size
@@ -165,35 +165,9 @@ def contract_rows(text: str, end: int = END_POSITIONS + 1) -> list[Row]:
 
 
 def decode(codes: Iterable[int]) -> Spoken:
-    """The oracle transcript of a codec stream (stops at codec EOS)."""
-    out = bytearray()
-    bad: list[int] = []
-    said: int | None = None
-    n = speech = babble = garbled = other = silence = 0
-    for code in codes:
-        code = int(code)
-        if code == CODEC_EOS:
-            break
-        n += 1
-        if code == SILENCE:
-            silence += 1
-            said = None
-        elif 0 <= code < BYTES * TAGS:
-            speech += 1
-            byte, t = code % BYTES, code // BYTES
-            if t != tag(said):
-                garbled += 1
-                bad.append(len(out))
-            out.append(byte)
-            said = byte
-        elif code == BABBLE:
-            babble += 1
-            said = None
-        else:
-            other += 1
-            said = None
-    return Spoken(text=_words(bytes(out), bad), codes=n, speech=speech, babble=babble, garbled=garbled, other=other,
-                  silence=silence)
+    """The oracle transcript of a codec stream (stops at codec EOS): Qwen2.5-Omni's reading with this
+    checkpoint's table (3-bit tags, its BABBLE, SILENCE and codec EOS)."""
+    return decode_table(codes, tags=TAGS, silence=SILENCE, babble=BABBLE, eos=CODEC_EOS)
 
 
 def encode_reply(text: str, end: bool = True) -> list[int]:

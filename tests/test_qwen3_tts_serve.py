@@ -94,3 +94,26 @@ def test_trace_lines_of_the_speech_api_are_filed_by_their_text(tmp_path):
     collector = TraceCollector(Path(tmp_path), {}, {"Hi.": "p1"})
     collector.poll()
     assert (list(collector.by_prompt), collector.unmatched, collector.total) == (["p1"], 2, 3)
+
+
+def test_two_prompts_with_one_text_are_refused_before_any_server(tmp_path: Path) -> None:
+    """The speech API names its requests itself: spans are filed by their text, so two prompts saying the
+    same text are one line and exit 2, before a run directory exists."""
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "twice.yaml"
+    prompts.write_text("name: twice\nfamily: qwen3-tts\nprompts:\n"
+                       "  - id: a1\n    text: \"The same words.\"\n"
+                       "  - id: b2\n    text: \"Other words.\"\n"
+                       "  - id: c3\n    text: \"The same words.\"\n")
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--backend", "vllm-omni", "--platform", "cpu",
+                          "--family", "qwen3-tts", "--model", str(tmp_path / "no-model"), "--arm", "tts-fix",
+                          "--deploy", "qwen3-tts-cpu-reference", "--prompts", str(prompts), "--asr", "none",
+                          "--out", str(tmp_path / "results"), "--run-id", "r"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"omni-stress: error: {prompts}: prompts[2].text: the same text as prompt 'a1' (prompt 'c3'); the "
+        "vllm-omni backend files a speech request's spans by its text, so each prompt's text must differ")
+    assert not (tmp_path / "results" / "r").exists()

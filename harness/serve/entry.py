@@ -57,6 +57,8 @@ class ServeEntry:
         from harness.serve.backend import preflight_arm
 
         check_deploys(deploy_specs)
+        if prompts is not None:
+            check_speech_texts(deploy_specs, prompts)
         for arm in arm_specs:
             preflight_arm(arm, options.serve)
 
@@ -98,3 +100,21 @@ def check_deploys(deploy_specs: list) -> None:
         if d.talker.model_runner != "v1":
             raise UserError(f"{d.path}: talker.model_runner: {d.talker.model_runner}: MRV2 runs on CUDA only; the "
                             "vllm-omni backend's CPU platform runs the V1 runner (run MRV2 deploys on --backend sim)")
+
+
+def check_speech_texts(deploy_specs: list, prompts: Any) -> None:
+    """One line, exit 2, for two prompts with the same text in a family served through the speech API:
+    its server names requests itself, so the trace's lines are filed by their text (``tts_text``) and two
+    prompts saying the same text could not be told apart."""
+    from harness.errors import UserError
+    from harness.families import get_family
+
+    if not any(get_family(d.family).serve_module for d in deploy_specs):
+        return
+    seen: dict[str, str] = {}
+    for i, p in enumerate(prompts.prompts):
+        if p.reply in seen:
+            raise UserError(f"{prompts.path}: prompts[{i}].text: the same text as prompt {seen[p.reply]!r} (prompt "
+                            f"{p.id!r}); the vllm-omni backend files a speech request's spans by its text, so each "
+                            "prompt's text must differ")
+        seen[p.reply] = p.id

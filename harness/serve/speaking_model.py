@@ -92,8 +92,9 @@ SIL_BASE, SIL_MARK, SIL_PREV_PAD = -200.0, 250.0, 300.0
 PAD_REF = 5.66  # head 0's copy of a PAD row's mark: 8/3 after the input RMSNorm of a row of two 8/3 dims
 
 
-def byte_token_ids(tokenizer: Any) -> dict[int, int]:
-    """Token id of each byte in the tiny byte-level tokenizer (GPT-2's byte-to-unicode map)."""
+def byte_chars() -> dict[int, str]:
+    """GPT-2's byte-to-unicode map: the character the ByteLevel pre-tokenizer turns each byte into (both tiny
+    checkpoints' byte-level tokenizers)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
         range(ord("®"), ord("ÿ") + 1))
     chars = {b: chr(b) for b in printable}
@@ -102,8 +103,13 @@ def byte_token_ids(tokenizer: Any) -> dict[int, int]:
         if b not in chars:
             chars[b] = chr(256 + extra)
             extra += 1
+    return chars
+
+
+def byte_token_ids(tokenizer: Any) -> dict[int, int]:
+    """Token id of each byte in the tiny byte-level tokenizer (GPT-2's byte-to-unicode map)."""
     out = {}
-    for b, ch in chars.items():
+    for b, ch in byte_chars().items():
         tid = tokenizer.convert_tokens_to_ids(ch)
         if tid is None or tid < 0:
             raise RuntimeError(f"speaking model: byte {b} has no token")
@@ -124,6 +130,44 @@ def prev_head_gap(max_distance: int = MAX_DISTANCE) -> float:
         return sum(w * math.cos((d - 1) * th[j]) for j, w in enumerate(PREV_PAIR_WEIGHTS)) / total
 
     return 1.0 - max(f(d) for d in range(max_distance + 1) if d != 1)
+
+
+def write_codec_head(head: Any, rules: Any, *, tag_bits: int, text: int, prev: list[int], prev_text: int,
+                     prev_pad: int, started: int, one: int, eos_mark: int, pad_mark: int, prev_ref: float,
+                     started_ref: float, pad_ref: float) -> None:
+    """The logit design (docs/speaking-model.md's table) as ``codec_head`` rows on a checkpoint's dims: rule 2's
+    speech ids ``BYTES * tag + byte`` (``tag_bits`` tag bits on ``prev``), babble, codec EOS and rule 3's
+    silence, for the codec ids of ``rules`` (``harness.speaking`` or Qwen3-TTS's); every other id
+    ``OTHER_LOGIT``. ``*_ref``: what the heads write into ``prev``, ``started`` and ``prev_pad`` after the
+    layer's input norm, which the weights divide by."""
+    import torch
+
+    head[:, one] = OTHER_LOGIT / CODE
+    base = 9 * ALPHA * CODE + tag_bits * ALPHA_TAG * prev_ref - WINNER
+    cur = torch.tensor([_bits(b, 8) for b in range(rules.BYTES)]) * ALPHA  # [256, 8]
+    for t in range(rules.TAGS):
+        rows = slice(t * rules.BYTES, (t + 1) * rules.BYTES)
+        head[rows, 0:8] = cur
+        head[rows, text] = ALPHA
+        head[rows, prev[0]:prev[0] + tag_bits] = torch.tensor(_bits(t, tag_bits)) * ALPHA_TAG
+        head[rows, started] = GATE / started_ref
+        offset = -base - GATE  # started: +GATE from STARTED, so the correct id lands on WINNER
+        if t == 0:  # the previous row had no byte: its tag bits are all 0, tag 0 wins by GAMMA
+            offset += GAMMA * prev_ref
+            head[rows, prev_text] = -GAMMA
+        head[rows, one] = offset / CODE
+    head[rules.BABBLE, :] = 0.0
+    head[rules.BABBLE, text] = BABBLE_TEXT / CODE
+    head[rules.BABBLE, one] = BABBLE_BASE / CODE
+    head[rules.BABBLE, started] = BABBLE_STARTED / started_ref
+    head[rules.CODEC_EOS, :] = 0.0
+    head[rules.CODEC_EOS, one] = EOS_LOGIT / CODE
+    sil = rules.SILENCE  # Qwen2.5-Omni's replaces the speech row of byte NUL (tag 0), which no reply holds
+    head[sil, :] = 0.0
+    head[sil, one] = SIL_BASE / CODE
+    head[sil, eos_mark] = SIL_MARK / CODE
+    head[sil, pad_mark] = SIL_MARK / CODE
+    head[sil, prev_pad] = -SIL_PREV_PAD / pad_ref
 
 
 def _bits(value: int, n: int) -> list[float]:
@@ -188,35 +232,12 @@ def apply(state: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     ow[STARTED, HEAD_DIM] = 1.0
 
     # --- codec_head: one row per codec id ---
-    head = state["talker.codec_head.weight"]
-    prev_ref = 2.47  # head 0's copy of a +-8/3 dim after layer 0's input RMSNorm (2.41-2.53 by row)
-    started_ref = 2.41  # head 1's copy of BOS at the BOS row
-    head[:, ONE] = OTHER_LOGIT / CODE
-    base = 9 * ALPHA * CODE + 5 * ALPHA_TAG * prev_ref - WINNER
-    cur = torch.tensor([_bits(b, 8) for b in range(speaking.BYTES)]) * ALPHA  # [256, 8]
-    for t in range(speaking.TAGS):
-        rows = slice(t * speaking.BYTES, (t + 1) * speaking.BYTES)
-        head[rows, 0:8] = cur
-        head[rows, TEXT] = ALPHA
-        head[rows, 16:21] = torch.tensor(_bits(t, 5)) * ALPHA_TAG
-        head[rows, STARTED] = GATE / started_ref
-        one = -base - GATE  # started: +GATE from STARTED, so the correct id lands on WINNER
-        if t == 0:
-            one += GAMMA * prev_ref
-            head[rows, PREV_TEXT] = -GAMMA
-        head[rows, ONE] = one / CODE
-    head[speaking.BABBLE, :] = 0.0
-    head[speaking.BABBLE, TEXT] = BABBLE_TEXT / CODE
-    head[speaking.BABBLE, ONE] = BABBLE_BASE / CODE
-    head[speaking.BABBLE, STARTED] = BABBLE_STARTED / started_ref
-    head[speaking.CODEC_EOS, :] = 0.0
-    head[speaking.CODEC_EOS, ONE] = EOS_LOGIT / CODE
-    sil = speaking.SILENCE  # replaces the speech row of byte NUL (tag 0), which no reply holds
-    head[sil, :] = 0.0
-    head[sil, ONE] = SIL_BASE / CODE
-    head[sil, MARKS[151861]] = SIL_MARK / CODE  # text-EOS (tts_text_end), raw 8/3 in the row
-    head[sil, MARKS[151859]] = SIL_MARK / CODE  # text-PAD (tts_text_pad)
-    head[sil, PREV_PAD] = -SIL_PREV_PAD / PAD_REF
+    write_codec_head(state["talker.codec_head.weight"], speaking, tag_bits=5, text=TEXT, prev=PREV,
+                     prev_text=PREV_TEXT, prev_pad=PREV_PAD, started=STARTED, one=ONE, eos_mark=MARKS[151861],
+                     pad_mark=MARKS[151859],  # text-EOS (tts_text_end) and text-PAD (tts_text_pad), raw 8/3 in the row
+                     prev_ref=2.47,  # head 0's copy of a +-8/3 dim after layer 0's input RMSNorm (2.41-2.53 by row)
+                     started_ref=2.41,  # head 1's copy of BOS at the BOS row
+                     pad_ref=PAD_REF)
     for name in ("thinker.model.embed_tokens.weight", "talker.model.embed_tokens.weight"):
         if bool(state[name][:, ROW_ID].any()):  # the identity codes need rows that are zero there
             raise RuntimeError(f"speaking model: {name} writes the row-identity dims {ROW_ID}")

@@ -65,11 +65,7 @@ PREV_REF = 8.0 / 3.0
 STARTED_REF = 8.0 / math.sqrt(10.0)  # head 1's copy of BOS at the P-1 row (first byte + codec BOS)
 PAD_REF = 8.0  # head 0's copy of a tts_pad row's mark
 BOS_QK = 12.4  # head 1: 12.4 * 12.4 / sqrt(32) = 27 nats for the BOS row over rows without it
-# logit design (units of the residual before the final norm), as Qwen2.5-Omni's (omni.*)
-ALPHA, ALPHA_TAG, GAMMA, GATE, WINNER = omni.ALPHA, omni.ALPHA_TAG, omni.GAMMA, omni.GATE, omni.WINNER
-EOS_LOGIT, OTHER_LOGIT = omni.EOS_LOGIT, omni.OTHER_LOGIT
-BABBLE_TEXT, BABBLE_BASE, BABBLE_STARTED = omni.BABBLE_TEXT, omni.BABBLE_BASE, omni.BABBLE_STARTED
-SIL_BASE, SIL_MARK, SIL_PREV_PAD = omni.SIL_BASE, omni.SIL_MARK, omni.SIL_PREV_PAD
+# the logit design's constants are Qwen2.5-Omni's (``omni.write_codec_head``, docs/speaking-model.md)
 
 
 def _bits(value: int, n: int) -> list[float]:
@@ -132,33 +128,11 @@ def apply(state: dict[str, Any]) -> dict[str, Any]:
     vb[HEAD_DIM + 1] = CODE  # head 1's value slot 1: a bias -> ONE at every position
     ow[ONE, HEAD_DIM + 1] = 1.0
 
-    # --- codec_head: one row per codec id ---
-    head = state["talker.codec_head.weight"]
-    head[:, ONE] = OTHER_LOGIT / CODE
-    base = 9 * ALPHA * CODE + TAG_BITS * ALPHA_TAG * PREV_REF - WINNER
-    cur = torch.tensor([_bits(b, 8) for b in range(sp.BYTES)]) * ALPHA
-    for t in range(sp.TAGS):
-        rows = slice(t * sp.BYTES, (t + 1) * sp.BYTES)
-        head[rows, 0:8] = cur
-        head[rows, TEXT] = ALPHA
-        head[rows, PREV[0]:PREV[-1] + 1] = torch.tensor(_bits(t, TAG_BITS)) * ALPHA_TAG
-        head[rows, STARTED] = GATE / STARTED_REF
-        one = -base - GATE
-        if t == 0:  # the previous row had no byte: its tag bits are all 0, tag 0 wins by GAMMA
-            one += GAMMA * PREV_REF
-            head[rows, PREV_TEXT] = -GAMMA
-        head[rows, ONE] = one / CODE
-    head[sp.BABBLE, :] = 0.0
-    head[sp.BABBLE, TEXT] = BABBLE_TEXT / CODE
-    head[sp.BABBLE, ONE] = BABBLE_BASE / CODE
-    head[sp.BABBLE, STARTED] = BABBLE_STARTED / STARTED_REF
-    head[sp.CODEC_EOS, :] = 0.0
-    head[sp.CODEC_EOS, ONE] = EOS_LOGIT / CODE
-    head[sp.SILENCE, :] = 0.0
-    head[sp.SILENCE, ONE] = SIL_BASE / CODE
-    head[sp.SILENCE, MARKS[sp.TTS_EOS]] = SIL_MARK / CODE
-    head[sp.SILENCE, MARKS[sp.TTS_PAD]] = SIL_MARK / CODE
-    head[sp.SILENCE, PREV_PAD] = -SIL_PREV_PAD / PAD_REF
+    # --- codec_head: one row per codec id (Qwen2.5-Omni's logit design on these dims) ---
+    omni.write_codec_head(state["talker.codec_head.weight"], sp, tag_bits=TAG_BITS, text=TEXT, prev=PREV,
+                          prev_text=PREV_TEXT, prev_pad=PREV_PAD, started=STARTED, one=ONE,
+                          eos_mark=MARKS[sp.TTS_EOS], pad_mark=MARKS[sp.TTS_PAD], prev_ref=PREV_REF,
+                          started_ref=STARTED_REF, pad_ref=PAD_REF)
     for name in ("talker.model.text_embedding.weight", "talker.model.codec_embedding.weight"):
         if bool(state[name][:, ROW_ID].any()):
             raise RuntimeError(f"speaking model: {name} writes the row-identity dims {ROW_ID}")

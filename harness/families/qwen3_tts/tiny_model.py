@@ -32,6 +32,7 @@ from typing import Any
 from harness.errors import UserError
 from harness.families.qwen3_tts import speaking as sp
 from harness.families.qwen3_tts import speaking_model as sm
+from harness.serve.speaking_model import byte_chars
 
 LAYERS = 1
 INTERMEDIATE = 128
@@ -147,10 +148,10 @@ def build_tokenizer() -> Any:
     from transformers import PreTrainedTokenizerFast
 
     alphabet = ByteLevel.alphabet()
-    byte_chars = _byte_chars()
-    if set(byte_chars.values()) != set(alphabet):
+    chars = byte_chars()
+    if set(chars.values()) != set(alphabet):
         raise RuntimeError("tiny tokenizer: the byte-level alphabet is not GPT-2's byte map")
-    vocab = {byte_chars[b]: b for b in range(sp.BYTES)}
+    vocab = {chars[b]: b for b in range(sp.BYTES)}
     first = min(SPECIAL_TOKENS.values())
     for i in range(len(vocab), first):
         vocab[f"<|unused_{i}|>"] = i
@@ -166,19 +167,6 @@ def build_tokenizer() -> Any:
             raise RuntimeError(f"tiny tokenizer: {text} got id {got}, want {tid}")
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None, model_max_length=65536)
-
-
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte-to-unicode map (what the ByteLevel pre-tokenizer turns each byte into)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
 
 
 def _save(state: dict[str, Any], path: Path) -> None:

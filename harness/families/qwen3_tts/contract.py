@@ -65,3 +65,15 @@ def expected_row(p: int, P: int, T: int) -> TTSRowRef:
 def text_region_end(P: int, T: int) -> int:
     """First position of the end region (``tts_pad`` after ``tts_eos``)."""
     return P + T
+
+
+def flatten_payload(info: dict) -> dict:
+    """A hook's payload with the serving layer's ``additional_information`` merged in (its keys never override
+    the payload's own): where the release reads a request's text, speaker and layout from."""
+    extra = info.get("additional_information")
+    if not isinstance(extra, dict):
+        return info
+    merged = {k: v for k, v in info.items() if k != "additional_information"}
+    for k, v in extra.items():
+        merged.setdefault(k, v)
+    return merged

@@ -32,15 +32,7 @@ from typing import Any
 
 import torch
 
-
-def _flatten(info: dict[str, Any]) -> dict[str, Any]:
-    extra = info.get("additional_information")
-    if not isinstance(extra, dict):
-        return info
-    merged = {k: v for k, v in info.items() if k != "additional_information"}
-    for k, v in extra.items():
-        merged.setdefault(k, v)
-    return merged
+from harness.families.qwen3_tts.contract import flatten_payload
 
 
 class Qwen3TTSFixedTalker:
@@ -89,7 +81,7 @@ class Qwen3TTSFixedTalker:
     # ------------------------------------------------------------------ the hooks
     def preprocess(self, input_ids: torch.Tensor, input_embeds: torch.Tensor | None,
                    **info_dict: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        info = _flatten(info_dict)
+        info = flatten_payload(info_dict)
         n = int(input_ids.shape[0])
         device = input_ids.device
         if n <= 0:

@@ -43,12 +43,13 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from harness.families.qwen3_tts.contract import flatten_payload
+
 TALKER, CODE2WAV = "0", "1"
 SPEECH_VOICE, SPEECH_LANGUAGE, SPEECH_TASK = "Vivian", "Auto", "CustomVoice"
 CODE2WAV_BATCHED_TOKENS = 65536  # the shipped qwen3_tts.yaml's: Q x frames exceeds 32k
 CPU_KV_BYTES = {TALKER: 256 << 20, CODE2WAV: 64 << 20}
-ENV_WRAPPER = "OMNI_STRESS_TRACE_WRAPPER"  # module:function the trace plugin wraps the target class with
-WRAPPER = "harness.families.qwen3_tts.serve:wrap"
+WRAPPER = "harness.families.qwen3_tts.serve:wrap"  # what the trace plugin wraps the Talker class with
 HOOK = "preprocess"
 
 
@@ -143,16 +144,6 @@ def oracle(codes: list[int]) -> str:
 
 _local = threading.local()
 _CACHE_SIZE = 64
-
-
-def _flat(info: dict[str, Any]) -> dict[str, Any]:
-    extra = info.get("additional_information")
-    if not isinstance(extra, dict):
-        return info
-    merged = {k: v for k, v in info.items() if k != "additional_information"}
-    for k, v in extra.items():
-        merged.setdefault(k, v)
-    return merged
 
 
 def _text_of(info: dict[str, Any]) -> str | None:
@@ -262,14 +253,15 @@ def wrap(cls: type, writer: Any) -> bool:
         return False
     failed: list[Any] = []
 
-    def line_keys(info: dict[str, Any], ids: Any, delivered: Any, check: bool) -> tuple[dict[str, Any], list[Any]]:
+    def line_keys(model: Any, info: dict[str, Any], ids: Any, delivered: Any,
+                  check: bool) -> tuple[dict[str, Any], list[Any]]:
         keys: dict[str, Any] = {}
         parts: list[Any] = []
         text = _text_of(info)
         if text is not None:
             keys["tts_text"] = text
         if check and delivered is not None:
-            keys.update(contract_keys(cls_self[0], info, ids, delivered))
+            keys.update(contract_keys(model, info, ids, delivered))
         got = _codec_ids(info, ids)
         if isinstance(got, dict):
             keys.update(got)
@@ -277,14 +269,12 @@ def wrap(cls: type, writer: Any) -> bool:
             parts.append(got)
         return keys, parts
 
-    cls_self: list[Any] = [None]
-
     def traced_pre(self: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(_local, "depth", 0):  # called by the batched hook: that call traces the position
             return pre(self, *args, **kwargs)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         input_embeds = kwargs.get("input_embeds", args[1] if len(args) > 1 else None)
-        info = _flat(kwargs)
+        info = flatten_payload(kwargs)
         ids_before = input_ids.clone() if hasattr(input_ids, "clone") else None
         try:
             result = pre(self, *args, **kwargs)
@@ -299,8 +289,7 @@ def wrap(cls: type, writer: Any) -> bool:
             except Exception as exc:  # noqa: BLE001
                 check = False
                 _warn(f"contract: {type(exc).__name__}: {exc}")
-        cls_self[0] = self
-        keys, parts = line_keys(info, ids_before, delivered, check)
+        keys, parts = line_keys(self, info, ids_before, delivered, check)
         _safe_record(writer, info, input_ids, result, None, failed, keys, parts)
         return result
 
@@ -312,19 +301,18 @@ def wrap(cls: type, writer: Any) -> bool:
             result = batch(self, input_ids=input_ids, req_infos=req_infos, input_embeds=input_embeds)
         except BaseException as exc:
             for info in req_infos:
-                _safe_record(writer, _flat(info), _One(), None, f"{type(exc).__name__}: {exc}", failed)
+                _safe_record(writer, flatten_payload(info), _One(), None, f"{type(exc).__name__}: {exc}", failed)
             raise
         finally:
             _local.depth -= 1
         check = _contract_enabled()
-        cls_self[0] = self
         embeds, text_step = result[1], result[3]
         for i, info in enumerate(req_infos):
-            info = _flat(info)
+            info = flatten_payload(info)
             delivered = None
             if check:
                 delivered = (embeds[i:i + 1].float() + text_step[i:i + 1].float()).to(embeds.dtype)
-            keys, parts = line_keys(info, ids_before[i:i + 1], delivered, check)
+            keys, parts = line_keys(self, info, ids_before[i:i + 1], delivered, check)
             _safe_record(writer, info, _One(), (None, embeds[i:i + 1]), None, failed, keys, parts)
         return result
 
@@ -358,5 +346,8 @@ def _delivered(result: Any, input_embeds: Any, n: int) -> Any:
 
 def server_env() -> dict[str, str]:
     """What the Talker worker's environment adds for this family: the hook the arm binds and the wrapper."""
-    return {"OMNI_STRESS_HOOK": HOOK, ENV_WRAPPER: WRAPPER}
+    from harness.serve.arm_binding import ENV_HOOK
+    from harness.serve.trace_plugin import ENV_WRAPPER
+
+    return {ENV_HOOK: HOOK, ENV_WRAPPER: WRAPPER}
 

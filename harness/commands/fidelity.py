@@ -64,16 +64,13 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
         raise UserError(f"fidelity {sim_run} {real_run}: the first run is the real one (backend {backends[0]}) and "
                         f"the second the sim run: give the sim run first (fidelity SIM_RUN REAL_RUN)")
 
-    def side_talker(run: summary.Run) -> str | None:
-        return manifest_sim_talker(run.manifest)
-
     def side(run: summary.Run) -> fidelity.Side:
         return fidelity.Side(label=run.run_id, backend=run.manifest.get("backend"),
                              talker=manifest_sim_talker(run.manifest), records=run.requests,
                              events=summary.request_events(run),
                              schedules=fidelity.span_schedules(run.spans.raw))
 
-    result = fidelity.compare(side(runs[0]), side(runs[1]), _decoder(families[0], [side_talker(r) for r in runs]))
+    result = fidelity.compare(side(runs[0]), side(runs[1]), _decoder(families[0], [manifest_sim_talker(r.manifest) for r in runs]))
     data = fidelity.as_json(result)
     text = fidelity.render_text(result)
     if self_check is not None:

@@ -11,6 +11,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+REAL_PY = REPO / ".venv-omni" / "bin" / "python"  # the real backend's CPU environment (scripts/install-real-cpu.sh)
+
+
+def require_real_env() -> Path:
+    """The real environment's interpreter; a test without it is skipped, except under
+    ``OMNI_STRESS_REQUIRE_REAL=1`` (``.ci/run`` sets it), where its absence fails."""
+    if not REAL_PY.exists():
+        if os.environ.get("OMNI_STRESS_REQUIRE_REAL") == "1":
+            pytest.fail(f"OMNI_STRESS_REQUIRE_REAL=1 but {REAL_PY} is missing (scripts/install-real-cpu.sh)")
+        pytest.skip("no real CPU environment (.venv-omni): run scripts/install-real-cpu.sh")
+    return REAL_PY
 FIXTURES = REPO / "tests" / "fixtures"
 SMALL_PROMPTS = FIXTURES / "prompts_small.yaml"
 

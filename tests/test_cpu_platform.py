@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from conftest import REAL_PY, require_real_env
+
 ROOT = Path(__file__).resolve().parents[1]
-REAL_PY = ROOT / ".venv-omni" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
 def findings() -> dict:
-    if not REAL_PY.exists():
-        if os.environ.get("OMNI_STRESS_REQUIRE_REAL") == "1":
-            pytest.fail(f"OMNI_STRESS_REQUIRE_REAL=1 but {REAL_PY} is missing (scripts/install-real-cpu.sh)")
-        pytest.skip("no real CPU environment (.venv-omni): run scripts/install-real-cpu.sh")
+    require_real_env()
     proc = subprocess.run([str(REAL_PY), str(ROOT / "cpu_platform" / "tests" / "check_platform.py")],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,7 +4,6 @@ checkpoint's build (deterministic) and the transformers-free self-check's margin
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from harness.families.qwen3_tts import speaking as sp
+
+from conftest import REAL_PY, require_real_env
 
 TEXT = "Heat the water."
 
@@ -76,17 +77,13 @@ def test_ids_fit_the_codebook_and_the_specials_are_outside_it():
 # ------------------------------------------------------------------ the checkpoint (real environment)
 
 ROOT = Path(__file__).resolve().parents[1]
-REAL_PY = ROOT / ".venv-omni" / "bin" / "python"
 CLI = [sys.executable, "-m", "harness.cli"]
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """``omni-stress tiny-model DIR --family qwen3-tts``, once for the module."""
-    if not REAL_PY.exists():
-        if os.environ.get("OMNI_STRESS_REQUIRE_REAL") == "1":
-            pytest.fail(f"OMNI_STRESS_REQUIRE_REAL=1 but {REAL_PY} is missing (scripts/install-real-cpu.sh)")
-        pytest.skip("no real CPU environment (.venv-omni): run scripts/install-real-cpu.sh")
+    require_real_env()
     out = tmp_path_factory.mktemp("tts") / "tiny"
     res = subprocess.run([*CLI, "tiny-model", str(out), "--family", "qwen3-tts", "--python", str(REAL_PY)],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 import time
@@ -28,8 +27,9 @@ from harness import speaking
 from harness.config import load_prompts
 from harness.records import read_requests, read_spans
 
+from conftest import REAL_PY, require_real_env
+
 ROOT = Path(__file__).resolve().parents[1]
-REAL_PY = ROOT / ".venv-omni" / "bin" / "python"
 CLI = [sys.executable, "-m", "harness.cli"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
@@ -38,10 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The speaking tiny checkpoint, built once for the module (``omni-stress tiny-model``)."""
-    if not REAL_PY.exists():
-        if os.environ.get("OMNI_STRESS_REQUIRE_REAL") == "1":
-            pytest.fail(f"OMNI_STRESS_REQUIRE_REAL=1 but {REAL_PY} is missing (scripts/install-real-cpu.sh)")
-        pytest.skip("no real CPU environment (.venv-omni): run scripts/install-real-cpu.sh")
+    require_real_env()
     tmp = tmp_path_factory.mktemp("model")
     model = tmp / "tiny"
     t0 = time.monotonic()

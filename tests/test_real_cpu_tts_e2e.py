@@ -12,7 +12,6 @@ scored against the text sent. Needs the real environment (``scripts/install-real
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -25,8 +24,9 @@ from harness.config import load_prompts
 from harness.families.qwen3_tts import speaking as sp
 from harness.records import read_requests, read_spans
 
+from conftest import REAL_PY, require_real_env
+
 ROOT = Path(__file__).resolve().parents[1]
-REAL_PY = ROOT / ".venv-omni" / "bin" / "python"
 CLI = [sys.executable, "-m", "harness.cli"]
 ARMS = ("tts-0.30.0", "tts-fix")
 REF, STRESS = "qwen3-tts-cpu-reference", "qwen3-tts-cpu-stress"
@@ -37,10 +37,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not REAL_PY.exists():
-        if os.environ.get("OMNI_STRESS_REQUIRE_REAL") == "1":
-            pytest.fail(f"OMNI_STRESS_REQUIRE_REAL=1 but {REAL_PY} is missing (scripts/install-real-cpu.sh)")
-        pytest.skip("no real CPU environment (.venv-omni): run scripts/install-real-cpu.sh")
+    require_real_env()
     tmp = tmp_path_factory.mktemp("tts-real")
     model = tmp / "tiny-tts"
     t0 = time.monotonic()

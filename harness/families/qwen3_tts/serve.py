@@ -48,7 +48,6 @@ from harness.families.qwen3_tts.contract import flatten_payload
 TALKER, CODE2WAV = "0", "1"
 SPEECH_VOICE, SPEECH_LANGUAGE, SPEECH_TASK = "Vivian", "Auto", "CustomVoice"
 CODE2WAV_BATCHED_TOKENS = 65536  # the shipped qwen3_tts.yaml's: Q x frames exceeds 32k
-CPU_KV_BYTES = {TALKER: 256 << 20, CODE2WAV: 64 << 20}
 WRAPPER = "harness.families.qwen3_tts.serve:wrap"  # what the trace plugin wraps the Talker class with
 HOOK = "preprocess"
 
@@ -83,13 +82,15 @@ def deploy_yaml(deploy: Any, platform: str) -> dict[str, Any]:
                                     "max_tokens": CODE2WAV_BATCHED_TOKENS, "repetition_penalty": 1.0},
     }
     if platform == "cpu":
-        from harness.serve.deploy_args import CPU_BLOCK_SIZE
+        from harness.serve.deploy_args import CODE2WAV_STAGE, CPU_BLOCK_SIZE, CPU_KV_BYTES, TALKER_STAGE
 
         blocks = talker.get("num_gpu_blocks_override")
         if blocks is not None:
             talker["num_gpu_blocks_override"] = -(-blocks * talker_cfg.block_size // CPU_BLOCK_SIZE)
         talker.pop("gpu_memory_utilization", None)
-        for stage, kv in ((talker, CPU_KV_BYTES[TALKER]), (code2wav, CPU_KV_BYTES[CODE2WAV])):
+        # Qwen2.5-Omni's CPU sizes per stage kind (deploy_args.CPU_KV_BYTES: the tiny checkpoints' KV is 1 KiB a token or less
+        # 1 KiB a token, 256 MiB hold far more than any CPU deploy's max_model_len)
+        for stage, kv in ((talker, CPU_KV_BYTES[TALKER_STAGE]), (code2wav, CPU_KV_BYTES[CODE2WAV_STAGE])):
             stage["block_size"] = max(CPU_BLOCK_SIZE, -(-stage.get("block_size", CPU_BLOCK_SIZE) // CPU_BLOCK_SIZE)
                                       * CPU_BLOCK_SIZE)
             stage["kv_cache_memory_bytes"] = kv

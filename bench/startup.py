@@ -35,6 +35,9 @@ TARGET_S = 1.5
 
 _CLICK = "import click"
 _MPL = "import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot"
+# How a floor process ends: as the console script does (``harness.cli.entry``: atexit handlers, then no
+# interpreter teardown), so a command and its floor end alike and the teardown is in neither.
+CLI_EXIT = "; import atexit, os; atexit._run_exitfuncs(); os._exit(0)"
 
 # (label, omni-stress arguments with {a} and {b} for the two run directories, floor: what that command imports
 # beyond the standard library, i.e. Python + Click + the libraries it really uses).
@@ -94,12 +97,12 @@ def measure(run_a: Path, run_b: Path, repeat: int, checkout: Path | None) -> lis
     for _label, args, floor in COMMANDS:  # one unmeasured run each: file caches warm, .pyc written
         cmd = base + [x.format(a=run_a, b=run_b) for x in args]
         _wall(cmd, cwd, env, GATE_CODES if args[0] == "gate" else (0,))
-        _wall([sys.executable, "-c", floor], ROOT, env)
+        _wall([sys.executable, "-c", floor + CLI_EXIT], ROOT, env)
     for _ in range(repeat):
         for label, args, floor in COMMANDS:
             cmd = base + [x.format(a=run_a, b=run_b) for x in args]
             samples[label][0].append(_wall(cmd, cwd, env, GATE_CODES if args[0] == "gate" else (0,)))
-            samples[label][1].append(_wall([sys.executable, "-c", floor], ROOT, env))
+            samples[label][1].append(_wall([sys.executable, "-c", floor + CLI_EXIT], ROOT, env))
     rows = []
     for label, args, floor in COMMANDS:
         measured, floors = samples[label]

@@ -145,3 +145,44 @@ def test_the_launcher_asks_for_row_identities_only_on_the_speaking_checkpoint(tm
     assert env["OMNI_STRESS_ROW_IDS"] == "1"
     assert "OMNI_STRESS_ROW_IDS" not in server_env_overrides(arm, tmp_path, ServeOptions(model=str(random_dir),
                                                                                           platform="cpu"))
+
+
+def test_a_requests_tagged_rows_are_reused_until_someone_writes_into_them() -> None:
+    from harness.serve.worker_contract import _TAGS, tag_payload_on_device
+
+    info, _, _ = _payload(False)
+    first, coded = tag_payload_on_device(info)
+    again, coded_again = tag_payload_on_device({**info, "_omni_num_computed_tokens": 5})
+    assert again["embed"]["prefill"] is first["embed"]["prefill"] and coded_again is coded
+    assert again["hidden_states"]["output"] is first["hidden_states"]["output"]
+    assert bool(coded) and first["hidden_states"]["output"][1, DIMS].tolist() == [KIND_OUTPUT, request_code(
+        info["request_id"]), 0, 1]
+    first["hidden_states"]["output"][1, DIMS[3]] = 9  # an arm writing into the copy it was handed
+    fresh, _ = tag_payload_on_device(info)
+    assert fresh["hidden_states"]["output"] is not first["hidden_states"]["output"]
+    assert fresh["hidden_states"]["output"][1, DIMS].tolist()[3] == 1
+    info["embed"]["prefill"][0, 0] += 1  # the runner's own rows changed in place: tagged again from them
+    changed, _ = tag_payload_on_device(info)
+    assert changed["embed"]["prefill"] is not fresh["embed"]["prefill"]
+    assert torch.equal(changed["embed"]["prefill"][0, :DIMS[0]], info["embed"]["prefill"][0, :DIMS[0]])
+    other = {**info, "embed": {**info["embed"], "prefill": info["embed"]["prefill"].clone()}}
+    assert tag_payload_on_device(other)[0]["embed"]["prefill"] is not changed["embed"]["prefill"]  # other tensor
+    from harness.serve.worker_contract import TAG_CACHE_SIZE
+
+    for i in range(TAG_CACHE_SIZE + 3):
+        tag_payload_on_device({**info, "request_id": f"r{i}"})
+    assert len(_TAGS) == TAG_CACHE_SIZE
+
+
+def test_reply_rows_are_the_whole_replys_rows_by_index() -> None:
+    from types import SimpleNamespace
+
+    from harness.serve.worker_contract import reply_rows
+
+    thinker = torch.arange(5 * 3, dtype=torch.bfloat16).reshape(5, 3)  # 4 reply rows from the Thinker
+    model = SimpleNamespace(embed_text_eos_token=torch.full((1, 3), -1.0), embed_text_pad_token=torch.full((1, 3), -2.0))
+    reply = torch.cat([thinker[1:].float(), model.embed_text_eos_token, model.embed_text_pad_token])
+    for first_k, m in ((0, 1), (2, 1), (3, 1), (4, 1), (5, 1), (9, 1), (0, 4), (2, 3), (3, 4), (1, 8), (4, 2), (6, 3)):
+        ks = torch.arange(first_k, first_k + m).clamp(max=reply.shape[0] - 1)
+        got = reply_rows(model, thinker, first_k, m, torch.device("cpu"), torch.float32)
+        assert got.dtype == torch.float32 and torch.equal(got, reply[ks]), (first_k, m)

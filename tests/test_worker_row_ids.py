@@ -186,3 +186,17 @@ def test_reply_rows_are_the_whole_replys_rows_by_index() -> None:
         ks = torch.arange(first_k, first_k + m).clamp(max=reply.shape[0] - 1)
         got = reply_rows(model, thinker, first_k, m, torch.device("cpu"), torch.float32)
         assert got.dtype == torch.float32 and torch.equal(got, reply[ks]), (first_k, m)
+
+
+def test_inference_tensors_are_tagged_and_reused_by_storage() -> None:
+    from harness.serve.worker_contract import tag_payload_on_device
+
+    info, _, _ = _payload(False)
+    with torch.inference_mode():
+        info["embed"]["prefill"] = info["embed"]["prefill"].clone()  # as the real worker's payload
+        info["hidden_states"]["output"] = info["hidden_states"]["output"].clone()
+        first, coded = tag_payload_on_device({**info, "request_id": "inference"})
+        again, _ = tag_payload_on_device({**info, "request_id": "inference"})
+    assert info["embed"]["prefill"].is_inference() and bool(coded)
+    assert again["embed"]["prefill"] is first["embed"]["prefill"]
+    assert first["embed"]["prefill"][3, DIMS].tolist() == [KIND_PROMPT, request_code("inference"), 0, 3]

@@ -165,10 +165,13 @@ TAG_CACHE_SIZE = 16  # requests whose tagged rows are kept (a Talker batch is ma
 @dataclass
 class _Tagged:
     """One request's tagged Thinker rows, reused while neither the runner's rows nor the copies the arm
-    was handed have changed (same tensors, same in-place version counters). Why: a request's payload is
-    the same tensors at every step, and tagging them again per call was a quarter of the check's cost
-    (issue 34); an arm that writes into the rows it was given gets fresh copies at its next call, as
-    before."""
+    was handed have changed: the same tensors with the same in-place version counters, so an arm that
+    writes into the rows it was given gets fresh copies at its next call. Inference tensors (the real
+    worker runs under ``torch.inference_mode``) keep no version counter: there the same tensors with the
+    same storage and shape count as unchanged, and an arm's in-place write stays in its copy for its
+    next call, as it would stay in the runner's own rows untagged. Why: a request's payload is the same
+    tensors at every step (vLLM-Omni 0.30.0's ``model_intermediate_buffer``), and tagging them again per
+    call was a quarter of the check's cost on the tiny checkpoint (issue 34)."""
 
     prefill: Any
     output: Any
@@ -181,7 +184,10 @@ class _Tagged:
         self.versions = self._now()
 
     def _now(self) -> tuple[int, ...]:
-        return tuple(t._version for t in (self.prefill, self.output, self.tagged_prefill, self.tagged_output))
+        tensors = (self.prefill, self.output, self.tagged_prefill, self.tagged_output)
+        if any(t.is_inference() for t in tensors):  # no version counter: storage and shape only
+            return tuple(x for t in tensors for x in (t.data_ptr(), *t.shape))
+        return tuple(t._version for t in tensors)
 
     def fresh(self, prefill: Any, output: Any) -> bool:
         return prefill is self.prefill and output is self.output and self._now() == self.versions

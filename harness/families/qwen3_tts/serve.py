@@ -246,7 +246,7 @@ class _One:
 
 def wrap(cls: type, writer: Any) -> bool:
     """Trace ``cls.preprocess`` and ``cls.preprocess_decode_batch`` (module docstring); False if done already."""
-    from harness.serve.trace_plugin import _MARK, _codec_ids, _contract_enabled, _safe_record, _warn
+    from harness.serve.trace_plugin import _MARK, _codec_ids, _safe_record, _warn
 
     pre = cls.__dict__.get("preprocess") or getattr(cls, "preprocess", None)
     batch = cls.__dict__.get("preprocess_decode_batch") or getattr(cls, "preprocess_decode_batch", None)
@@ -283,7 +283,7 @@ def wrap(cls: type, writer: Any) -> bool:
             _safe_record(writer, info, input_ids, None, f"{type(exc).__name__}: {exc}", failed)
             raise
         delivered = None
-        check = _contract_enabled() and ids_before is not None
+        check = writer.check and ids_before is not None
         if check:
             try:
                 delivered = _delivered(result, input_embeds, int(ids_before.shape[0]))
@@ -306,7 +306,7 @@ def wrap(cls: type, writer: Any) -> bool:
             raise
         finally:
             _local.depth -= 1
-        check = _contract_enabled()
+        check = writer.check
         embeds, text_step = result[1], result[3]
         for i, info in enumerate(req_infos):
             info = flatten_payload(info)

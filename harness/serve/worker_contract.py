@@ -171,7 +171,7 @@ class _Tagged:
     same storage and shape count as unchanged, and an arm's in-place write stays in its copy for its
     next call, as it would stay in the runner's own rows untagged. Why: a request's payload is the same
     tensors at every step (vLLM-Omni 0.30.0's ``model_intermediate_buffer``), and tagging them again per
-    call was a quarter of the check's cost on the tiny checkpoint (issue 34)."""
+    call was a fifth of a traced call's time in a profile (issue 34)."""
 
     prefill: Any
     output: Any
@@ -309,8 +309,8 @@ def expected_rows(model: Any, info: dict[str, Any], ids: Any, P: int, c: int, n:
 def reply_rows(model: Any, thinker_result: Any, first_k: int, m: int, device: Any, dtype: Any) -> Any:
     """Rows ``first_k..first_k+m-1`` of ``reply = thinker_result[1:] ++ [text_eos] ++ [text_pad]``, the
     PAD row repeated past the end: the same values as indexing the whole reply, from slices of its
-    parts. Why: a decode call needs one row, and building the whole reply per call was most of the
-    check's cost on the tiny checkpoint (issue 34)."""
+    parts. Why: a decode call needs one row, and the whole reply was concatenated and converted for it at
+    every call (issue 34)."""
     import torch
 
     body = thinker_result.shape[0] - 1  # reply rows taken from the Thinker's output

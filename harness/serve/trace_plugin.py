@@ -245,6 +245,7 @@ class TraceWriter:
         self._cond = threading.Condition(self._lock)
         self._fd: int | None = None
         self._timing_fd: int | None = None
+        self._timing_line: dict[str, Any] | None = None  # the previous step's, until add_cost writes it
         self._pid: int | None = None
         self._seq = 0
         self._step = 0
@@ -262,6 +263,7 @@ class TraceWriter:
             path = os.path.join(self.directory, f"trace-{pid}.jsonl")
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             self._timing_fd = None
+            self._timing_line = None
             self._pid = pid
             self._seq = 0
             self._step = 0
@@ -413,12 +415,20 @@ class TraceWriter:
     # ------------------------------------------------------------------ timing (OMNI_STRESS_TRACE_TIMING)
 
     def add_cost(self, instrumentation: tuple[float, float, float]) -> None:
-        """The instrumentation seconds of one call of the current step (thread, process, wall)."""
+        """The instrumentation seconds of one call of the current step (thread, process, wall); then the
+        previous step's timing line, if one is waiting: written here, after the call's clocks stopped,
+        because the timing file is the bench's instrument, not part of what a level costs."""
         with self._lock:
             cost = self._step_cost
             cost[0] += 1
             for k in range(3):
                 cost[k + 1] += instrumentation[k]
+            line, self._timing_line = self._timing_line, None
+            if line is not None:
+                if self._timing_fd is None:
+                    path = os.path.join(self.directory, f"timing-{os.getpid()}.jsonl")
+                    self._timing_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.write(self._timing_fd, (_LINE_ENCODER.encode(line) + "\n").encode("utf-8"))
 
     def _time_step(self, new_step: bool, started: tuple[float, float, float]) -> None:
         """At a step's first call: the previous step's line (its seconds end where this call starts)."""
@@ -430,10 +440,7 @@ class TraceWriter:
             line = {"step": self._step - 1, "calls": calls, "level": self.level, "instr_thread_s": thr,
                     "instr_process_s": proc, "instr_wall_s": wall, "step_thread_s": started[0] - prev[0],
                     "step_process_s": started[1] - prev[1], "step_wall_s": started[2] - prev[2]}
-            if self._timing_fd is None:
-                path = os.path.join(self.directory, f"timing-{os.getpid()}.jsonl")
-                self._timing_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.write(self._timing_fd, (_LINE_ENCODER.encode(line) + "\n").encode("utf-8"))
+            self._timing_line = line  # written by add_cost, outside the measured seconds
         self._step_started = started
         self._step_cost = [0, 0.0, 0.0, 0.0]
 

@@ -1,14 +1,17 @@
-"""What every worker process of a run needs: to go away when the run does."""
+"""What every worker process of a run needs: to go away when the run does; and a computation in a
+forked child beside this process's own (``fork_call``)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import os
+import select
+import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 WATCHDOG_S = 0.5  # how often a worker checks that the run that started it is alive
 _exit = os._exit  # bound now: an arm's call swaps os._exit for a guard (harness.sim.armcall)
@@ -65,3 +68,84 @@ def printable_streams() -> None:
             stream.reconfigure(errors="replace")  # type: ignore[union-attr]
         except (AttributeError, ValueError, io.UnsupportedOperation):
             pass  # not a TextIOWrapper (a test runner's stream): leave it
+
+
+FORK_WAIT_S = 300.0  # a forked call that gives nothing by then is ended; its caller computes the value itself
+
+
+class ForkedCall:
+    """``fn()`` of ``fork_call``, computed in a forked child: ``result()`` waits for its bytes."""
+
+    def __init__(self, pid: int, fd: int) -> None:
+        self.pid, self.fd = pid, fd
+
+    def result(self, timeout: float = FORK_WAIT_S) -> tuple[bool, bytes | None]:
+        """(True, the value) when the child gave it; (False, None) when it failed, died or took longer
+        than ``timeout`` (it is then ended): the caller computes the value itself, so a child can cost
+        time but never a result."""
+        chunks: list[bytes] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                    return False, None
+                chunk = os.read(self.fd, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            _, status = os.waitpid(self.pid, 0)  # the child closed its end: it is exiting
+            self.pid = 0
+        finally:
+            self.close()
+        data = b"".join(chunks)
+        if os.waitstatus_to_exitcode(status) != 0 or not data or data[:1] not in (b"\0", b"\1"):
+            return False, None
+        return True, (data[1:] if data[:1] == b"\1" else None)
+
+    def close(self) -> None:
+        """Ends and reaps the child if it is still there (the caller failed, or gave up on it)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.pid:
+            pid, self.pid = self.pid, 0
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+
+
+def fork_call(fn: Callable[[], bytes | None]) -> ForkedCall | None:
+    """``fn()`` started in a forked child, so that this process can do other work meanwhile on a
+    second core; None (the caller computes it itself) when a fork is not safe or not useful: another
+    thread is alive (a lock it holds would stay held in the child), one CPU, no ``os.fork``, or
+    ``OMNI_STRESS_NO_FORK=1``. The child shares this process's state at the fork, so what it computes
+    is what this process would; it writes the bytes to a pipe and ends with ``os._exit`` (no
+    ``atexit`` handler, no second flush of this process's buffers)."""
+    if (not hasattr(os, "fork") or threading.active_count() != 1 or (os.cpu_count() or 1) < 2
+            or os.environ.get("OMNI_STRESS_NO_FORK") == "1"):
+        return None
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return None
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.close(r)
+            value = fn()
+            view = memoryview(b"\0" if value is None else b"\1" + value)
+            while view:
+                view = view[os.write(w, view):]
+            code = 0
+        except BaseException:  # noqa: BLE001 - whatever it is, the parent computes the value itself
+            pass
+        finally:
+            _exit(code)
+    os.close(w)
+    return ForkedCall(pid, r)

@@ -553,3 +553,30 @@ def test_spans_file_slow_path_and_errors(tmp_path: Path) -> None:
         with pytest.raises(report.UserError) as exc:
             report.load_run(run_dir)
         assert str(exc.value) == f"{path}: {message}", bad
+
+
+def test_plots_drawn_in_a_forked_child_are_the_same_bytes(seed_run: Path, monkeypatch) -> None:
+    """``render_all`` draws the timeline in a forked child beside the other two: same PNGs, same order."""
+    import os
+    import threading
+
+    import harness.proc as proc
+    from harness.report import plots
+
+    run, cells = _cells(seed_run)
+    monkeypatch.setenv("OMNI_STRESS_NO_FORK", "1")
+    here = plots.render_all(run, cells)
+    real, forked = proc.fork_call, []
+
+    def counting(fn):
+        child = real(fn)
+        forked.append(child is not None)
+        return child
+
+    monkeypatch.setattr(proc, "fork_call", counting)
+    monkeypatch.setenv("OMNI_STRESS_NO_FORK", "0")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    beside = plots.render_all(run, cells)
+    assert list(here) == list(beside) == ["wer", "events", "timeline"]
+    assert here == beside
+    assert forked == [threading.active_count() == 1]  # the runner's own threads, if any, rule the fork out

@@ -301,9 +301,22 @@ def plot_timeline(run: Run, cells: list[CellSummary], max_arms: int = 4) -> byte
 
 
 def render_all(run: Run, cells: list[CellSummary]) -> dict[str, bytes]:
-    """{name: PNG bytes}; the timeline is left out when no recorded span shows stress."""
-    out = {"wer": plot_wer(cells), "events": plot_events(cells)}
-    timeline = plot_timeline(run, cells)
+    """{name: PNG bytes}; the timeline is left out when no recorded span shows stress.
+
+    The timeline, about half of the drawing time, is drawn in a forked child while this process draws
+    the other two (``harness.proc.fork_call``: same state, same bytes); where a fork is not safe, or the
+    child fails, it is drawn here after them."""
+    from harness.proc import fork_call
+
+    child = fork_call(lambda: plot_timeline(run, cells))
+    try:
+        out = {"wer": plot_wer(cells), "events": plot_events(cells)}
+        drawn, timeline = child.result() if child is not None else (False, None)
+    finally:
+        if child is not None:
+            child.close()
+    if not drawn:
+        timeline = plot_timeline(run, cells)
     if timeline is not None:
         out["timeline"] = timeline
     return out

@@ -204,9 +204,7 @@ class Progress:
 
     def start(self, key: str, label: str, total: int) -> None:
         if self.enabled:
-            from tqdm import tqdm
-
-            self._bars[key] = tqdm(total=total, desc=label, unit="req", leave=True, file=sys.stderr)
+            self._bars[key] = _bar_class()(total=total, desc=label, unit="req", leave=True, file=sys.stderr)
         elif not self.quiet:
             print(f"[omni-stress] {label}: {total} requests", file=sys.stderr, flush=True)
 
@@ -228,6 +226,24 @@ class Progress:
     def note(self, text: str) -> None:
         if not self.quiet:
             print(f"[omni-stress] {text}", file=sys.stderr, flush=True)
+
+
+def _bar_class() -> Any:
+    """tqdm without its monitor thread: the thread (which only retunes ``miniters`` of bars updated
+    slowly; these are updated once per request) outlives the bars, and a live thread rules out both the
+    forked plot drawing (``harness.proc.fork_call``) and the quick exit (``harness.cli.entry``)."""
+    global _BAR
+    if _BAR is None:
+        from tqdm import tqdm
+
+        class Bar(tqdm):
+            monitor_interval = 0
+
+        _BAR = Bar
+    return _BAR
+
+
+_BAR: Any = None
 
 
 ASR_STALL_S = 900.0  # no transcript at all for this long: a worker hangs (one 30 s window takes ~1 s)

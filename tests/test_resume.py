@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -183,9 +184,12 @@ def test_progress_bar_per_cell_on_a_tty(monkeypatch):
 
     err = Tty()
     monkeypatch.setattr(sys, "stderr", err)
+    threads = threading.active_count()
     progress = Progress(quiet=False)
     progress.start("pr/stress/1", "pr x stress (run 1)", 4)
     progress.start("main/stress/1", "main x stress (run 1)", 2)  # Whisper overlaps cells: two bars open
+    # no tqdm monitor thread: it would outlive the bars and rule out the forked plots and the quick exit
+    assert threading.active_count() == threads
     for _ in range(4):
         progress.update("pr/stress/1", "WER 0.00")
     assert list(progress._bars) == ["main/stress/1"]  # a bar closes with its cell's last request

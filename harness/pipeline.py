@@ -10,6 +10,7 @@ spans are appended when the cell's simulation completes; the manifest is updated
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -228,22 +229,17 @@ class Progress:
             print(f"[omni-stress] {text}", file=sys.stderr, flush=True)
 
 
+@functools.cache
 def _bar_class() -> Any:
     """tqdm without its monitor thread: the thread (which only retunes ``miniters`` of bars updated
     slowly; these are updated once per request) outlives the bars, and a live thread rules out both the
     forked plot drawing (``harness.proc.fork_call``) and the quick exit (``harness.cli.entry``)."""
-    global _BAR
-    if _BAR is None:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        class Bar(tqdm):
-            monitor_interval = 0
+    class Bar(tqdm):
+        monitor_interval = 0
 
-        _BAR = Bar
-    return _BAR
-
-
-_BAR: Any = None
+    return Bar
 
 
 ASR_STALL_S = 900.0  # no transcript at all for this long: a worker hangs (one 30 s window takes ~1 s)

@@ -507,3 +507,46 @@ def test_a_pattern_reference_deploy_pairs_within_the_deploy_family() -> None:
     assert resolve_reference_deploy(Cell(arm="pr", deploy="gpu2-stress"), "*reference", cells) is None
     two = cells + [Cell(arm="pr", deploy="cpu-reference2")]
     assert resolve_reference_deploy(cells[3], "cpu-ref*", two) is None  # two names qualify: ambiguous
+
+
+def test_measured_fail_beside_unevaluable_rules_exits_1_and_is_named_first(tmp_path: Path) -> None:
+    """Issue 47: a run with a single deploy (stress only) whose candidate breaks the contract. The
+    reference-paired rules cannot be evaluated, but the measured FAIL decides: exit 1, named first."""
+    run_dir = write_gate_run(tmp_path / "single", [("main", "stress", 1, 0.9, 45, 7)])
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["arms"][0]["role"] = "candidate"
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    res = CliRunner().invoke(main, ["gate", str(run_dir)])
+    assert res.exit_code == 1, res.output
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("FAILED candidate-contract: main/stress run 1 [candidate]: "
+                               "max_misaligned_text_positions: ")
+    assert lines[-1].startswith("gate: 0 passed, 2 failed, ")
+    assert lines[-1].endswith("-> FAIL (candidate-contract, candidate-stress-matches-reference failed) (exit 1)")
+
+
+def test_a_rule_with_a_failing_bound_and_an_unevaluable_bound_is_a_failure() -> None:
+    r = rules({"name": "pr-stress", "arm": "pr", "deploy": "stress", "max_mean_wer": 0.1, "max_wer_delta": 0.03},
+              reference_deploy="reference")
+    result = gate.evaluate(r, [cell("pr", "stress", wer=0.4)])  # no reference cell: the delta is unknown
+    assert [c.status for c in result.cases[0].checks] == ["fail", "error"]
+    assert result.cases[0].status == "fail" and result.exit_code == 1
+    assert result.failed == [result.cases[0]]
+    assert result.cases[0].message == ("max_mean_wer: mean WER = 0.400 > 0.100; max_wer_delta: no pr/reference cell "
+                                       "for run 1 in this run")
+    # nothing failed, something unknown: still 2
+    assert gate.evaluate(r, [cell("pr", "stress", wer=0.0)]).exit_code == 2
+
+
+def test_map_gate_a_measured_failure_beside_a_problem_exits_1() -> None:
+    from harness.sweep.gate import ArmVerdict, CellVerdict, MapVerdict
+
+    r = rules({"name": "c", "arm": "*", "deploy": "*", "max_mean_wer": 0.1})
+    bad = gate.evaluate(r, [cell("pr", "s1", wer=0.4, chunks=3, replays=1)]).cases
+    failing = ArmVerdict("pr", "candidate", reference=[], knee=None, problems=["no reference cell for load c4"],
+                         cells=[CellVerdict(bad[0].cell, "s1", True, bad, wer_ok=False)])
+    assert failing.status == "fail"
+    assert MapVerdict([failing]).exit_code == 1
+    unknown = ArmVerdict("pr", "candidate", reference=[], knee=None, problems=["no reference cell for load c4"],
+                         cells=[])
+    assert unknown.status == "error" and MapVerdict([unknown]).exit_code == 2

@@ -44,10 +44,12 @@ class CaseResult:
 
     @property
     def status(self) -> str:
+        """A measured FAIL wins over a bound that could not be evaluated: a case is ERROR only when none
+        of its bounds failed (issue 47: an ERROR hid a failing bound from a CI that skips on 2)."""
         statuses = {c.status for c in self.checks}
         if statuses == {"skip"}:
             return "skip"
-        return "error" if "error" in statuses else "fail" if "fail" in statuses else "pass"
+        return "fail" if "fail" in statuses else "error" if "error" in statuses else "pass"
 
     @property
     def cell_label(self) -> str:
@@ -73,9 +75,16 @@ class GateResult:
 
     @property
     def exit_code(self) -> int:
-        if self.problems or self.count("error"):
-            return 2
-        return 1 if self.count("fail") else 0
+        """1 whenever a bound failed on measured data, whatever else could not be judged; 2 only when
+        nothing failed and something could not be evaluated (a CI that retries on 2 never misses a
+        regression)."""
+        if self.count("fail"):
+            return 1
+        return 2 if self.problems or self.count("error") else 0
+
+    @property
+    def failed(self) -> list[CaseResult]:
+        return [c for c in self.cases if c.status == "fail"]
 
 
 # Bounds a cell run with ``--trace off`` can still be checked on: WER (from Whisper; the speaking
@@ -219,7 +228,7 @@ def evaluate(rules: Rules, cells: list[CellSummary], run_id: str = "") -> GateRe
 def format_result(result: GateResult) -> str:
     """Plain text: one line per testcase, its checks indented, then the verdict."""
     mark = {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "skip": "SKIP"}
-    lines = []
+    lines = [f"FAILED {case.rule.name}: {case.cell_label}: {case.message}" for case in result.failed]
     for case in result.cases:
         tag = " (expected failure)" if case.rule.expect == "fail" else ""
         lines.append(f"{mark[case.status]:5}  {case.rule.name}{tag}: {case.cell_label}")
@@ -235,6 +244,9 @@ def format_result(result: GateResult) -> str:
     for key in result.uncovered:
         lines.append(f"note   no rule covers {key[0]}/{key[1]} repeat {key[2]} (not gated)")
     verdict = {0: "pass", 1: "FAIL (a rule failed)", 2: "could not evaluate"}[result.exit_code]
+    if result.failed:
+        names = list(dict.fromkeys(c.rule.name for c in result.failed))
+        verdict = f"FAIL ({', '.join(names)} failed)"
     skipped = f", {result.count('skip')} skipped" if result.count("skip") else ""
     lines.append(f"gate: {result.count('pass')} passed, {result.count('fail')} failed{skipped}, "
                  f"{result.count('error') + len(result.problems)} could not be evaluated -> {verdict} "

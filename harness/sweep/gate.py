@@ -59,9 +59,7 @@ class CellVerdict:
         if not self.stressed:
             return "unstressed"
         statuses = {c.status for c in self.cases}
-        if "error" in statuses:
-            return "error"
-        return "fail" if "fail" in statuses else "pass"
+        return "fail" if "fail" in statuses else "error" if "error" in statuses else "pass"
 
     @property
     def shows_bug(self) -> bool:
@@ -91,17 +89,21 @@ class ArmVerdict:
 
     @property
     def status(self) -> str:
-        if self.problems or any(c.status == "error" for c in self.reference):
-            return "error"
+        """A failure measured anywhere (a reference rule, a stressed cell, a baseline that shows the bug
+        nowhere) is ``fail`` even when something else could not be evaluated (issue 47)."""
         if any(c.status == "fail" for c in self.reference):
             return "fail"
         stressed_cells = self.stressed_cells
-        if not stressed_cells:
+        if self.role == "baseline":
+            if stressed_cells and not any(c.shows_bug for c in stressed_cells):
+                return "fail"
+        elif any(c.status == "fail" for c in stressed_cells):
+            return "fail"
+        if self.problems or any(c.status == "error" for c in self.reference) or not stressed_cells:
             return "error"
         if self.role == "baseline":
-            return "pass" if any(c.shows_bug for c in stressed_cells) else "fail"
-        statuses = {c.status for c in stressed_cells}
-        return "error" if "error" in statuses else "fail" if "fail" in statuses else "pass"
+            return "pass"
+        return "error" if any(c.status == "error" for c in stressed_cells) else "pass"
 
     @property
     def summary(self) -> str:
@@ -125,9 +127,9 @@ class MapVerdict:
     @property
     def exit_code(self) -> int:
         statuses = {a.status for a in self.arms}
-        if self.problems or "error" in statuses or not self.arms:
-            return 2
-        return 1 if "fail" in statuses else 0
+        if "fail" in statuses:
+            return 1
+        return 2 if self.problems or "error" in statuses or not self.arms else 0
 
 
 def _rules_for(rules: Rules, arm: str, role: str, deploy: str) -> list[Rule]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import click
 
 import harness.commands
+from harness import interrupt
 from harness.errors import UserError
 
 
@@ -121,6 +122,9 @@ class _Group(click.Group):
             where = f" writing {exc.filename}" if exc.filename else ""
             click.echo(f"omni-stress: error: {(exc.strerror or 'no space left on device').lower()}{where}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt:  # a Ctrl-C: one line saying what is on disk, exit 130 (not click's "Aborted!")
+            click.echo(f"\nomni-stress: {interrupt.message()}", err=True)
+            sys.exit(interrupt.EXIT_INTERRUPTED)
         except click.UsageError as exc:
             sub = exc.ctx.command_path.split()[1:] if exc.ctx is not None else []
             where = " ".join(["omni-stress", *sub])
@@ -158,13 +162,21 @@ def entry() -> None:
     usual (logging, temporary folders, multiprocessing's), the standard streams are flushed, and the
     process ends with the command's exit status. A process with another thread or a child process
     still alive (Ray's driver, a pool shutting down) exits the ordinary way, and so does one whose
-    ``OMNI_STRESS_FULL_EXIT`` is ``1`` (a profiler or coverage that wants the teardown)."""
+    ``OMNI_STRESS_FULL_EXIT`` is ``1`` (a profiler or coverage that wants the teardown).
+
+    Every SIGINT ends the command with exit 130 (``harness.interrupt``): one whose
+    ``KeyboardInterrupt`` was swallowed on the way, or that arrived after the last record, still says
+    so here."""
+    interrupt.install()
     try:
         main()
         code: object = 0
     except SystemExit as exc:
         code = exc.code
     status = exit_status(code)
+    if interrupt.finish() and status != interrupt.EXIT_INTERRUPTED:
+        click.echo(f"omni-stress: {interrupt.message()}", err=True)
+        status = interrupt.EXIT_INTERRUPTED
     mp = sys.modules.get("multiprocessing")
     if (os.environ.get("OMNI_STRESS_FULL_EXIT") == "1" or threading.active_count() > 1
             or (mp is not None and mp.active_children())):

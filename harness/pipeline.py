@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness import __version__
+from harness import __version__, interrupt
 from harness.backends import RunOptions, get_backend
 from harness.config import ArmSpec, Deploy, PromptSet
 from harness.errors import UserError
@@ -428,6 +428,7 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
     try:
         backend.open(jobs)  # before any thread exists: the sim's pool forks
         for job in jobs:
+            interrupt.check()  # a SIGINT swallowed in the cell before still stops the run here
             progress.start(job.key, job.label, len(prompt_ids) - len(job.skip))
 
             def emit(record: RequestRecord, key: str = job.key) -> None:
@@ -441,6 +442,7 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
             if outcome.extra:
                 cell_extra[job.key] = outcome.extra
         sink.flush(block=True)
+        interrupt.check()  # nor is a run with a swallowed SIGINT marked finished
         ok = True
     finally:
         try:

@@ -419,3 +419,19 @@ def _absolute_model(model: str) -> str:
     if looks_like_path or os.path.exists(model):
         return str(absolute(model))
     return model
+
+
+def say_when_interrupted(run_dir: Path, planned: int, command: str) -> None:
+    """What a Ctrl-C leaves behind, for the one line ``harness.interrupt`` prints: the records on disk
+    (every completed request is kept) and the command that completes the run."""
+    from harness import interrupt
+
+    def line() -> str:
+        held = count_records(run_dir)
+        if held >= planned:
+            return (f"{run_dir} holds all {planned} request records; `omni-stress {command} --resume {run_dir}` "
+                    f"(same options) writes its reports")
+        return (f"{run_dir} holds {held} of {planned} request records; `omni-stress {command} --resume {run_dir}` "
+                f"(same options) completes it")
+
+    interrupt.describe(line)

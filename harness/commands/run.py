@@ -17,7 +17,7 @@ from harness.cli_options import RunArgs, shared_run_options
 from harness.backends import DEFAULT_SIM_TALKER, RunOptions, get_backend
 from harness.pipeline import RunPlan, execute, manifest_for, new_run_id
 from harness.proc import printable_streams, stdout_to_stderr
-from harness.rundir import in_run_dir, open_run_dir, start_manifest
+from harness.rundir import in_run_dir, open_run_dir, say_when_interrupted, start_manifest
 from harness.sim import armcall
 
 
@@ -81,6 +81,7 @@ def resolve_arm_specs(args: RunArgs, deploys: list[Deploy], prompts: PromptSet) 
 def _locked_run(run_dir: Path, resume: bool, arm_specs: list[ArmSpec], deploy_specs: list[Deploy], prompts,
                 options: RunOptions, quiet: bool) -> str:
     plan = RunPlan(run_dir, arm_specs, deploy_specs, prompts, options)
+    say_when_interrupted(run_dir, len(plan.cells) * len(prompts.prompts), "run")
     state = start_manifest(run_dir, manifest_for(plan), resume)
     if not quiet:
         click.echo(f"run directory: {plan.run_dir}", err=True)

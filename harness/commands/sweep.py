@@ -15,7 +15,7 @@ from harness.errors import UserError
 from harness.backends import RunOptions, get_backend
 from harness.pipeline import RunPlan, execute, manifest_for, new_run_id
 from harness.proc import printable_streams, stdout_to_stderr
-from harness.rundir import in_run_dir, open_run_dir, start_manifest
+from harness.rundir import in_run_dir, open_run_dir, say_when_interrupted, start_manifest
 from harness.sim import armcall
 
 
@@ -82,6 +82,7 @@ def _sweep_run_id(name: str, arm_specs, deploys) -> str:
 def _locked_sweep(run_dir: Path, resume: bool, sweep, arm_specs, prompts, options: RunOptions, quiet: bool, rules,
                   no_plots: bool) -> str:
     plan = RunPlan(run_dir, arm_specs, sweep.deploys, prompts, options)
+    say_when_interrupted(run_dir, len(plan.cells) * len(prompts.prompts), "sweep")
     planned = manifest_for(plan)
     planned["sweep"] = sweep.describe()
 

@@ -550,3 +550,28 @@ def test_map_gate_a_measured_failure_beside_a_problem_exits_1() -> None:
     unknown = ArmVerdict("pr", "candidate", reference=[], knee=None, problems=["no reference cell for load c4"],
                          cells=[])
     assert unknown.status == "error" and MapVerdict([unknown]).exit_code == 2
+
+
+@pytest.mark.parametrize("how", ["killed", "torn", "torn-spans"])
+def test_conform_beside_and_compare_warn_on_incomplete_runs_and_refuse_with_strict(tmp_path: Path, how: str) -> None:
+    """Issue 47, case 3: ``conform --beside`` printed its table without a word on a killed run or a torn last
+    line; now the same warning as ``report``, ``compare`` and ``fidelity``, and the same ``--strict``."""
+    run_dir = write_gate_run(tmp_path / how, SEED_CELLS)
+    if how == "torn-spans":
+        (run_dir / "spans.jsonl").write_text('{"arm": "pr", "deploy": "stress", "repe')
+    else:
+        _damage(run_dir, how)
+    from harness.report import summary
+
+    line = summary.problems_line(summary.load_run(run_dir), summary.run_problems(summary.load_run(run_dir)))
+    conform = ["conform", "--beside", str(run_dir), "--source", "vllm-omni:0.30.0", "--deploy", "none",
+               "--requests", "1"]
+    res = CliRunner().invoke(main, conform)
+    assert res.exit_code == 0, res.output  # no shipped deploy reaches the bug here: the matrix as usual
+    assert f"omni-stress: warning: {line}; its numbers may be partial\n" in res.stderr
+    assert "conform beside run" in res.stdout
+    res = CliRunner().invoke(main, [*conform, "--strict"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr == f"omni-stress: error: {line}; not put beside (--strict)\n"
+    res = CliRunner().invoke(main, ["compare", str(run_dir), str(run_dir), "--strict"])
+    assert res.exit_code == 2 and res.stderr == f"omni-stress: error: {line}; not compared (--strict)\n"

@@ -17,15 +17,16 @@ from harness.proc import printable_streams
 @click.argument("run_b", type=click.Path(path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(["terminal", "markdown", "csv", "json"]), default="terminal",
               show_default=True)
-def command(run_a: Path, run_b: Path, fmt: str) -> None:
+@click.option("--strict", is_flag=True, help="Exit 2 when a run is incomplete (killed, a torn last line), instead "
+                                             "of a warning.")
+def command(run_a: Path, run_b: Path, fmt: str, strict: bool) -> None:
     """Compare RUN_B (e.g. a PR) against RUN_A (its base): cells side by side, delta = B - A."""
     printable_streams()
     a, b = report.load_run(run_a), report.load_run(run_b)
     for run in (a, b):
-        problems = report.run_problems(run)
-        if problems:
-            click.echo(f"omni-stress: warning: {summary.problems_line(run, problems)}; its numbers may be partial",
-                       err=True)
+        warning = summary.incomplete_warning(run, strict, "not compared (--strict)")
+        if warning:
+            click.echo(warning, err=True)
     cells_a, cells_b = report.summarize_cells(a), report.summarize_cells(b)
     table = report.compare_table(cells_a, cells_b)
     if fmt == "csv":

@@ -47,12 +47,14 @@ def _finite_seconds(ctx: click.Context, param: click.Parameter, value: float | N
               help="Also print, per situation, the conform verdict beside what the run in RUN_DIR shows of it (spans "
                    "of that kind, misaligned ones, the worst request's WER and first wrong span), for the run's model "
                    "family's conform model. Repeatable: a sim run and a real one give conform | sim | real.")
+@click.option("--strict", is_flag=True, help="Exit 2 when a --beside run is incomplete (killed, a torn last line), "
+                                             "instead of a warning.")
 @click.option("--arm-timeout", type=click.FloatRange(0, 86400), callback=_finite_seconds, default=10.0,
               show_default=True, help="Seconds one preprocess call may take before it fails its schedule (the cell "
                                       "says raised; 0: no limit).")
 def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[str, ...], num_requests: int, generated: int,
             deploy_generated: int, fail_on: str, json_path: Path | None, html_path: Path | None,
-            beside_dirs: tuple[Path, ...], arm_timeout: float) -> None:
+            beside_dirs: tuple[Path, ...], strict: bool, arm_timeout: float) -> None:
     """Check each model's preprocess for schedule invariance: model x situation."""
     from harness.conform.check import DEFAULT_DEPLOYS, check_model, modes_for
     from harness.conform.models import CALIBRATION, MODELS, UPSTREAM_MODELS, resolve_model
@@ -60,7 +62,7 @@ def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[st
     from harness.conform.report import Matrix, Report, format_html, format_json, format_text
     from harness.config import load_deploy
 
-    beside_runs = [_load_beside(d) for d in dict.fromkeys(beside_dirs)]  # a bad run is refused first
+    beside_runs = [_load_beside(d, strict) for d in dict.fromkeys(beside_dirs)]  # a bad run is refused first
     for d, (model, _run, _cells) in zip(dict.fromkeys(beside_dirs), beside_runs):
         if model != beside_runs[0][0]:
             raise UserError(f"--beside {d}: a run of conform model {model!r}, not {beside_runs[0][0]!r} like "
@@ -128,8 +130,9 @@ def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[st
     sys.exit(report.exit_code)
 
 
-def _load_beside(run_dir: Path) -> tuple[str, Any, list[tuple[str, str, str]]]:
-    """(the run's family's conform model, the run, its (arm, deploy, runner) cells) of ``--beside RUN_DIR``."""
+def _load_beside(run_dir: Path, strict: bool = False) -> tuple[str, Any, list[tuple[str, str, str]]]:
+    """(the run's family's conform model, the run, its (arm, deploy, runner) cells) of ``--beside RUN_DIR``;
+    an incomplete run is said as ``report``, ``compare`` and ``fidelity`` say it (refused with ``--strict``)."""
     from harness.config import load_deploy
     from harness.errors import ConfigError
     from harness.families import get_family
@@ -137,6 +140,9 @@ def _load_beside(run_dir: Path) -> tuple[str, Any, list[tuple[str, str, str]]]:
     from harness.rundir import manifest_family
 
     run = summary.load_run(run_dir)
+    warning = summary.incomplete_warning(run, strict, "not put beside (--strict)")
+    if warning:
+        click.echo(warning, err=True)
     family = get_family(manifest_family(run.manifest), f"{run_dir}/manifest.json: family")
     cells: list[tuple[str, str, str]] = []
     for arm, deploy in dict.fromkeys((r.arm, r.deploy) for r in run.requests):

@@ -44,12 +44,9 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
         raise UserError(f"fidelity {sim_run} {real_run}: the first run is of family {families[0]!r}, the second of "
                         f"{families[1]!r}; fidelity compares two runs of one model family")
     for run in runs:  # the check report and compare make, with the same warning (the gate refuses such a run)
-        problems = summary.run_problems(run)
-        if problems and strict:
-            raise UserError(f"{summary.problems_line(run, problems)}; not compared (--strict)")
-        if problems:
-            click.echo(f"omni-stress: warning: {summary.problems_line(run, problems)}; its numbers may be partial",
-                       err=True)
+        warning = summary.incomplete_warning(run, strict, "not compared (--strict)")
+        if warning:
+            click.echo(warning, err=True)
     backends = [run.manifest.get("backend") or "?" for run in runs]
     self_check = None
     if backends[0] == backends[1]:

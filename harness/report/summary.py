@@ -616,6 +616,18 @@ def problems_line(run: Run, problems: list[str]) -> str:
         "; ".join(problems)
 
 
+def incomplete_warning(run: Run, strict: bool, refused: str) -> str | None:
+    """The one warning line of every command that reads a run it does not gate (``compare``, ``fidelity``,
+    ``conform --beside``): None for a complete run; with ``strict``, the refusal instead (``UserError``,
+    exit 2, ending in ``refused``, e.g. "not compared (--strict)")."""
+    problems = run_problems(run)
+    if not problems:
+        return None
+    if strict:
+        raise UserError(f"{problems_line(run, problems)}; {refused}")
+    return f"omni-stress: warning: {problems_line(run, problems)}; its numbers may be partial"
+
+
 # --------------------------------------------------------------------------- pairs (per-request evidence)
 
 

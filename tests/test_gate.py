@@ -575,3 +575,38 @@ def test_conform_beside_and_compare_warn_on_incomplete_runs_and_refuse_with_stri
     assert res.stderr == f"omni-stress: error: {line}; not put beside (--strict)\n"
     res = CliRunner().invoke(main, ["compare", str(run_dir), str(run_dir), "--strict"])
     assert res.exit_code == 2 and res.stderr == f"omni-stress: error: {line}; not compared (--strict)\n"
+
+
+def test_rules_and_runs_of_another_family_are_refused_unless_asked(tmp_path: Path) -> None:
+    """Issue 47, case 4: ``gate --rules`` with another family's rules applied them silently; ``compare`` of two
+    families gave a table of n/a with exit 0. Both refuse in one line (exit 2) without ``--any-family``."""
+    omni = write_gate_run(tmp_path / "omni", SEED_CELLS)
+    tts = write_gate_run(tmp_path / "tts", SEED_CELLS)
+    manifest = json.loads((tts / "manifest.json").read_text())
+    manifest["family"] = "qwen3-tts"
+    (tts / "manifest.json").write_text(json.dumps(manifest))
+    tts_rules = DEPLOY_DIR / "gates-qwen3-tts.yaml"
+    runner = CliRunner()
+    res = runner.invoke(main, ["gate", str(omni), "--rules", "gates-qwen3-tts"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr == (f"omni-stress: error: --rules {tts_rules}: rules for the qwen3-tts family, but the run {omni} "
+                          f"is of family qwen2.5-omni; give --any-family to apply them anyway\n")
+    res = runner.invoke(main, ["gate", str(omni), "--rules", "gates-qwen3-tts", "--any-family"])
+    assert res.exit_code == 0 and res.stdout.splitlines()[-1].endswith("-> pass (exit 0)")
+    res = runner.invoke(main, ["gate", str(tts), "--rules", "gates"])
+    assert res.exit_code == 2 and "rules for the qwen2.5-omni family, but the run" in res.stderr
+    # rules that name no family apply to any run (a user's own file)
+    own = tmp_path / "own.yaml"
+    own.write_text(yaml.safe_dump({"rules": [{"role": "*", "deploy": "*", "max_errors": 0}]}))
+    res = runner.invoke(main, ["gate", str(tts), "--rules", str(own)])
+    assert res.exit_code == 0 and res.stderr == "", res.output
+    res = runner.invoke(main, ["compare", str(omni), str(tts)])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr == (f"omni-stress: error: compare {omni} {tts}: the first run is of family 'qwen2.5-omni', the "
+                          f"second of 'qwen3-tts'; their cells and prompts do not pair (give --any-family to compare "
+                          f"anyway)\n")
+    assert runner.invoke(main, ["compare", str(omni), str(tts), "--any-family"]).exit_code == 0
+    with pytest.raises(ConfigError, match=r"^r\.yaml: family: unknown model family 'qwen9' \(known: "):
+        gate.parse_rules({"family": "qwen9", "rules": [{"arm": "*", "deploy": "*", "max_errors": 0}]}, "r.yaml")
+    assert gate.load_rules(DEPLOY_DIR / "gates.yaml").family == "qwen2.5-omni"
+    assert gate.load_rules(tts_rules).family == "qwen3-tts"

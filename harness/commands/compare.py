@@ -9,7 +9,9 @@ import click
 
 from harness.report import summary
 from harness.report import tables as report
+from harness.errors import UserError
 from harness.proc import printable_streams
+from harness.rundir import manifest_family
 
 
 @click.command("compare")
@@ -19,10 +21,15 @@ from harness.proc import printable_streams
               show_default=True)
 @click.option("--strict", is_flag=True, help="Exit 2 when a run is incomplete (killed, a torn last line), instead "
                                              "of a warning.")
-def command(run_a: Path, run_b: Path, fmt: str, strict: bool) -> None:
+@click.option("--any-family", is_flag=True, help="Compare runs of two model families anyway (refused otherwise).")
+def command(run_a: Path, run_b: Path, fmt: str, strict: bool, any_family: bool) -> None:
     """Compare RUN_B (e.g. a PR) against RUN_A (its base): cells side by side, delta = B - A."""
     printable_streams()
     a, b = report.load_run(run_a), report.load_run(run_b)
+    families = [manifest_family(run.manifest) for run in (a, b)]
+    if families[0] != families[1] and not any_family:
+        raise UserError(f"compare {run_a} {run_b}: the first run is of family {families[0]!r}, the second of "
+                        f"{families[1]!r}; their cells and prompts do not pair (give --any-family to compare anyway)")
     for run in (a, b):
         warning = summary.incomplete_warning(run, strict, "not compared (--strict)")
         if warning:

@@ -25,17 +25,20 @@ from harness.proc import printable_streams
                    "a bare name is looked up in deploy_configs/).")
 @click.option("--junit", "junit_path", type=click.Path(path_type=Path), default=None,
               help="Also write JUnit XML (one testcase per rule x cell) for CI.")
-def command(run_dir: Path, rules_path: str | None, junit_path: Path | None) -> None:
+@click.option("--any-family", is_flag=True,
+              help="Apply --rules written for another model family than the run's (refused otherwise).")
+def command(run_dir: Path, rules_path: str | None, junit_path: Path | None, any_family: bool) -> None:
     """Check RUN_DIR against the gate rules and exit 0 (pass), 1 (a rule failed) or 2 (could not evaluate)."""
     printable_streams()
     try:
         rules = gate.load_rules(gate.resolve_rules_path(rules_path)) if rules_path is not None else None
         run = summary.load_run(run_dir)
-        if rules is None:  # the run's family's rules (Qwen2.5-Omni's: deploy_configs/gates.yaml)
-            from harness.rundir import manifest_family
+        from harness.rundir import manifest_family
 
-            rules = gate.load_rules(gate.family_rules_path(manifest_family(run.manifest),
-                                                           f"{run_dir}/manifest.json: family"))
+        family = manifest_family(run.manifest)
+        if rules is None:  # the run's family's rules (Qwen2.5-Omni's: deploy_configs/gates.yaml)
+            rules = gate.load_rules(gate.family_rules_path(family, f"{run_dir}/manifest.json: family"))
+        gate.check_rules_family(rules, family, f"the run {run_dir}", any_family)
         problems = summary.run_problems(run) + summary.event_problems(run)
         if problems:
             raise UserError(f"{summary.problems_line(run, problems)}; not gated")

@@ -24,24 +24,28 @@ from harness.sim import armcall
 @shared_run_options("sweep")
 @click.option("--rules", "rules_path", default=None, metavar="PATH",
               help="Gate rules for the map's verdict and quality knee (default deploy_configs/gates.yaml).")
+@click.option("--any-family", is_flag=True,
+              help="Apply --rules written for another model family than the sweep's (refused otherwise).")
 @click.option("--no-plots", is_flag=True, help="Write sweep.md and sweep.html without the heatmap PNGs.")
-def command(sweep_file: str, rules_path: str | None, no_plots: bool, **values: Any) -> None:
+def command(sweep_file: str, rules_path: str | None, any_family: bool, no_plots: bool, **values: Any) -> None:
     """Run every grid point of SWEEP (a name in deploy_configs/sweeps/ or a YAML path) for each arm, and map it."""
     printable_streams()
     args = RunArgs.from_click(values)
     with stdout_to_stderr():
-        printed = _sweep(sweep_file, args, rules_path, no_plots)
+        printed = _sweep(sweep_file, args, rules_path, no_plots, any_family)
     click.echo(printed)
 
 
-def _sweep(sweep_file: str, args: RunArgs, rules_path: str | None, no_plots: bool) -> str:
-    from harness.gate import family_rules_path, load_rules, resolve_rules_path
+def _sweep(sweep_file: str, args: RunArgs, rules_path: str | None, no_plots: bool, any_family: bool = False) -> str:
+    from harness.gate import check_rules_family, family_rules_path, load_rules, resolve_rules_path
     from harness.sweep.grid import load_sweep
 
     sweep = load_sweep(sweep_file)
     # a bad rules file is refused before anything runs; without --rules, the sweep's model family's
+    family = args.family or sweep.base.family
     rules = load_rules(resolve_rules_path(rules_path) if rules_path is not None
-                       else family_rules_path(args.family or sweep.base.family, f"{sweep.path}: base"))
+                       else family_rules_path(family, f"{sweep.path}: base"))
+    check_rules_family(rules, family, f"the sweep {sweep.path}", any_family)
     prompts = load_prompts(args.prompt_set)  # files first: importing a plugin arm may change directory
     arm_specs = resolve_arm_specs(args, sweep.deploys, prompts)
     options = args.run_options(latency=True)

@@ -16,6 +16,7 @@ from harness.gate.rules import (  # noqa: F401
     STRESS_METRICS,
     TOP_KEYS,
     WER_METRICS,
+    check_rules_family,
     family_rules_path,
     load_rules,
     parse_rules,

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import DEPLOY_DIR, load_yaml
-from harness.errors import ConfigError, short_repr
+from harness.errors import ConfigError, UserError, short_repr
 from harness.metrics import METRICS as COUNT_METRICS
 from harness.metrics import MISALIGNED_COUNTS, STRESS_METRICS
 from harness.report.summary import (
@@ -73,7 +73,7 @@ DETECTION_METRICS = ("mean_wer", "requests_over", "wer_delta", "worst_paired_del
 NO_MAX_WHEN_FAIL = ("mean_wer", "requests_over", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer",
                     "worst_of_repeats_requests_over")
 RULE_KEYS = {"name", "arm", "role", "deploy", "expect", "stress", "reference_deploy", "optional", "description"}
-TOP_KEYS = {"wer_threshold", "reference_deploy", "rules"}
+TOP_KEYS = {"family", "wer_threshold", "reference_deploy", "rules"}
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,7 @@ class Rules:
     rules: tuple[Rule, ...]
     wer_threshold: float = 0.5
     source: str = "<rules>"
+    family: str | None = None  # the model family the rules are written for (None: not said, any family)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -162,6 +163,13 @@ def parse_rules(data: Any, source: str = "<rules>") -> Rules:
         if key not in TOP_KEYS:
             raise ConfigError(f"{source}: {key}: unknown key (allowed: {', '.join(sorted(TOP_KEYS))})")
     threshold = _number(source, "wer_threshold", data.get("wer_threshold", 0.5))
+    family = data.get("family")
+    if family is not None:
+        from harness.families import family_names
+
+        if _string(source, "family", family) not in family_names():
+            raise ConfigError(f"{source}: family: unknown model family {short_repr(family)} "
+                              f"(known: {', '.join(family_names())})")
     default_ref = data.get("reference_deploy")
     if default_ref is not None:
         _string(source, "reference_deploy", default_ref)
@@ -176,7 +184,16 @@ def parse_rules(data: Any, source: str = "<rules>") -> Rules:
             raise ConfigError(f"{source}: rules[{i}].name: duplicate rule name {rule.name!r}")
         names.add(rule.name)
         rules.append(rule)
-    return Rules(rules=tuple(rules), wer_threshold=threshold, source=source)
+    return Rules(rules=tuple(rules), wer_threshold=threshold, source=source, family=family)
+
+
+def check_rules_family(rules: Rules, family: str, what: str, any_family: bool = False) -> None:
+    """Refuses rules written for another model family than the run's (their bounds and deploy patterns
+    mean something else there), unless ``any_family``; rules that name no family apply to any."""
+    if rules.family is None or rules.family == family or any_family:
+        return
+    raise UserError(f"--rules {rules.source}: rules for the {rules.family} family, but {what} is of family "
+                    f"{family}; give --any-family to apply them anyway")
 
 
 def _parse_rule(item: Any, where: str, source: str, default_ref: str | None) -> Rule:

@@ -612,16 +612,18 @@ def load_prompts(name_or_path: str) -> PromptSet:
             user = f.str_("user", required=True)
             reply = f.str_("reply", required=True)
         assert pid and user and reply
+        key = "text" if tts else "reply"  # the file's own key names the field in every message
         if (bad := check_name(pid)) is not None:
             raise f.fail("id", bad)
         if (bad := _unspeakable(reply)) is not None:
-            raise f.fail("reply", bad)
+            raise f.fail(key, bad)
         if pid in seen:
             raise f.fail("id", f"duplicate prompt id {short_repr(pid)}")
         seen.add(pid)
         n = len(tokenize(reply))
         if n > MAX_REPLY_TOKENS:
-            raise f.fail("reply", f"{n} tokens, over the Thinker limit of {MAX_REPLY_TOKENS}")
+            raise f.fail(key, f"{n} tokens, over the limit of {MAX_REPLY_TOKENS} tokens per text" if tts
+                         else f"{n} tokens, over the Thinker limit of {MAX_REPLY_TOKENS}")
         audio = f.float_("audio_seconds", 0.0, 0.0, 3600.0) or 0.0
         prompts.append(Prompt(id=pid, user=user, reply=reply, audio_seconds=audio))
     assert system is not None

@@ -188,6 +188,8 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "finished": None,
         **({"stream": True} if o.stream else {}),  # absent when not streamed: manifests as they were
+        # the checkpoint the real server served (the header names it; sim manifests as they were)
+        **({"served_model": str(o.serve.model)} if getattr(o.serve, "model", None) else {}),
     }
 
 

@@ -610,3 +610,17 @@ def test_rules_and_runs_of_another_family_are_refused_unless_asked(tmp_path: Pat
         gate.parse_rules({"family": "qwen9", "rules": [{"arm": "*", "deploy": "*", "max_errors": 0}]}, "r.yaml")
     assert gate.load_rules(DEPLOY_DIR / "gates.yaml").family == "qwen2.5-omni"
     assert gate.load_rules(tts_rules).family == "qwen3-tts"
+
+
+def test_run_header_names_the_asr_model_as_the_asrs_and_the_served_checkpoint(tmp_path: Path) -> None:
+    """Issue 47, case 5: the header said ``model=base`` (the Whisper model) where a reader looks for the model."""
+    run_dir = write_gate_run(tmp_path / "h", SEED_CELLS)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["asr"] = {"backend": "faster-whisper", "model": "base", "beam_size": 1}
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    res = CliRunner().invoke(main, ["report", str(run_dir), "--no-write"])
+    assert res.stdout.splitlines()[0] == "Run h: backend sim, ASR faster-whisper (Whisper model base, beam size 1)"
+    manifest.update(asr={"backend": "none", "model": "base", "beam_size": 1}, served_model="/models/tiny-omni")
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    res = CliRunner().invoke(main, ["report", str(run_dir), "--no-write"])
+    assert res.stdout.splitlines()[0] == "Run h: backend sim, served model /models/tiny-omni, ASR none (oracle transcripts)"

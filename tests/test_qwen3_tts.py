@@ -215,6 +215,22 @@ def test_a_tts_prompt_takes_text_and_refuses_user_reply(tmp_path):
     assert "prompts[0].user" in str(exc.value) and "unknown" in str(exc.value)
 
 
+def test_tts_prompt_errors_name_the_text_key_and_no_thinker(tmp_path):
+    """Issue 47, case 5: the errors named ``prompts[i].reply`` (the file's key is ``text``) and "the Thinker
+    limit of 80" (the family has no Thinker)."""
+    from harness.errors import ConfigError
+
+    path = tmp_path / "tts.yaml"
+    path.write_text("family: qwen3-tts\nprompts:\n  - id: a\n    text: " + " ".join(["word"] * 81) + "\n")
+    with pytest.raises(ConfigError) as exc:
+        load_prompts(str(path))
+    assert str(exc.value) == f"{path}: prompts[0].text: 81 tokens, over the limit of 80 tokens per text"
+    path.write_text("family: qwen3-tts\nprompts:\n  - id: a\n    text: It costs 3.5 now.\n")
+    with pytest.raises(ConfigError) as exc:
+        load_prompts(str(path))
+    assert str(exc.value).startswith(f"{path}: prompts[0].text: number '3.5' is spoken by the sim as '3 5'")
+
+
 def test_identities_are_numpy_ints():
     """The contract's prompt identities are int64 arrays (the runner compares them with ``np`` arrays)."""
     cell, _runner, out = _cell("tts-fix", "qwen3-tts-reference")

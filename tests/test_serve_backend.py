@@ -155,6 +155,31 @@ def test_server_crashing_mid_run_keeps_completed_records_and_names_the_crash(tmp
     assert log.read_text().count("=== omni-stress:") == 1  # nothing was left to send: no second server
 
 
+def test_a_coloured_crash_is_named_by_its_cleaned_traceback_line(tmp_path):
+    """Issue 47, case 5: with vLLM's colours on, the crash line and every record's error carried raw ANSI codes
+    and the API server's INFO line after the traceback; now the cleaned exception line."""
+    arm = fake_arm("pr", FAKE_VLLM_DIE_AFTER="5", FAKE_VLLM_COLOR="1")
+    sink = Sink()
+    log = tmp_path / "run" / "server-pr-stress.log"
+    times = run_cell(arm, deploy(tmp_path), PROMPTS, 1, tmp_path / "run", OPTIONS, sink.on_request, sink.on_spans)
+    assert "\x1b[" in log.read_text()  # the log itself is as the server wrote it
+    failed = [r for r in sink.requests if r.error is not None]
+    assert len(failed) == 11
+    assert {r.error for r in failed} == {f"server crashed (exit code 3): {CRASH_LINE}; log: {log}"}
+    assert [c["error"] for c in times["crashes"]] == [CRASH_LINE]
+
+
+def test_crash_line_without_a_traceback_is_the_last_error_message_cleaned():
+    from harness.serve.launcher import crash_line_of
+
+    log = ("\x1b[1;36m(EngineCore_DP0 pid=9)\x1b[0;0m \x1b[31mERROR\x1b[0m 12-06 05:21:00 [core.py:700] "
+           "EngineCore failed to start.\n"
+           "\x1b[1;36m(APIServer pid=8)\x1b[0;0m \x1b[32mINFO\x1b[0m 12-06 05:21:01 [launcher.py:99] Shutting down.")
+    assert crash_line_of(log) == "EngineCore failed to start."
+    assert crash_line_of("\x1b[32mINFO\x1b[0m 12-06 05:21:01 [x.py:1] only this") == "only this"
+    assert crash_line_of("") == "no output"
+
+
 def test_server_crashing_under_a_paced_load_is_restarted_for_the_requests_not_sent(tmp_path):
     """At most 4 in flight (load: concurrency 4): the first server answers 5 and takes the 4 in flight with
     it; the 7 requests it was never sent go to a second server, which answers 5 and takes the last 2."""

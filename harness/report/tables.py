@@ -475,12 +475,26 @@ def render_markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def _asr_text(asr: Any) -> str:
+    """The manifest's ``asr`` said as what it is: the Whisper model is the ASR's, not the served checkpoint
+    (the header said ``model=base`` beside the backend, read as the run's model: issue 47, case 5)."""
+    if not isinstance(asr, dict):
+        return str(asr or "none")
+    if asr.get("backend") == "none":
+        return "none (oracle transcripts)"
+    extra = {k: v for k, v in asr.items() if k not in ("backend", "model", "beam_size") and v is not None}
+    return (f"{asr.get('backend', NA)} (Whisper model {asr.get('model', NA)}, beam size {asr.get('beam_size', NA)}"
+            + "".join(f", {k} {v}" for k, v in extra.items()) + ")")
+
+
 def run_header(run: Run) -> list[str]:
     m = run.manifest
     backend = _describe(m.get("backend", NA))
     if is_simulated(m.get("backend")) and isinstance(m.get("sim_talker"), str):  # --sim-talker (runs before it: words)
         backend += f" (Talker: {m['sim_talker']})"
-    lines = [f"Run {run.run_id}: backend {backend}, ASR {_describe(m.get('asr') or 'none')}"]
+    if isinstance(m.get("served_model"), str):
+        backend += f", served model {m['served_model']}"
+    lines = [f"Run {run.run_id}: backend {backend}, ASR {_asr_text(m.get('asr'))}"]
     finished = m.get("finished")
     lines.append(f"Started {m.get('started') or NA}, " + (f"finished {finished}" if finished else "not finished"))
     roles = run.roles

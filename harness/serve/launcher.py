@@ -126,13 +126,25 @@ def read_tail(path: Path, start: int = 0, lines: int = TAIL_LINES) -> str:
 
 _LOG_PREFIX = re.compile(r"^\([^)]*pid=\d+[^)]*\) ")  # vLLM's prefix on its workers' lines: "(EngineCore pid=12) "
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Fault|Failure)\b")
+# Terminal colour (vLLM colours its process prefix, ``\x1b[1;36m(EngineCore pid=12)\x1b[0;0m``, and its log
+# levels when it thinks it writes to a terminal) and vLLM's logger header (``ERROR 12-06 05:20:00 [core.py:700] ``).
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+_LOG_HEADER = re.compile(r"^(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[^\]]*\] ")
+
+
+def clean_log_line(line: str) -> str:
+    """A log line as a person reads it: no colour codes, no vLLM process prefix, no logger header."""
+    line = _ANSI.sub("", line).replace("\r", "")
+    line = _LOG_PREFIX.sub("", line)
+    return _LOG_HEADER.sub("", line)
 
 
 def last_traceback_line(text: str) -> str | None:
     """The exception line that ends the last Python traceback in ``text`` (a server log: a worker's
     crash is the last thing it printed), e.g. ``RuntimeError: shape mismatch``; None if the text
-    holds no traceback. vLLM's per-process prefix (``(EngineCore pid=12) ``) is dropped."""
-    lines = [_LOG_PREFIX.sub("", line) for line in text.splitlines()]
+    holds no traceback. Colour codes, vLLM's per-process prefix (``(EngineCore pid=12) ``) and its
+    logger header are dropped (``clean_log_line``)."""
+    lines = [clean_log_line(line) for line in text.splitlines()]
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
     if not starts:
         return None
@@ -140,6 +152,20 @@ def last_traceback_line(text: str) -> str | None:
         if not line[:1].isspace() and _EXCEPTION_LINE.match(line):
             return line.strip()[:300]
     return None
+
+
+def crash_line_of(text: str) -> str:
+    """The one line a crash is reported with: the last traceback's exception line, else the last ERROR or
+    CRITICAL message, else the last line; cleaned (``clean_log_line``). Never a later INFO line of a
+    process that outlived the crash, never colour codes."""
+    line = last_traceback_line(text)
+    if line is not None:
+        return line
+    raw = [ln for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in raw if (m := _LOG_HEADER.match(_LOG_PREFIX.sub("", _ANSI.sub("", ln))))
+              and m.group(1) in ("ERROR", "CRITICAL")]
+    pick = errors[-1] if errors else raw[-1] if raw else ""
+    return clean_log_line(pick).strip()[:300] or "no output"
 
 
 class ServerLauncher:
@@ -205,13 +231,8 @@ class ServerLauncher:
         return read_tail(self.log_path, self._log_start, lines)
 
     def crash_line(self) -> str:
-        """What the crash said: the last traceback's exception line of this launch's log, else its last line."""
-        text = read_tail(self.log_path, self._log_start, 400)
-        line = last_traceback_line(text)
-        if line is None:
-            rest = [x.strip() for x in text.splitlines() if x.strip()]
-            line = rest[-1][:300] if rest else "no output"
-        return line
+        """What the crash said (``crash_line_of`` this launch's log)."""
+        return crash_line_of(read_tail(self.log_path, self._log_start, 400))
 
     def death_message(self, when: str) -> str:
         code = self.proc.returncode if self.proc is not None else None

@@ -132,14 +132,25 @@ def main() -> None:
 
 
 def _crash() -> None:
-    """Dies as a crashed engine does: a traceback on stderr (vLLM's worker prefix on its lines), exit 3."""
+    """Dies as a crashed engine does: a traceback on stderr (vLLM's worker prefix on its lines), exit 3.
+    FAKE_VLLM_COLOR=1: as vLLM writes it to a terminal (a coloured prefix, coloured logger headers) and
+    with the API server's INFO line after the traceback."""
+    color = os.environ.get("FAKE_VLLM_COLOR") == "1"
+    prefix = (f"\x1b[1;36m(EngineCore_DP0 pid={os.getpid()})\x1b[0;0m " if color
+              else f"(EngineCore_DP0 pid={os.getpid()}) ")
+    if color:
+        print(f"{prefix}\x1b[31mERROR\x1b[0m 12-06 05:21:00 [core.py:700] EngineCore encountered a fatal error.",
+              file=sys.stderr)
     try:
         raise RuntimeError("talker preprocess: index 37 is out of bounds for dimension 0 with size 32 (fake crash)")
     except RuntimeError:
         import traceback
 
         for line in traceback.format_exc().splitlines():
-            print(f"(EngineCore_DP0 pid={os.getpid()}) {line}", file=sys.stderr)
+            print(f"{prefix}{line}", file=sys.stderr)
+    if color:
+        print(f"\x1b[1;36m(APIServer pid={os.getpid()})\x1b[0;0m \x1b[32mINFO\x1b[0m 12-06 05:21:01 "
+              "[launcher.py:99] Shutting down FastAPI HTTP server.", file=sys.stderr)
     sys.stderr.flush()
     os._exit(3)
 

@@ -85,8 +85,63 @@ _installed = False
 _previous_handler: Any = None
 
 
+# The limit counts the seconds the call could have run: wall time less the time its thread waited for a CPU
+# (the kernel's run-queue delay, /proc/<pid>/task/<tid>/schedstat). On a machine whose cores other
+# processes keep busy a correct arm's call is runnable but not running; it must not time out for that
+# (issue 47, case 6: a correct arm hit its 1 s limit with two CPU-bound processes beside it). A hang that
+# sleeps or blocks waits for no CPU and ends at the limit; one that spins ends once it has had the limit's
+# worth of CPU, and never later than ``HARD_LIMIT_FACTOR`` times the limit (``HARD_LIMIT_MIN_S`` at least)
+# in wall time, however starved the machine.
+HARD_LIMIT_FACTOR = 10.0
+HARD_LIMIT_MIN_S = 60.0
+_sched_fd = -1  # this process's main thread's schedstat, opened once per process (a forked worker reopens)
+_sched_pid = 0
+_call_wall0 = 0.0  # monotonic time the timed call started
+_call_wait0 = 0  # its thread's run-queue delay (ns) then; -1: not readable (wall time alone)
+
+
+def _run_queue_ns() -> int:
+    """The main thread's time spent waiting for a CPU so far (ns); -1 where the kernel does not say."""
+    global _sched_fd, _sched_pid
+    if _sched_pid != os.getpid():
+        _sched_pid = os.getpid()
+        try:
+            _sched_fd = os.open(f"/proc/{_sched_pid}/task/{threading.main_thread().native_id}/schedstat",
+                                os.O_RDONLY | os.O_CLOEXEC)
+        except (OSError, AttributeError):
+            _sched_fd = -1
+    if _sched_fd < 0:
+        return -1
+    try:
+        return int(os.pread(_sched_fd, 96, 0).split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _left_s(now: float) -> float:
+    """Seconds the running call may still take: the limit less the seconds it could have run, or 0 once
+    the hard wall-clock bound is reached."""
+    wall = now - _call_wall0
+    if wall >= max(_limit_s * HARD_LIMIT_FACTOR, HARD_LIMIT_MIN_S):
+        return 0.0
+    waited = 0.0
+    if _call_wait0 >= 0:
+        current = _run_queue_ns()
+        if current >= 0:
+            waited = (current - _call_wait0) / 1e9
+    return max(0.0, _limit_s - (wall - waited))
+
+
+EXTEND_MIN_S = 0.01  # shorter than this left: the call is over its limit
+
+
 def _on_alarm(signum: int, frame: Any) -> None:
     if _armed:
+        left = _left_s(time.monotonic())
+        if left >= EXTEND_MIN_S:  # the call waited for a CPU: it gets that time back
+            signal.setitimer(signal.ITIMER_REAL, left)
+            _push_watchdog(left)
+            return
         raise ArmTimeout()
     if callable(_previous_handler):  # not ours: whoever handled SIGALRM before still does
         _previous_handler(signum, frame)
@@ -229,6 +284,10 @@ def _watchdog(main_id: int) -> None:
                 _end_stuck_worker()  # the call ignored the timeout: only ending the process ends it
             if not _watch_deadline or time.monotonic() < _watch_deadline:
                 continue
+            left = _left_s(time.monotonic())
+            if left >= EXTEND_MIN_S:  # starved, not stuck (the arm's own SIGALRM handler may have run instead)
+                _watch_deadline = time.monotonic() + left + WATCHDOG_GRACE_S
+                continue
             _watch_deadline, _watch_fired = 0.0, True
             _stuck_since = time.monotonic()
             _set_async_exc(main_id, ArmTimeout)  # raised at the call's next Python instruction
@@ -247,6 +306,13 @@ def _arm_watchdog(seconds: float) -> None:
         assert main_id is not None
         threading.Thread(target=_watchdog, args=(main_id,), name="omni-stress-arm-watchdog", daemon=True).start()
     _watch_deadline = time.monotonic() + seconds + WATCHDOG_GRACE_S
+
+
+def _push_watchdog(left: float) -> None:
+    """The watchdog waits as long as the timer does (a float store: no lock in a signal handler)."""
+    global _watch_deadline
+    if _watch_deadline:
+        _watch_deadline = time.monotonic() + left + WATCHDOG_GRACE_S
 
 
 def _disarm_watchdog() -> None:
@@ -271,7 +337,7 @@ def prepare() -> None:
 
 def call(fn: Any, /, **kwargs: Any) -> Any:
     """``fn(**kwargs)`` under the guards above; arm failures come out as ``ArmFailure``."""
-    global _armed, _cell_calls, _stuck_call
+    global _armed, _cell_calls, _stuck_call, _call_wall0, _call_wait0
     index = _cell_calls
     _cell_calls = index + 1
     if _doomed and index in _doomed:  # this call hung its worker before: it fails without being made
@@ -290,6 +356,7 @@ def call(fn: Any, /, **kwargs: Any) -> Any:
         if timed:
             if _signal.getsignal(signal.SIGALRM) is not _on_alarm:  # an arm may have replaced it
                 _install()
+            _call_wall0, _call_wait0 = time.monotonic(), _run_queue_ns()
             _stuck_call = index
             _arm_watchdog(_limit_s)
             _armed = True

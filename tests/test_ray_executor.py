@@ -375,3 +375,25 @@ def test_a_returned_file_outside_the_run_directory_is_refused(tmp_path):
     for bad in ("../x.wav", "/etc/passwd", "audio/../../x"):
         with pytest.raises(UserError):
             ex._target(bad)
+
+
+@needs_ray
+def test_address_where_another_grpc_server_answers_is_one_line_exit_2(tmp_path):
+    """Issue 47, case 7: a server that speaks HTTP/2 (gRPC, or a proxy) but is no Ray GCS passed the probe, and
+    ray.init then printed 20 lines of its C++ client's errors over 20 s before the refusal."""
+    import concurrent.futures
+
+    import grpc
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        res = _run_cli(*RUN_ARGS, "--out", str(tmp_path), "--executor", "ray", "--ray-address", f"127.0.0.1:{port}")
+    finally:
+        server.stop(None)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == [
+        f"omni-stress: error: --ray-address 127.0.0.1:{port}: no Ray cluster answers at 127.0.0.1:{port} (something "
+        "answers, but not a Ray GCS: UNIMPLEMENTED: Method not found!)"]
+    assert list(tmp_path.iterdir()) == []

@@ -90,6 +90,41 @@ def _probe(address: str, shown: str | None = None) -> None:
     except OSError as exc:
         raise UserError(f"--ray-address {shown}: no Ray cluster answers at {host}:{port} "
                         f"({exc.strerror or exc})") from None
+    if "://" not in address:
+        _probe_gcs(host, int(port), shown)
+
+
+# A Ray cluster's address (HOST:PORT, not ray://) is its GCS: a gRPC server with ray.rpc's services. Ray's own
+# connect retries a server that answers HTTP/2 but is not a GCS (a proxy, another gRPC service) for 20 s and
+# writes a line to stderr per try from its C++ client (issue 47, case 7). One call of the GCS's cheapest
+# method tells first: a GCS answers it, anything else answers UNIMPLEMENTED, an HTTP error or nothing.
+_GCS_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"  # ray/src/ray/protobuf/gcs_service.proto
+_NOT_A_GCS: tuple = ()
+
+
+def _probe_gcs(host: str, port: int, shown: str) -> None:
+    try:
+        import grpc
+    except ImportError:  # Ray brings grpcio; without it, ray.init says what it says
+        return
+    global _NOT_A_GCS
+    # No such method (another gRPC server, or an HTTP/2 proxy's 404), no gRPC at all, or silence.
+    _NOT_A_GCS = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    channel = grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)])
+    try:
+        call = channel.unary_unary(_GCS_METHOD, request_serializer=None, response_deserializer=None)
+        call(b"", timeout=PROBE_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else None
+        if code not in _NOT_A_GCS:  # a GCS's own answer (e.g. UNAUTHENTICATED: a cluster with token auth)
+            return
+        detail = (exc.details() if hasattr(exc, "details") else "") or str(code)
+        detail = " ".join(str(detail).split())[:160]
+        raise UserError(f"--ray-address {shown}: no Ray cluster answers at {host}:{port} (something answers, but "
+                        f"not a Ray GCS: {code.name if code is not None else 'error'}: {detail})") from None
+    finally:
+        channel.close()
 
 
 def preflight(address: str | None, dry_run: bool = False) -> None:

@@ -90,3 +90,35 @@ def redirect_unwritable(command: str | None = None) -> None:
                      f"{libs} cache{'s' if len(bad) > 1 else ''} go{'' if len(bad) > 1 else 'es'} to {where} "
                      f"for this command\n")
     sys.stderr.flush()
+
+
+ORT_TELEMETRY_LINE = "Failed to persist telemetry device ID"
+
+
+def import_onnxruntime_quietly() -> None:
+    """onnxruntime (faster-whisper's VAD) tries at import to keep a telemetry ID in ``$XDG_CACHE_HOME/Microsoft``
+    and, when that folder cannot be written, says so from C++ on file descriptor 2, once in every ASR process,
+    whatever ``--quiet`` says (issue 47, case 7); it has no variable of its own to point elsewhere. In that case
+    it is imported here with descriptor 2 captured, and every other line it wrote is passed on."""
+    if "onnxruntime" in sys.modules or unwritable(_cache_base() / "Microsoft") is None:
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            pass
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode("utf-8", errors="replace")
+    kept = "".join(ln for ln in text.splitlines(keepends=True) if ORT_TELEMETRY_LINE not in ln)
+    if kept:
+        sys.stderr.write(kept)
+        sys.stderr.flush()

@@ -247,6 +247,9 @@ class FasterWhisperTranscriber:
 
     def _load(self) -> Any:
         if self._model is None:
+            from harness.cachedirs import import_onnxruntime_quietly
+
+            import_onnxruntime_quietly()  # the VAD's runtime, before it can print its cache warning
             try:
                 from faster_whisper import WhisperModel
             except ImportError:

@@ -117,6 +117,7 @@ class ParsedResponse:
     response_id: str | None
     stream: StreamMetrics | None = None  # a streamed response: its measured arrival of audio
     audio_events: int | None = None  # a streamed response: the audio chunks the server sent
+    stream_sent_at: float | None = None  # a streamed response: ``perf_counter()`` at its send (not recorded)
 
 
 def parse_response(raw: bytes) -> ParsedResponse:
@@ -204,6 +205,9 @@ class ChatResult:
     # A streamed request (``stream: true``): the audio's arrival as measured by the attempt that answered.
     stream: StreamMetrics | None = None
     audio_events: int | None = None
+    # ``perf_counter()`` at that attempt's send: ``stream``'s times are seconds since it. Not recorded;
+    # the client-capacity bench (bench/client_capacity.py) puts the arrivals back on the machine's clock.
+    stream_sent_at: float | None = None
 
 
 class ServerGone(Exception):
@@ -275,7 +279,8 @@ async def _one_stream_attempt(client: httpx.AsyncClient, url: str, spec: Request
     except (StreamFormatError, StreamError) as exc:
         raise ResponseError(f"malformed stream: {exc}") from None
     return ParsedResponse(text=chat.thinker_text, audio=chat.audio.wav(), finish_reason=chat.finish_reason,
-                          response_id=chat.response_id, stream=metrics, audio_events=chat.audio_events)
+                          response_id=chat.response_id, stream=metrics, audio_events=chat.audio_events,
+                          stream_sent_at=sent)
 
 
 async def _one_speech_attempt(client: httpx.AsyncClient, url: str, spec: RequestSpec, timeout_s: float,
@@ -299,7 +304,8 @@ async def _one_speech_attempt(client: httpx.AsyncClient, url: str, spec: Request
     streamed = spec.body.get("stream") is True
     return ParsedResponse(text=str(spec.body.get("input", "")), audio=result.wav, finish_reason=None, response_id=None,
                           stream=result.metrics if streamed else None,
-                          audio_events=result.deltas if streamed else None)
+                          audio_events=result.deltas if streamed else None,
+                          stream_sent_at=result.sent_at if streamed else None)
 
 
 class _HttpStatus(Exception):
@@ -381,7 +387,7 @@ class _Sender:
         res.response_id = parsed.response_id
         res.error = None
         res.answered_attempt_at = attempt_wall
-        res.stream, res.audio_events = parsed.stream, parsed.audio_events
+        res.stream, res.audio_events, res.stream_sent_at = parsed.stream, parsed.audio_events, parsed.stream_sent_at
 
 
 async def _collect(tasks: dict[asyncio.Future, RequestSpec], on_result: Callable[[ChatResult], None],

@@ -45,6 +45,7 @@ class SpeechResult:
     deltas: int | None = None  # mode sse: speech.audio.delta events
     usage: dict[str, Any] | None = None  # mode sse: speech.audio.done's usage
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    sent_at: float | None = None  # ``perf_counter()`` at the send: the clock of the chunks' arrivals (not recorded)
 
     def summary(self) -> dict[str, Any]:
         """The metrics as JSON-ready numbers (what the command prints)."""
@@ -94,6 +95,7 @@ async def send_speech(client: httpx.AsyncClient, base_url: str, body: dict[str, 
 
     try:
         sent, end = await asyncio.wait_for(read(), timeout=timeout_s)
+        result.sent_at = sent
         stream.finish()
         if stream.audio.format is None or not stream.audio.pcm:
             raise StreamFormatError("the response has no audio")

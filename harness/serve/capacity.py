@@ -73,6 +73,7 @@ def check_streams(deploys: Sequence, requests: int) -> None:
     for d in deploys:
         n = streams_in_flight(d.load.mode, d.load.concurrency, requests)
         if n is not None and n > CLIENT_CEILING_STREAMS:
-            raise UserError(f"--stream: deploy {d.name!r} holds {n} streams in flight (load {d.load.label}), above the "
+            load = "all" if d.load.mode == "all" else f"concurrency {d.load.concurrency}"
+            raise UserError(f"--stream: deploy {d.name!r} holds {n} streams in flight (load {load}), above the "
                             f"client's measured ceiling of {CLIENT_CEILING_STREAMS} (docs/streaming.md#client-capacity): "
                             f"its gaps would be the client's; lower the load's concurrency or set {OVERLOAD_ENV}=1")

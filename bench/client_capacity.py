@@ -100,12 +100,16 @@ def chunk_indices(wav_path: Path, frames: int) -> list[int]:
 
 
 def run_level(server: StreamServer, streams: int, *, chunks: int, interval_s: float, frames: int,
-              workdir: Path) -> dict[str, Any]:
+              workdir: Path, lead_s: float = 0.1) -> dict[str, Any]:
     """N streams at once through the run's client; every chunk's arrival error and the client's CPU."""
     run = uuid.uuid4().hex[:8]
     specs = []
+    # lengths chunks .. 2 * chunks - 1 and phases spread over one interval, the phase a permutation of the
+    # stream's index (37 is prime to every level): streams of one length do not end together
+    lengths = [chunks + chunks * i // streams for i in range(streams)]
     for i in range(streams):
-        schedule = {"chunks": chunks, "frames": frames, "interval_s": interval_s, "phase_s": interval_s * i / streams}
+        schedule = {"chunks": lengths[i], "frames": frames, "interval_s": interval_s, "lead_s": lead_s,
+                    "phase_s": interval_s * (i * 37 % streams) / streams}
         body = speech_body("capacity-bench", "capacity", mode="sse", response_format="pcm",
                            extra={"capacity": schedule})
         specs.append(RequestSpec(prompt_id=f"s{i}", tag=f"cap-{run}-{i}", body=body,
@@ -118,7 +122,7 @@ def run_level(server: StreamServer, streams: int, *, chunks: int, interval_s: fl
     errors: list[float] = []
     lateness: list[float] = []
     failures: list[str] = []
-    for spec, res in zip(specs, results):
+    for spec, res, chunks in zip(specs, results, lengths):
         emitted = log.get(spec.tag, {}).get("emitted", [])
         lateness += [e - s for e, s in zip(emitted, log.get(spec.tag, {}).get("scheduled", []))]
         if res.error is not None or res.stream is None or res.stream_sent_at is None:
@@ -138,13 +142,80 @@ def run_level(server: StreamServer, streams: int, *, chunks: int, interval_s: fl
     out: dict[str, Any] = {"streams": streams, "chunks": len(errors), "failures": failures,
                            "cpu_s": round(cpu, 4), "wall_s": round(wall, 3),
                            "cpu_per_stream_ms": round(1e3 * cpu / streams, 3),
-                           "cpu_per_chunk_us": round(1e6 * cpu / max(1, streams * chunks), 1),
+                           "cpu_per_chunk_us": round(1e6 * cpu / sum(lengths), 1),
                            "core_share": round(cpu / wall, 3) if wall else None}
     if errors:
         out.update(p50_ms=round(1e3 * percentile(errors, 50), 4), p99_ms=round(1e3 * percentile(errors, 99), 4),
                    max_ms=round(1e3 * max(errors), 4), min_ms=round(1e3 * min(errors), 4))
     if lateness:
         out["server_late_p99_ms"] = round(1e3 * percentile(lateness, 99), 3)
+    return out
+
+
+class _RawReader(asyncio.Protocol):
+    """The floor: one stream read with nothing but a stamp and a count per ``speech.audio.delta`` event."""
+
+    def __init__(self, request: bytes, done: asyncio.Future) -> None:
+        self.request, self.done, self.buf, self.stamps = request, done, b"", []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        at = time.perf_counter()
+        self.buf += data
+        while (cut := self.buf.find(b"\n\n")) >= 0:
+            event, self.buf = self.buf[:cut], self.buf[cut + 2:]
+            if b"speech.audio.delta" in event:
+                self.stamps.append(at)
+            elif b"speech.audio.done" in event and not self.done.done():
+                self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+def floor_level(server: StreamServer, streams: int, *, chunks: int, interval_s: float, frames: int,
+                lead_s: float = 0.1) -> dict[str, Any]:
+    """The same schedule read by ``_RawReader`` (asyncio, no HTTP library, no parsing): what the machine,
+    the loopback and the event loop cost, whatever the client. Not the client: the floor under it."""
+    run = uuid.uuid4().hex[:8]
+    port = int(server.base_url.rsplit(":", 1)[1])
+    lengths = [chunks + chunks * i // streams for i in range(streams)]
+
+    async def go() -> list[_RawReader]:
+        loop = asyncio.get_running_loop()
+        readers = []
+        for i in range(streams):
+            schedule = {"chunks": lengths[i], "frames": frames, "interval_s": interval_s, "lead_s": lead_s,
+                        "phase_s": interval_s * (i * 37 % streams) / streams}
+            body = json.dumps(speech_body("capacity-bench", "capacity", mode="sse", response_format="pcm",
+                                          extra={"capacity": schedule})).encode()
+            head = (f"POST {SPEECH_PATH} HTTP/1.1\r\nhost: 127.0.0.1\r\nx-request-id: raw-{run}-{i}\r\n"
+                    f"content-type: application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n")
+            readers.append(_RawReader(head.encode() + body, loop.create_future()))
+        await asyncio.gather(*(loop.create_connection(lambda r=r: r, "127.0.0.1", port) for r in readers))
+        await asyncio.gather(*(r.done for r in readers))
+        return readers
+
+    cpu0 = time.process_time()
+    readers = asyncio.run(go())
+    cpu = time.process_time() - cpu0
+    log = server.emissions()["requests"]
+    errors: list[float] = []
+    failures = []
+    for i, r in enumerate(readers):
+        emitted = log.get(f"raw-{run}-{i}", {}).get("emitted", [])
+        if len(r.stamps) != len(emitted) or len(emitted) != lengths[i]:
+            failures.append(f"raw-{run}-{i}: {len(r.stamps)} stamped, {len(emitted)} emitted")
+            continue
+        errors += arrival_errors(r.stamps, emitted)
+    out: dict[str, Any] = {"streams": streams, "chunks": len(errors), "failures": failures,
+                           "cpu_per_chunk_us": round(1e6 * cpu / sum(lengths), 1)}
+    if errors:
+        out.update(p50_ms=round(1e3 * percentile(errors, 50), 4), p99_ms=round(1e3 * percentile(errors, 99), 4),
+                   max_ms=round(1e3 * max(errors), 4))
     return out
 
 
@@ -204,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=2400, help="24 kHz frames per chunk")
     ap.add_argument("--client-cpu", type=int, default=0)
     ap.add_argument("--server-cpu", type=int, default=1)
+    ap.add_argument("--no-rt", action="store_true",
+                    help="leave both processes in the normal scheduling class (default: SCHED_FIFO priority 1, "
+                         "so that the neighbours' time slices on a shared core are not measured as the client's)")
     ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "client_capacity.json")
     ap.add_argument("--no-json", action="store_true")
     args = ap.parse_args(argv)
@@ -217,6 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in levels}
     with StreamServer(args.server_cpu) as server, tempfile.TemporaryDirectory(prefix="client-capacity-") as tmp:
+        rt = not args.no_rt
+        if rt:
+            try:
+                for pid in (0, server.proc.pid):
+                    os.sched_setscheduler(pid, os.SCHED_FIFO, os.sched_param(1))
+            except PermissionError:
+                print("SCHED_FIFO refused (not root?): measuring in the normal scheduling class", file=sys.stderr)
+                rt = False
         if server.emissions()["clock"] != clock:
             print("the server's perf_counter is not the client's clock", file=sys.stderr)
             return 2
@@ -243,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "clock": clock,
                      "httpx": httpx.__version__, "loadavg_before": [round(x, 2) for x in load_before],
                      "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-                     "client_cpu": args.client_cpu, "server_cpu": args.server_cpu, "shared": True},
+                     "client_cpu": args.client_cpu, "server_cpu": args.server_cpu, "shared": True,
+                     "scheduling": "SCHED_FIFO 1 (client and server)" if rt else "SCHED_OTHER"},
             "schedule": {"chunks": args.chunks, "interval_s": args.interval, "frames": args.frames,
                          "sample_rate": 24000, "wire": "/v1/audio/speech SSE speech.audio.delta, pcm",
                          "phases": "spread evenly over one interval"},

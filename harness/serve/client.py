@@ -47,6 +47,7 @@ from typing import Any
 import httpx
 
 from harness.config import MAX_REPLY_TOKENS, Deploy, LoadSettings, Prompt, PromptSet
+from harness.serve.netstamp import arrival, stamping_transport
 from harness.serve.streaming import ChatStream, SSEParser, StreamFormatError
 from harness.stream_metrics import StreamError, StreamMetrics
 
@@ -261,7 +262,7 @@ async def _one_stream_attempt(client: httpx.AsyncClient, url: str, spec: Request
                     pass
                 raise _HttpStatus(resp.status_code, detail)
             async for piece in resp.aiter_raw():
-                at = time.perf_counter()
+                at = arrival(resp) or time.perf_counter()  # when the loop received it (harness.serve.netstamp)
                 for event in parser.feed(piece):
                     chat.event(event, at)
         return sent, time.perf_counter()
@@ -459,13 +460,17 @@ async def run_requests(
     load had not sent yet are marked ``not_sent`` (the caller may send them to a restarted server).
     """
     url = base_url.rstrip("/") + path  # the family's request API (harness.families.Family.request_api)
-    limits = httpx.Limits(max_connections=len(specs) + 4, max_keepalive_connections=len(specs) + 4)
+    # No idle connection is kept: a request's connection closes when its response ends. httpcore 1.0's
+    # pool walks every connection for each idle one whenever a response ends, so N idle connections cost
+    # O(N^2) per response at the end of N streams, stalling the reads (and the stamps) of the streams still
+    # running (bench/client_capacity.py: seconds of CPU at 256 streams). A run's requests are sent once each.
+    limits = httpx.Limits(max_connections=len(specs) + 4, max_keepalive_connections=0)
     timeout = httpx.Timeout(request_timeout_s + 5.0, connect=10.0)
 
     from harness.serve.load import ClientLoad
 
     pacing = ClientLoad(load, len(specs), seed)
-    async with httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(trust_env=False, timeout=timeout, transport=stamping_transport(limits)) as client:
         sender = _Sender(client, url, request_timeout_s, retries, server_alive, server_gone_message, retry_backoff_s)
 
         started: set[str] = set()

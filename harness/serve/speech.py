@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from harness.serve.netstamp import arrival, stamping_transport
 from harness.serve.streaming import (QWEN3_TTS_SAMPLE_RATE, SPEECH_FORMATS, SPEECH_MODES, SPEECH_PATH,
                                      SpeechStream, StreamFormatError, speech_body)
 from harness.stream_metrics import StreamError, StreamMetrics
@@ -90,7 +91,7 @@ async def send_speech(client: httpx.AsyncClient, base_url: str, body: dict[str, 
                     pass
                 raise StreamFormatError(f"HTTP {resp.status_code}: {detail}")
             async for piece in resp.aiter_raw():
-                stream.feed(piece, time.perf_counter())
+                stream.feed(piece, arrival(resp) or time.perf_counter())  # when the loop received it
         return sent, time.perf_counter()
 
     try:
@@ -115,9 +116,10 @@ async def send_speech(client: httpx.AsyncClient, base_url: str, body: dict[str, 
 async def send_all(base_url: str, bodies: list[dict[str, Any]], *, timeout_s: float,
                    pcm_rate: int = QWEN3_TTS_SAMPLE_RATE) -> list[SpeechResult]:
     """Every body in flight at once (the Talker batches only what reaches it together), results in order."""
-    limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=len(bodies) + 4)
+    limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=0)  # as run_requests: no
+    # idle connection kept (httpcore's pool costs O(N^2) per response end with N idle ones)
     async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(timeout_s + 5.0, connect=10.0),
-                                 limits=limits) as client:
+                                 transport=stamping_transport(limits)) as client:
         return list(await asyncio.gather(*(send_speech(client, base_url, b, timeout_s=timeout_s, pcm_rate=pcm_rate)
                                            for b in bodies)))
 

@@ -247,7 +247,7 @@ def ceiling(levels: list[dict[str, Any]]) -> int | None:
 
 def table(levels: list[dict[str, Any]]) -> str:
     head = ("| Streams | p50 error ms (min / med) | p99 error ms (min / med) | max ms (med) | CPU per stream ms (med) "
-            "| CPU per chunk us (med) | core share (med) | server late p99 ms (med) | Fell behind |")
+            "| CPU per chunk us (med) | core share (med) | floor p99 ms | Fell behind |")
     lines = [head, "|" + "---|" * 9]
 
     def mm(s: dict[str, float] | None) -> str:
@@ -257,12 +257,14 @@ def table(levels: list[dict[str, Any]]) -> str:
         return format(s["median"], fmt) if s else "-"
 
     for lv in levels:
+        fl = lv.get("floor") or {}
+        floor = f"{fl['p99_ms']:.3f}" if fl.get("p99_ms") is not None else "-"
         behind = "yes" if lv["fell_behind"] else "no"
         if lv["failures"]:
             behind += f" ({lv['failures']} failed streams)"
         lines.append(f"| {lv['streams']} | {mm(lv['p50_ms'])} | {mm(lv['p99_ms'])} | {med(lv['max_ms'])} "
                      f"| {med(lv['cpu_per_stream_ms'])} | {med(lv['cpu_per_chunk_us'], '.1f')} "
-                     f"| {med(lv['core_share'], '.2f')} | {med(lv['server_late_p99_ms'])} | {behind} |")
+                     f"| {med(lv['core_share'], '.2f')} | {floor} | {behind} |")
     return "\n".join(lines)
 
 
@@ -275,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=2400, help="24 kHz frames per chunk")
     ap.add_argument("--client-cpu", type=int, default=0)
     ap.add_argument("--server-cpu", type=int, default=1)
+    ap.add_argument("--no-floor", action="store_true", help="skip the raw-reader floor (one run per level)")
     ap.add_argument("--no-rt", action="store_true",
                     help="leave both processes in the normal scheduling class (default: SCHED_FIFO priority 1, "
                          "so that the neighbours' time slices on a shared core are not measured as the client's)")
@@ -303,8 +306,14 @@ def main(argv: list[str] | None = None) -> int:
             print("the server's perf_counter is not the client's clock", file=sys.stderr)
             return 2
         run_level(server, 4, chunks=5, interval_s=args.interval, frames=args.frames, workdir=Path(tmp))  # warm-up
+        floors = {}
         for rep in range(args.repeats):  # interleaved: a noisy minute spreads over every level
             for n in levels:
+                if rep == 0 and not args.no_floor:
+                    floors[n] = floor_level(server, n, chunks=args.chunks, interval_s=args.interval,
+                                            frames=args.frames)
+                    print(f"floor streams {n}: p50 {floors[n].get('p50_ms')} ms p99 {floors[n].get('p99_ms')} ms",
+                          file=sys.stderr, flush=True)
                 r = run_level(server, n, chunks=args.chunks, interval_s=args.interval, frames=args.frames,
                               workdir=Path(tmp))
                 r["loadavg_1m"] = round(os.getloadavg()[0], 2)
@@ -314,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"load {r['loadavg_1m']}" + (f" FAILURES {r['failures'][:2]}" if r["failures"] else ""),
                       file=sys.stderr, flush=True)
     summary = [summarize(runs[n]) for n in levels]
+    for lv in summary:
+        fl = floors.get(lv["streams"])
+        lv["floor"] = {k: fl[k] for k in ("p50_ms", "p99_ms", "max_ms", "cpu_per_chunk_us", "failures") if k in fl} \
+            if fl else None
     ceil = ceiling(summary)
     print(table(summary))
     print(f"\nceiling: {ceil} streams (largest level whose median p99 error <= {1e3 * ERROR_BOUND_S:g} ms, "
@@ -329,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                      "scheduling": "SCHED_FIFO 1 (client and server)" if rt else "SCHED_OTHER"},
             "schedule": {"chunks": args.chunks, "interval_s": args.interval, "frames": args.frames,
                          "sample_rate": 24000, "wire": "/v1/audio/speech SSE speech.audio.delta, pcm",
-                         "phases": "spread evenly over one interval"},
+                         "lengths": "stream i: chunks + chunks * i // streams", "lead_s": 0.1,
+                         "phases": "phase of stream i: interval * (37 * i mod streams) / streams"},
             "bound_ms": 1e3 * ERROR_BOUND_S, "levels": summary, "ceiling": ceil, "runs": runs,
         }
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")

@@ -176,3 +176,44 @@ def test_the_ceiling_check_by_load_and_its_override(monkeypatch: pytest.MonkeyPa
         capacity.check_streams([D(LoadSettings("concurrency", concurrency=top + 1))], 10 * top)
     monkeypatch.setenv(capacity.OVERLOAD_ENV, "1")
     capacity.check_streams([D(LoadSettings())], 10 * top)
+
+
+# ---------------------------------------------------------------------------- the stamping transport
+
+
+def test_the_stamping_transport_stamps_reads_and_maps_a_refused_connection(tmp_path: Path) -> None:
+    import asyncio
+    import socket
+    import time
+
+    import httpx
+
+    from harness.serve.netstamp import StampedStream, arrival, stamping_transport
+
+    async def go(url: str) -> tuple[list[float], float, float]:
+        limits = httpx.Limits(max_connections=4, max_keepalive_connections=0)
+        async with httpx.AsyncClient(trust_env=False, transport=stamping_transport(limits)) as client:
+            body = {"stream": True, "capacity": {"chunks": 3, "frames": 48, "interval_s": 0.01, "lead_s": 0.0}}
+            sent = time.perf_counter()
+            stamps = []
+            async with client.stream("POST", url + "/v1/audio/speech", json=body) as resp:
+                assert isinstance(resp.extensions["network_stream"], StampedStream)
+                async for _ in resp.aiter_raw():
+                    stamps.append(arrival(resp))
+            return stamps, sent, time.perf_counter()
+
+    with bench.StreamServer() as server:
+        stamps, sent, end = asyncio.run(go(server.base_url))
+    assert len(stamps) == 4 and all(sent < a <= end for a in stamps) and stamps == sorted(stamps)
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there
+
+    async def refused() -> None:
+        async with httpx.AsyncClient(transport=stamping_transport(httpx.Limits())) as client:
+            await client.get(f"http://127.0.0.1:{port}/health")
+
+    with pytest.raises(httpx.ConnectError):  # a transport error, so run_requests retries it as before
+        asyncio.run(refused())

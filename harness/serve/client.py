@@ -47,6 +47,7 @@ from typing import Any
 import httpx
 
 from harness.config import MAX_REPLY_TOKENS, Deploy, LoadSettings, Prompt, PromptSet
+from harness.serve.netstamp import arrival, stamping_transport
 from harness.serve.streaming import ChatStream, SSEParser, StreamFormatError
 from harness.stream_metrics import StreamError, StreamMetrics
 
@@ -117,6 +118,7 @@ class ParsedResponse:
     response_id: str | None
     stream: StreamMetrics | None = None  # a streamed response: its measured arrival of audio
     audio_events: int | None = None  # a streamed response: the audio chunks the server sent
+    stream_sent_at: float | None = None  # a streamed response: ``perf_counter()`` at its send (not recorded)
 
 
 def parse_response(raw: bytes) -> ParsedResponse:
@@ -204,6 +206,9 @@ class ChatResult:
     # A streamed request (``stream: true``): the audio's arrival as measured by the attempt that answered.
     stream: StreamMetrics | None = None
     audio_events: int | None = None
+    # ``perf_counter()`` at that attempt's send: ``stream``'s times are seconds since it. Not recorded;
+    # the client-capacity bench (bench/client_capacity.py) puts the arrivals back on the machine's clock.
+    stream_sent_at: float | None = None
 
 
 class ServerGone(Exception):
@@ -257,7 +262,7 @@ async def _one_stream_attempt(client: httpx.AsyncClient, url: str, spec: Request
                     pass
                 raise _HttpStatus(resp.status_code, detail)
             async for piece in resp.aiter_raw():
-                at = time.perf_counter()
+                at = arrival(resp) or time.perf_counter()  # when the loop received it (harness.serve.netstamp)
                 for event in parser.feed(piece):
                     chat.event(event, at)
         return sent, time.perf_counter()
@@ -275,7 +280,8 @@ async def _one_stream_attempt(client: httpx.AsyncClient, url: str, spec: Request
     except (StreamFormatError, StreamError) as exc:
         raise ResponseError(f"malformed stream: {exc}") from None
     return ParsedResponse(text=chat.thinker_text, audio=chat.audio.wav(), finish_reason=chat.finish_reason,
-                          response_id=chat.response_id, stream=metrics, audio_events=chat.audio_events)
+                          response_id=chat.response_id, stream=metrics, audio_events=chat.audio_events,
+                          stream_sent_at=sent)
 
 
 async def _one_speech_attempt(client: httpx.AsyncClient, url: str, spec: RequestSpec, timeout_s: float,
@@ -299,7 +305,8 @@ async def _one_speech_attempt(client: httpx.AsyncClient, url: str, spec: Request
     streamed = spec.body.get("stream") is True
     return ParsedResponse(text=str(spec.body.get("input", "")), audio=result.wav, finish_reason=None, response_id=None,
                           stream=result.metrics if streamed else None,
-                          audio_events=result.deltas if streamed else None)
+                          audio_events=result.deltas if streamed else None,
+                          stream_sent_at=result.sent_at if streamed else None)
 
 
 class _HttpStatus(Exception):
@@ -381,7 +388,7 @@ class _Sender:
         res.response_id = parsed.response_id
         res.error = None
         res.answered_attempt_at = attempt_wall
-        res.stream, res.audio_events = parsed.stream, parsed.audio_events
+        res.stream, res.audio_events, res.stream_sent_at = parsed.stream, parsed.audio_events, parsed.stream_sent_at
 
 
 async def _collect(tasks: dict[asyncio.Future, RequestSpec], on_result: Callable[[ChatResult], None],
@@ -453,13 +460,17 @@ async def run_requests(
     load had not sent yet are marked ``not_sent`` (the caller may send them to a restarted server).
     """
     url = base_url.rstrip("/") + path  # the family's request API (harness.families.Family.request_api)
-    limits = httpx.Limits(max_connections=len(specs) + 4, max_keepalive_connections=len(specs) + 4)
+    # No idle connection is kept: a request's connection closes when its response ends. httpcore 1.0's
+    # pool walks every connection for each idle one whenever a response ends, so N idle connections cost
+    # O(N^2) per response at the end of N streams, stalling the reads (and the stamps) of the streams still
+    # running (bench/client_capacity.py: seconds of CPU at 256 streams). A run's requests are sent once each.
+    limits = httpx.Limits(max_connections=len(specs) + 4, max_keepalive_connections=0)
     timeout = httpx.Timeout(request_timeout_s + 5.0, connect=10.0)
 
     from harness.serve.load import ClientLoad
 
     pacing = ClientLoad(load, len(specs), seed)
-    async with httpx.AsyncClient(trust_env=False, timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(trust_env=False, timeout=timeout, transport=stamping_transport(limits)) as client:
         sender = _Sender(client, url, request_timeout_s, retries, server_alive, server_gone_message, retry_backoff_s)
 
         started: set[str] = set()

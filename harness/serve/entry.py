@@ -53,12 +53,17 @@ class ServeEntry:
     @staticmethod
     def preflight(arm_specs: list, deploy_specs: list, options: Any, prompts: Any = None) -> None:
         """A family or runner this backend does not drive; an arm whose server cannot be started (no
-        interpreter, no vLLM-Omni there)."""
+        interpreter, no vLLM-Omni there); a streamed run holding more streams than the client's
+        measured ceiling (``harness.serve.capacity``)."""
         from harness.serve.backend import preflight_arm
 
         check_deploys(deploy_specs)
         if prompts is not None:
             check_speech_texts(deploy_specs, prompts)
+            if options.serve.stream:  # more streams than the client stamps faithfully (docs/streaming.md)
+                from harness.serve.capacity import check_streams
+
+                check_streams(deploy_specs, len(prompts.prompts))
         for arm in arm_specs:
             preflight_arm(arm, options.serve)
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from harness.serve.netstamp import arrival, stamping_transport
 from harness.serve.streaming import (QWEN3_TTS_SAMPLE_RATE, SPEECH_FORMATS, SPEECH_MODES, SPEECH_PATH,
                                      SpeechStream, StreamFormatError, speech_body)
 from harness.stream_metrics import StreamError, StreamMetrics
@@ -45,6 +46,7 @@ class SpeechResult:
     deltas: int | None = None  # mode sse: speech.audio.delta events
     usage: dict[str, Any] | None = None  # mode sse: speech.audio.done's usage
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    sent_at: float | None = None  # ``perf_counter()`` at the send: the clock of the chunks' arrivals (not recorded)
 
     def summary(self) -> dict[str, Any]:
         """The metrics as JSON-ready numbers (what the command prints)."""
@@ -89,11 +91,12 @@ async def send_speech(client: httpx.AsyncClient, base_url: str, body: dict[str, 
                     pass
                 raise StreamFormatError(f"HTTP {resp.status_code}: {detail}")
             async for piece in resp.aiter_raw():
-                stream.feed(piece, time.perf_counter())
+                stream.feed(piece, arrival(resp) or time.perf_counter())  # when the loop received it
         return sent, time.perf_counter()
 
     try:
         sent, end = await asyncio.wait_for(read(), timeout=timeout_s)
+        result.sent_at = sent
         stream.finish()
         if stream.audio.format is None or not stream.audio.pcm:
             raise StreamFormatError("the response has no audio")
@@ -113,9 +116,10 @@ async def send_speech(client: httpx.AsyncClient, base_url: str, body: dict[str, 
 async def send_all(base_url: str, bodies: list[dict[str, Any]], *, timeout_s: float,
                    pcm_rate: int = QWEN3_TTS_SAMPLE_RATE) -> list[SpeechResult]:
     """Every body in flight at once (the Talker batches only what reaches it together), results in order."""
-    limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=len(bodies) + 4)
+    limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=0)  # as run_requests: no
+    # idle connection kept (httpcore's pool costs O(N^2) per response end with N idle ones)
     async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(timeout_s + 5.0, connect=10.0),
-                                 limits=limits) as client:
+                                 transport=stamping_transport(limits)) as client:
         return list(await asyncio.gather(*(send_speech(client, base_url, b, timeout_s=timeout_s, pcm_rate=pcm_rate)
                                            for b in bodies)))
 

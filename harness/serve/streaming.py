@@ -61,17 +61,22 @@ class SSEParser:
         self._data: list[str] = []
 
     def feed(self, data: bytes) -> list[SSEEvent]:
-        self._buf += data
+        # Line ends found with bytes.find and the rest kept once per read: a base64 audio line is
+        # kilobytes long, and this runs on the stamping path of every stream (bench/client_capacity.py).
+        buf = self._buf + data if self._buf else data
         out: list[SSEEvent] = []
+        pos = 0
         while True:
-            cut = _line_end(self._buf)
+            cut = _line_end(buf, pos)
             if cut is None:
-                return out
-            line, used = cut
-            self._buf = self._buf[used:]
-            event = self._line(line.decode("utf-8", errors="replace"))
+                break
+            end, after = cut
+            event = self._line(buf[pos:end].decode("utf-8", errors="replace"))
+            pos = after
             if event is not None:
                 out.append(event)
+        self._buf = buf[pos:]
+        return out
 
     def close(self) -> list[SSEEvent]:
         """The stream ended: a last line without its line end still counts; an event without the
@@ -107,15 +112,17 @@ class SSEParser:
         return None
 
 
-def _line_end(buf: bytes) -> tuple[bytes, int] | None:
-    """The first complete line and the bytes it used; a CR at the very end waits for a possible LF."""
-    for i, b in enumerate(buf):
-        if b == 0x0A:
-            return buf[:i], i + 1
-        if b == 0x0D:
-            if i + 1 == len(buf):
-                return None
-            return buf[:i], i + 2 if buf[i + 1] == 0x0A else i + 1
+def _line_end(buf: bytes, start: int = 0) -> tuple[int, int] | None:
+    """The first complete line from ``start``: (its end, where the next line starts); a CR at the very
+    end waits for a possible LF."""
+    lf = buf.find(b"\n", start)
+    cr = buf.find(b"\r", start, len(buf) if lf < 0 else lf)
+    if cr >= 0:
+        if cr + 1 == len(buf):
+            return None
+        return cr, cr + 2 if buf[cr + 1] == 0x0A else cr + 1
+    if lf >= 0:
+        return lf, lf + 1
     return None
 
 

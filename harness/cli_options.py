@@ -128,6 +128,9 @@ _OPTIONS: tuple[_Opt, ...] = (
          help="vllm-omni backend: seconds to wait for /health."),
     _Opt("--request-timeout", type=float, callback=finite_seconds, default=900.0, show_default=True,
          help="vllm-omni backend: seconds per request."),
+    _Opt("--stall-timeout", type=float, callback=finite_seconds, default=0.0, show_default=True,
+         help="vllm-omni backend, streamed answers: a stream that sends nothing for this many seconds after its "
+              "first bytes fails its request as stalled (0: only --request-timeout ends it)."),
     _Opt("--stream", is_flag=True, help="vllm-omni backend: ask for the audio streamed (stream: true) and measure it "
          "as it arrives: time to the first audio bytes, every inter-chunk gap, underruns of a player started at the "
          "first chunk (docs/streaming.md). The records gain stream_* fields; the map's TTFA is then measured."),
@@ -227,6 +230,7 @@ class RunArgs:
     ray_address: str | None
     trace: str | None = None  # --trace (None: not given; the real backend's default is contract)
     stream: bool = False
+    stall_timeout: float = 0.0  # --stall-timeout (the real backend's streamed answers)
     deploys: tuple[str, ...] = ()  # run only (a sweep's deploys are its grid)
     dry_run: bool = False  # run only
 

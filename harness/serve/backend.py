@@ -65,6 +65,7 @@ class ServeOptions:
     model: str = "Qwen/Qwen2.5-Omni-7B"  # local path or name the server resolves itself
     health_timeout_s: float = 1800.0
     request_timeout_s: float = 900.0
+    stall_timeout_s: float = 0.0  # --stall-timeout: a streamed answer silent this long mid-stream fails (0: off)
     retries: int = 1
     extra_args: tuple[str, ...] = ()
     platform: str = "auto"  # gpu, cpu, or auto (harness.serve.deploy_args.detect_platform)
@@ -578,6 +579,7 @@ def step_cell(cell: ServeCell, on_request: Callable[[RequestRecord], None],
 
             asyncio.run(chat.run_requests(
                 server.base_url, remaining, request_timeout_s=options.request_timeout_s, retries=options.retries,
+                stall_timeout_s=options.stall_timeout_s,
                 on_result=on_result, server_alive=server.alive, server_gone_message=gone,
                 load=deploy.load, seed=seed, path=get_family(deploy.family).request_api,
             ))

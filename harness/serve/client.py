@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 from harness.config import MAX_REPLY_TOKENS, Deploy, LoadSettings, Prompt, PromptSet
-from harness.serve.netstamp import arrival, stamping_transport
+from harness.serve.netstamp import StreamStalled, arrival, pieces, stamping_transport
 from harness.serve.streaming import ChatStream, SSEParser, StreamFormatError
 from harness.stream_metrics import StreamError, StreamMetrics
 
@@ -221,7 +221,7 @@ def attempt_id(tag: str, attempt: int) -> str:
 
 
 async def _one_attempt(client: httpx.AsyncClient, url: str, spec: RequestSpec, timeout_s: float,
-                       attempt: int) -> ParsedResponse:
+                       attempt: int, stall_s: float = 0.0) -> ParsedResponse:
     rid = attempt_id(spec.tag, attempt)
     body = spec.body if rid == spec.body.get("request_id") else {**spec.body, "request_id": rid}
     resp = await asyncio.wait_for(client.post(url, json=body, headers={"X-Request-Id": rid}), timeout=timeout_s)
@@ -238,7 +238,7 @@ async def _one_attempt(client: httpx.AsyncClient, url: str, spec: RequestSpec, t
 
 
 async def _one_stream_attempt(client: httpx.AsyncClient, url: str, spec: RequestSpec, timeout_s: float,
-                              attempt: int) -> ParsedResponse:
+                              attempt: int, stall_s: float = 0.0) -> ParsedResponse:
     """One ``stream: true`` attempt: every read of the body stamped with ``perf_counter`` as it
     arrives, its SSE chunks parsed (``harness.serve.streaming.ChatStream``), the audio chunks' PCM
     joined into one WAV; the stream metrics run from this attempt's send to the body's last byte."""
@@ -261,7 +261,7 @@ async def _one_stream_attempt(client: httpx.AsyncClient, url: str, spec: Request
                 except (json.JSONDecodeError, AttributeError, ValueError):
                     pass
                 raise _HttpStatus(resp.status_code, detail)
-            async for piece in resp.aiter_raw():
+            async for piece in pieces(resp, stall_s):
                 at = arrival(resp) or time.perf_counter()  # when the loop received it (harness.serve.netstamp)
                 for event in parser.feed(piece):
                     chat.event(event, at)
@@ -279,13 +279,15 @@ async def _one_stream_attempt(client: httpx.AsyncClient, url: str, spec: Request
         metrics = chat.audio.metrics(sent, end)
     except (StreamFormatError, StreamError) as exc:
         raise ResponseError(f"malformed stream: {exc}") from None
+    except StreamStalled as exc:
+        raise ResponseError(str(exc)) from None
     return ParsedResponse(text=chat.thinker_text, audio=chat.audio.wav(), finish_reason=chat.finish_reason,
                           response_id=chat.response_id, stream=metrics, audio_events=chat.audio_events,
                           stream_sent_at=sent)
 
 
 async def _one_speech_attempt(client: httpx.AsyncClient, url: str, spec: RequestSpec, timeout_s: float,
-                              attempt: int) -> ParsedResponse:
+                              attempt: int, stall_s: float = 0.0) -> ParsedResponse:
     """One ``/v1/audio/speech`` attempt (Qwen3-TTS), sent and measured by the speech client
     (``harness.serve.speech.send_speech``: whole WAV, or ``stream: true`` PCM chunks stamped as they
     arrive). The text said is the request's ``input`` (the WER reference); a streamed answer's
@@ -294,7 +296,8 @@ async def _one_speech_attempt(client: httpx.AsyncClient, url: str, spec: Request
     from harness.serve.streaming import SPEECH_PATH
 
     rid = attempt_id(spec.tag, attempt)
-    result = await send_speech(client, url[: -len(SPEECH_PATH)], spec.body, timeout_s=timeout_s, request_id=rid)
+    result = await send_speech(client, url[: -len(SPEECH_PATH)], spec.body, timeout_s=timeout_s, request_id=rid,
+                               stall_s=stall_s)
     if result.error is not None:
         if result.status is not None and result.status != 200:
             raise _HttpStatus(result.status, result.error.removeprefix(f"HTTP {result.status}: "))
@@ -342,6 +345,7 @@ class _Sender:
     server_alive: Callable[[], bool]
     server_gone_message: Callable[[], str]
     retry_backoff_s: float
+    stall_timeout_s: float = 0.0
 
     async def send(self, spec: RequestSpec) -> ChatResult:
         res = ChatResult(prompt_id=spec.prompt_id, tag=spec.tag)
@@ -353,7 +357,8 @@ class _Sender:
             try:
                 one = (_one_speech_attempt if self.url.endswith("/v1/audio/speech") else
                        _one_stream_attempt if spec.body.get("stream") is True else _one_attempt)
-                parsed = await one(self.client, self.url, spec, self.request_timeout_s, attempt)
+                parsed = await one(self.client, self.url, spec, self.request_timeout_s, attempt,
+                                   stall_s=self.stall_timeout_s)
                 self._answered(res, spec, parsed, a0_wall)
                 res.attempts.append({"attempt": attempt, "request_id": attempt_id(spec.tag, attempt), "ok": True,
                                      "wall_s": round(time.monotonic() - a0, 3)})
@@ -443,6 +448,7 @@ async def run_requests(
     request_timeout_s: float,
     retries: int,
     on_result: Callable[[ChatResult], None],
+    stall_timeout_s: float = 0.0,
     server_alive: Callable[[], bool] = lambda: True,
     server_gone_message: Callable[[], str] = lambda: "server exited",
     retry_backoff_s: float = 1.0,
@@ -471,7 +477,8 @@ async def run_requests(
 
     pacing = ClientLoad(load, len(specs), seed)
     async with httpx.AsyncClient(trust_env=False, timeout=timeout, transport=stamping_transport(limits)) as client:
-        sender = _Sender(client, url, request_timeout_s, retries, server_alive, server_gone_message, retry_backoff_s)
+        sender = _Sender(client, url, request_timeout_s, retries, server_alive, server_gone_message, retry_backoff_s,
+                         stall_timeout_s)
 
         started: set[str] = set()
 

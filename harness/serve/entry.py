@@ -21,6 +21,7 @@ class ServeEntry:
 
         return ServeOptions(model=args.model, health_timeout_s=args.health_timeout,
                             request_timeout_s=args.request_timeout, platform=args.serve_platform,
+                            stall_timeout_s=getattr(args, "stall_timeout", 0.0) or 0.0,
                             default_python=str(args.serve_python) if args.serve_python else None,
                             trace_level=args.trace or "contract",
                             stream=bool(getattr(args, "stream", False)))

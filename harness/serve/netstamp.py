@@ -176,3 +176,28 @@ def arrival(response: httpx.Response) -> float | None:
     """When the bytes of the response's last read arrived (None: not a stamped connection)."""
     stream = response.extensions.get("network_stream")
     return getattr(stream, "last_read_at", None)
+
+
+class StreamStalled(Exception):
+    """A streamed answer sent nothing for the stall timeout after its first bytes."""
+
+
+async def pieces(resp: httpx.Response, stall_s: float = 0.0):
+    """``resp.aiter_raw()``, failing with ``StreamStalled`` when ``stall_s`` (> 0) passes with no byte after
+    the body's first (a server stuck mid-stream). The wait for the first bytes is the request timeout's: a
+    request queued behind others legitimately waits for its first bytes (``--stall-timeout``)."""
+    it = resp.aiter_raw().__aiter__()
+    received = 0
+    while True:
+        try:
+            if stall_s > 0 and received:
+                piece = await asyncio.wait_for(it.__anext__(), stall_s)
+            else:
+                piece = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise StreamStalled(f"stalled mid-stream: nothing for {stall_s:g} s after {received} bytes "
+                                f"(--stall-timeout)") from None
+        received += len(piece)
+        yield piece

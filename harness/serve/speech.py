@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from harness.serve.netstamp import arrival, stamping_transport
+from harness.serve.netstamp import StreamStalled, arrival, pieces, stamping_transport
 from harness.serve.streaming import (QWEN3_TTS_SAMPLE_RATE, SPEECH_FORMATS, SPEECH_MODES, SPEECH_PATH,
                                      SpeechStream, StreamFormatError, speech_body)
 from harness.stream_metrics import StreamError, StreamMetrics
@@ -63,7 +63,7 @@ class SpeechResult:
 
 async def send_speech(client: httpx.AsyncClient, base_url: str, body: dict[str, Any], *, timeout_s: float,
                       pcm_rate: int = QWEN3_TTS_SAMPLE_RATE, pcm_channels: int = 1,
-                      request_id: str | None = None) -> SpeechResult:
+                      request_id: str | None = None, stall_s: float = 0.0) -> SpeechResult:
     """POST ``body`` (``streaming.speech_body``) to ``base_url`` + ``/v1/audio/speech``; ``pcm_rate``:
     the rate of a ``pcm`` response (the wire does not say it); ``request_id``: sent as ``X-Request-Id``
     (a trace matches its lines by it). Errors are recorded, not raised."""
@@ -90,7 +90,7 @@ async def send_speech(client: httpx.AsyncClient, base_url: str, body: dict[str, 
                 except (json.JSONDecodeError, AttributeError, ValueError):
                     pass
                 raise StreamFormatError(f"HTTP {resp.status_code}: {detail}")
-            async for piece in resp.aiter_raw():
+            async for piece in pieces(resp, stall_s):
                 stream.feed(piece, arrival(resp) or time.perf_counter())  # when the loop received it
         return sent, time.perf_counter()
 
@@ -102,7 +102,7 @@ async def send_speech(client: httpx.AsyncClient, base_url: str, body: dict[str, 
             raise StreamFormatError("the response has no audio")
         result.metrics = stream.audio.metrics(sent, end)
         result.wav = stream.audio.wav()
-    except (StreamFormatError, StreamError) as exc:
+    except (StreamFormatError, StreamError, StreamStalled) as exc:
         result.error = str(exc)
     except (asyncio.TimeoutError, httpx.TimeoutException):
         result.error = f"timed out after {timeout_s:g} s (request timeout)"

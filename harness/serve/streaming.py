@@ -50,19 +50,40 @@ class SSEEvent:
     data: str
 
 
+# The largest SSE event the client reads (its lines and data): a speech delta or a chat audio chunk is one
+# base64 audio piece, about 1.9 MB for 30 s of 24 kHz PCM when the whole answer comes in one chunk
+# (async_chunk: false); 64 MiB is 34 times that. A server that sends more without ending the event is broken.
+MAX_SSE_EVENT_BYTES = 64 << 20
+
+
 class SSEParser:
     """Incremental ``text/event-stream`` parser (the WHATWG rules the two APIs use: ``event:``,
     ``data:`` lines joined by newlines, ``:`` comments, a blank line dispatches; LF, CRLF or CR line
     ends, split anywhere across reads). ``feed`` returns the events completed by the bytes given."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_event_bytes: int = 0) -> None:
         self._buf = b""
+        self._more: list[bytes] = []  # reads without a line end, after _buf: joined once a line ends
+        self._size = 0  # bytes of the event being read (its lines so far and the pending line)
         self._event = ""
         self._data: list[str] = []
+        self.max_event_bytes = max_event_bytes or MAX_SSE_EVENT_BYTES
 
     def feed(self, data: bytes) -> list[SSEEvent]:
         # Line ends found with bytes.find and the rest kept once per read: a base64 audio line is
         # kilobytes long, and this runs on the stamping path of every stream (bench/client_capacity.py).
+        # A read with no line end is only kept (joined once its line ends): a line sent in many reads is
+        # not copied again at each one. An event larger than ``max_event_bytes`` is refused (a server
+        # that never ends a line would otherwise fill the memory).
+        self._size += len(data)
+        if self._size > self.max_event_bytes:
+            raise StreamFormatError(f"oversized SSE event: over {self.max_event_bytes} bytes without its end "
+                                    f"(the client's bound, MAX_SSE_EVENT_BYTES)")
+        if self._buf and b"\n" not in data and b"\r" not in data:
+            self._more.append(data)
+            return []
+        if self._more:
+            self._buf, self._more = b"".join([self._buf, *self._more]), []
         buf = self._buf + data if self._buf else data
         out: list[SSEEvent] = []
         pos = 0
@@ -75,12 +96,15 @@ class SSEParser:
             pos = after
             if event is not None:
                 out.append(event)
+                self._size = len(buf) - pos  # the next event starts here
         self._buf = buf[pos:]
         return out
 
     def close(self) -> list[SSEEvent]:
         """The stream ended: a last line without its line end still counts; an event without the
         blank line that dispatches it is dropped (as a browser does)."""
+        if self._more:
+            self._buf, self._more = b"".join([self._buf, *self._more]), []
         if self._buf:
             self._line(self._buf.decode("utf-8", errors="replace"))
             self._buf = b""
@@ -90,7 +114,7 @@ class SSEParser:
     @property
     def pending(self) -> bool:
         """Bytes or fields of an event not dispatched yet (a stream cut short)."""
-        return bool(self._buf.strip() or self._data)
+        return bool(self._buf.strip() or any(p.strip() for p in self._more) or self._data)
 
     def _line(self, line: str) -> SSEEvent | None:
         if line == "":

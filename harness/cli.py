@@ -180,6 +180,7 @@ def entry() -> None:
     mp = sys.modules.get("multiprocessing")
     if (os.environ.get("OMNI_STRESS_FULL_EXIT") == "1" or threading.active_count() > 1
             or (mp is not None and mp.active_children())):
+        interrupt.release()  # a teardown that waits on a thread can still be stopped with Ctrl-C
         sys.exit(status)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

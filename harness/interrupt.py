@@ -69,6 +69,12 @@ def finish() -> bool:
     return _received > 0 or pending
 
 
+def release() -> None:
+    """Unblocks SIGINT after ``finish`` (the status is decided; a slow teardown stays interruptible)."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def check() -> None:
     """Raises ``KeyboardInterrupt`` when a SIGINT was counted: called between cells, so a SIGINT whose
     exception something swallowed still stops the run at the next cell (the records so far kept)."""

@@ -20,7 +20,7 @@ from typing import Any
 from harness.metrics import span_flags
 
 REQUESTS_FILE = "requests.jsonl"
-SPANS_FILE = "spans.jsonl"
+SPANS_FILE = "spans.jsonl"  # runs before the span store (issue 48), and the export's line format
 # The start of the error of a request a real server took down with it (its worker crashed, issue 31);
 # the report counts these per cell as crashed, and the gate fails every rule on a cell that has one.
 CRASHED_ERROR = "server crashed"
@@ -340,18 +340,11 @@ def read_requests(run_dir: Path) -> list[RequestRecord]:
 
 
 def read_spans(run_dir: Path) -> list[SpanRecord]:
-    """Every complete span; one that is not an object or lacks a field is a ValueError naming the
-    file and the line."""
-    path = run_dir / SPANS_FILE
-    spans = []
-    for number, data in iter_jsonl_numbered(path):
-        try:
-            if not isinstance(data, dict):
-                raise TypeError(f"expected a span record (a JSON object), got {type(data).__name__}")
-            spans.append(span_from_dict(data))
-        except (TypeError, ValueError, KeyError) as exc:
-            raise ValueError(f"{path}: line {number}: malformed span ({exc})") from None
-    return spans
+    """Every complete span of a run: an old run's spans.jsonl, then the span store's files
+    (``harness.spanstore``); one that is malformed is a ValueError naming the file and the line or row."""
+    from harness.spanstore import read_spans as read_all
+
+    return read_all(run_dir)
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from matplotlib.ticker import FuncFormatter
 from harness.metrics import METRICS
 from harness.contract import span_regions
 from harness.records import SpanRecord
-from harness.report.summary import WER_THRESHOLD, CellSummary, Run
+from harness.report.summary import WER_THRESHOLD, CellSummary, Run, SpanTable
 
 matplotlib.use("Agg")  # headless: CI and servers have no display (safe here: no figure exists yet)
 
@@ -165,11 +165,11 @@ def _plot_misaligned(ax: Any, cells: list[CellSummary]) -> None:
     ax.set_title("Misaligned positions per region (rows that differ from the contract's)")
 
 
-def _span_kinds(run: Run, indices: np.ndarray) -> list[str]:
+def _span_kinds(spans: SpanTable, indices: np.ndarray) -> list[str]:
     """What the timeline colours each span at ``indices`` as, from the table's event flags:
     replay (crosses the prompt boundary) over chunk (non-zero offset) over prefill, else a
     multi-position or single decode."""
-    f = {k: v[indices] for k, v in run.spans.flags.items()}
+    f = {k: v[indices] for k, v in spans.flags.items()}
     kinds = np.where(f["multi_decode"], "multi", "decode").astype(object)
     kinds[f["is_prefill"]] = "prefill"
     kinds[f["nonzero_offset"]] = "chunk"
@@ -179,14 +179,14 @@ def _span_kinds(run: Run, indices: np.ndarray) -> list[str]:
 
 def pick_stressed_request(run: Run) -> tuple[str, int, str] | None:
     """The (deploy, repeat, prompt) whose spans show the most replays, then chunks, over all arms."""
-    keys, _ = run.spans.group_codes
-    sums = run.spans.group_sums({k: run.spans.flags[k] for k in ("cross_boundary", "nonzero_offset", "multi_decode")})
     score: dict[tuple[str, int, str], list[int]] = {}
-    for g, (_, deploy, repeat, request) in enumerate(keys):  # summed over arms
+    # the request's event counts (the table reads them file by file): cross-boundary replays, non-zero
+    # offset chunks and multi-position decodes are the counts of those flags (metrics.EVENT_COUNTS)
+    for (_, deploy, repeat, request), (counts, _known) in run.spans.group_events.items():  # summed over arms
         entry = score.setdefault((deploy, repeat, request), [0, 0, 0])
-        entry[0] += int(sums["cross_boundary"][g])
-        entry[1] += int(sums["nonzero_offset"][g])
-        entry[2] += int(sums["multi_decode"][g])
+        entry[0] += counts.cross_boundary_replays
+        entry[1] += counts.nonzero_offset_chunks
+        entry[2] += counts.multi_position_decode_spans
     if not score:
         return None
     best = max(sorted(score), key=lambda k: tuple(score[k]))
@@ -212,10 +212,9 @@ def plot_timeline(run: Run, cells: list[CellSummary], max_arms: int = 4) -> byte
     deploy, repeat, prompt = picked
     by_arm: dict[str, list[SpanRecord]] = {}
     kind_of: dict[int, str] = {}  # id(span) -> kind, from the table's flags (no classify_span per draw)
-    keys, codes = run.spans.group_codes
-    wanted = [g for g, k in enumerate(keys) if k[1:] == picked]
-    indices = np.flatnonzero(np.isin(codes, wanted))  # file order, as before
-    for s, kind in zip(run.spans.records(indices), _span_kinds(run, indices)):
+    picked_spans = run.spans.subset(k for k in run.spans.group_events if k[1:] == picked)  # file order
+    indices = np.arange(len(picked_spans))
+    for s, kind in zip(picked_spans.records(indices), _span_kinds(picked_spans, indices)):
         by_arm.setdefault(s.arm, []).append(s)
         kind_of[id(s)] = kind
 

@@ -59,6 +59,55 @@ def has_spans(run_dir: Path) -> bool:
     return (Path(run_dir) / SPANS_FILE).exists() or bool(span_files(run_dir))
 
 
+# --------------------------------------------------------------------------- Arrow <-> numpy without pandas
+# pyarrow imports pandas (about 0.3 s and 60 MB) on to_numpy(), on pa.array() of Python or numpy values and
+# on a Python scalar argument: the readers go through the buffers instead (``report`` and ``gate`` stay
+# without pandas, tests/test_lazy_imports.py).
+
+_NP_INTS = {8: "int8", 16: "int16", 32: "int32", 64: "int64"}
+
+
+def np_ints(array: Any) -> Any:
+    """An integer column (an Array or ChunkedArray) as a numpy array; null slots read as 0."""
+    import numpy as np
+
+    pa = _pa()
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
+    kind = array.type
+    if not pa.types.is_integer(kind):
+        raise TypeError(f"expected integers, got {kind}")
+    dtype = np.dtype(("u" if pa.types.is_unsigned_integer(kind) else "") + _NP_INTS[kind.bit_width])
+    data = array.buffers()[1]
+    values = np.frombuffer(data, dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize) \
+        if data is not None and len(array) else np.zeros(len(array), dtype=dtype)
+    if array.null_count:
+        values = np.where(np_nulls(array), 0, values)
+    return values
+
+
+def np_nulls(array: Any) -> Any:
+    """Which slots of a column are null (a numpy bool array)."""
+    import numpy as np
+
+    pa = _pa()
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
+    if not array.null_count:
+        return np.zeros(len(array), dtype=bool)
+    bits = np.frombuffer(array.buffers()[0], dtype=np.uint8)
+    return ~np.unpackbits(bits, bitorder="little")[array.offset:array.offset + len(array)].astype(bool)
+
+
+def arrow_ints(values: Any) -> Any:
+    """A numpy int64 array as an Arrow array (its buffer, no copy)."""
+    import numpy as np
+
+    pa = _pa()
+    values = np.ascontiguousarray(values, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(values)])
+
+
 # --------------------------------------------------------------------------- writing
 
 

@@ -18,10 +18,12 @@ from harness.errors import UserError
 def command(run_dir: Path, output: Path | None) -> None:
     """Write a run's spans as JSON lines (the spans.jsonl format)."""
     from harness.records import MANIFEST_FILE, write_file_atomic
+    from harness.rundir import check_run_files
     from harness.spanstore import export_lines, has_spans
 
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: run directory not found")
+    check_run_files(run_dir)  # a spans/ or spans.jsonl that is a link to elsewhere, or not what it should be
     if not (run_dir / MANIFEST_FILE).is_file():
         raise UserError(f"{run_dir}: no {MANIFEST_FILE} (not a run directory?)")
     if not has_spans(run_dir):

@@ -60,6 +60,7 @@ _SPAN_STR_FIELDS = ("arm", "deploy", "request")
 _SPAN_INT_FIELDS = ("repeat", "step", "P", "c", "n", "rows")
 class SpanTable:
     """``spans.jsonl`` as columns: what the report reads of 65k spans, without 65k objects.
+    (``StoredSpanTable``: the span store's files, read the same way by column.)
 
     Iterating yields ``SpanRecord`` objects (built on demand, for the few spans a plot draws or for
     callers that want records); ``group_events`` is what the tables count.
@@ -70,6 +71,7 @@ class SpanTable:
         """``raw``: one dict per span as in spans.jsonl; ``lines``: their line numbers (for errors)."""
         self.raw = raw or []
         self.path = path
+        self.source = SPANS_FILE
         where = str(path) if path is not None else SPANS_FILE
         line_of = (lambda i: lines[i]) if lines is not None else (lambda i: i + 1)
         cols: dict[str, Any] = {}
@@ -182,6 +184,8 @@ class StoredSpanTable(SpanTable):
     region count stored as null next to a known one (0): nothing that reads a ``SpanTable`` uses them.
     """
 
+    source = "spans/"  # the span store, as messages name it
+
     def __init__(self, files: list[Path]) -> None:  # noqa: D107 - no SpanTable.__init__: nothing is read yet
         self.files = list(files)
         self.path = self.files[0].parent if self.files else None
@@ -192,9 +196,8 @@ class StoredSpanTable(SpanTable):
     def _file(path: Path) -> tuple[dict[str, np.ndarray], list[SpanKey], np.ndarray]:
         """(columns, keys in first-seen order, each row's key code) of one store file."""
         import pyarrow as pa
-        import pyarrow.compute as pc
 
-        from harness.spanstore import read_span_file
+        from harness.spanstore import arrow_ints, np_ints, np_nulls, read_span_file
 
         try:
             table = read_span_file(path)
@@ -202,12 +205,11 @@ class StoredSpanTable(SpanTable):
             raise UserError(str(exc)) from None
         cols: dict[str, np.ndarray] = {}
         for name in ("step", "P", "c", "n", "rows"):
-            cols[name] = table.column(name).to_numpy()
+            cols[name] = np_ints(table.column(name))
         nulls = {}
         for name in ("misaligned_text", "misaligned_end", "misaligned"):
-            col = table.column(name)
-            nulls[name] = col.is_null().to_numpy() if col.null_count else np.zeros(len(col), dtype=bool)
-            cols[name] = pc.fill_null(col, 0).to_numpy() if col.null_count else col.to_numpy()
+            nulls[name] = np_nulls(table.column(name))
+            cols[name] = np_ints(table.column(name))
         split = ~nulls["misaligned_text"] | ~nulls["misaligned_end"]
         cols["misaligned_known"] = split | ~nulls["misaligned"]
         if not split.all():  # a span written with ``misaligned`` alone counts in the text region
@@ -224,20 +226,20 @@ class StoredSpanTable(SpanTable):
             col = table.column(name)
             col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
             if not pa.types.is_dictionary(col.type):
-                col = pc.dictionary_encode(col)
-            parts.append((col.indices.to_numpy(zero_copy_only=False).astype(np.int64), col.dictionary.to_pylist()))
+                col = col.dictionary_encode()
+            parts.append((np_ints(col.indices).astype(np.int64), col.dictionary.to_pylist()))
         combo = np.zeros(table.num_rows, dtype=np.int64)
         for indices, values in parts:
             combo = combo * max(len(values), 1) + indices
-        encoded = pc.dictionary_encode(pa.array(combo))
+        encoded = arrow_ints(combo).dictionary_encode()  # first-seen order, by hash
         keys = []
-        for value in encoded.dictionary.to_pylist():
+        for value in np_ints(encoded.dictionary).tolist():
             fields = []
             for _indices, values in reversed(parts):
                 value, i = divmod(value, max(len(values), 1))
                 fields.append(values[i])
             keys.append(tuple(reversed(fields)))
-        return cols, keys, encoded.indices.to_numpy(zero_copy_only=False)  # type: ignore[return-value]
+        return cols, keys, np_ints(encoded.indices)
 
     def _each(self) -> Iterator[tuple[dict[str, np.ndarray], list[SpanKey], np.ndarray]]:
         for path in self.files:
@@ -800,7 +802,7 @@ def event_problems(run: Run) -> list[str]:
         return []
     rec, field_name, said, counted_n = wrong[0]
     return [f"{len(wrong)} request record{'s' if len(wrong) > 1 else ''} in {REQUESTS_FILE} whose event counts differ "
-            f"from their spans in {SPANS_FILE} (first: {_key_text(rec.key)}: events.{field_name} is {said}, "
+            f"from their spans in {run.spans.source} (first: {_key_text(rec.key)}: events.{field_name} is {said}, "
             f"its spans count {counted_n})"]
 
 

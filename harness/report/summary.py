@@ -330,19 +330,28 @@ class StoredSpanTable(SpanTable):
         return out
 
     def subset(self, keys: Iterable[SpanKey]) -> SpanTable:
+        """Reads only the files of the keys' cells (a file's metadata names its cell), and of those only
+        the keys' rows become dicts."""
+        from harness.spanstore import COLUMNS, arrow_ints, file_cell, read_span_file
+
         wanted = set(keys)
+        cells = {k[:3] for k in wanted}
         raw = []
         for path in self.files:
-            from harness.spanstore import read_span_file
-
             try:
+                cell = file_cell(path)
+                if cell is not None and cell not in cells:
+                    continue
                 table = read_span_file(path)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
-            cols = {name: table.column(name).to_pylist() for name in table.column_names}
-            for i in range(table.num_rows):
-                if (cols["arm"][i], cols["deploy"][i], cols["repeat"][i], cols["request"][i]) in wanted:
-                    raw.append({name: cols[name][i] for name in cols})
+            _cols, file_keys, codes = self._file(path)
+            hits = [i for i, k in enumerate(file_keys) if k in wanted]
+            if not hits:
+                continue
+            rows = table.take(arrow_ints(np.flatnonzero(np.isin(codes, hits))))
+            cols = {name: rows.column(name).to_pylist() for name in COLUMNS}
+            raw += [{name: cols[name][i] for name in COLUMNS} for i in range(rows.num_rows)]
         return SpanTable(raw, path=self.path)
 
 

@@ -202,7 +202,8 @@ def read_span_file(path: Path) -> Any:
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise ValueError(f"{path}: not a readable span file ({str(exc).splitlines()[0] if str(exc) else exc})") \
             from None
-    missing = [c for c in COLUMNS if c not in table.column_names]
+    names = set(table.column_names)
+    missing = [c for c in COLUMNS if c not in names]
     if missing:
         raise ValueError(f"{path}: not a span file of this version (missing column{'s' if len(missing) > 1 else ''} "
                          f"{', '.join(missing)})")

@@ -53,7 +53,45 @@ def _png(fig: Any) -> bytes:
 
 
 def _cell_label(cell: CellSummary) -> str:
-    return f"{cell.arm}\n{cell.deploy}\nrun {cell.run_number}"
+    runs = getattr(cell, "pooled_runs", None)
+    return f"{cell.arm}\n{cell.deploy}\n{f'{runs} runs' if runs else f'run {cell.run_number}'}"
+
+
+# Above this many cells the per-cell plots pool each arm x deploy's runs into one column: a bar per
+# cell of a run of hundreds of cells is unreadable, and its figure (one column of pixels per cell) took
+# over a minute to draw at 600 cells (bench/scaling.py). The tables keep every cell.
+MAX_PLOT_CELLS = 32
+
+
+def plotted_cells(cells: list[CellSummary]) -> list[CellSummary]:
+    """``cells``, or with more than ``MAX_PLOT_CELLS`` of them, one per arm x deploy: the runs' scores
+    together, their events and preemptions summed (``pooled_runs``: how many runs)."""
+    if len(cells) <= MAX_PLOT_CELLS:
+        return cells
+    import dataclasses
+
+    from harness.records import EventCounts
+
+    pooled: dict[tuple[str, str], CellSummary] = {}
+    counts: dict[tuple[str, str], int] = {}
+    for c in cells:
+        key = (c.arm, c.deploy)
+        if key not in pooled:
+            pooled[key] = dataclasses.replace(c, scores=[], oracle_scores=[], events=EventCounts(), preemptions=0,
+                                              misaligned_known=False, records=[], requests=0, errors=0)
+            counts[key] = 0
+        p = pooled[key]
+        p.scores += c.scores
+        p.oracle_scores += c.oracle_scores
+        p.events.add(c.events)
+        p.preemptions += c.preemptions
+        p.misaligned_known = p.misaligned_known or c.misaligned_known
+        p.requests += c.requests
+        p.errors += c.errors
+        counts[key] += 1
+    for key, p in pooled.items():
+        p.pooled_runs = counts[key]  # type: ignore[attr-defined]
+    return list(pooled.values())
 
 
 def _jitter(key: str, i: int) -> float:
@@ -63,6 +101,8 @@ def _jitter(key: str, i: int) -> float:
 
 def plot_wer(cells: list[CellSummary], threshold: float = WER_THRESHOLD) -> bytes:
     """Strip plot of per-request WER for each cell, the threshold line and each cell's mean."""
+    pooled = len(plotted_cells(cells)) < len(cells)
+    cells = plotted_cells(cells)
     deploys = list(dict.fromkeys(c.deploy for c in cells))
     colour = {d: DEPLOY_COLOURS[i % len(DEPLOY_COLOURS)] for i, d in enumerate(deploys)}
     fig, ax = plt.subplots(figsize=(max(6.0, 1.25 * len(cells) + 2), 4.6))
@@ -88,7 +128,7 @@ def plot_wer(cells: list[CellSummary], threshold: float = WER_THRESHOLD) -> byte
     ax.legend(handles=[Patch(color=colour[d], label=f"{d} deploy") for d in deploys]
               + [Line2D([], [], color="black", linewidth=2, label="cell mean")],
               loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-    ax.set_title("WER of every request, per arm x deploy x run")
+    ax.set_title("WER of every request, per arm x deploy" + (" (runs pooled)" if pooled else " x run"))
     return _png(fig)
 
 
@@ -99,6 +139,8 @@ EVENT_METRICS = [*((m.name, m.label) for m in METRICS if m.plot), ("preemptions"
 def plot_events(cells: list[CellSummary]) -> bytes:
     """Grouped bars of each cell's scheduler events: a stress run that stressed nothing shows flat.
     Below them, where the backend measures them, the misaligned positions per region."""
+    pooled = len(plotted_cells(cells)) < len(cells)
+    cells = plotted_cells(cells)
     measured = [c for c in cells if c.misaligned_known]
     width_in = max(6.0, 1.6 * len(cells) + 2)
     if measured:
@@ -124,7 +166,7 @@ def plot_events(cells: list[CellSummary]) -> bytes:
     ax.set_ylabel("count per cell")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.set_title("Scheduler events per arm x deploy x run")
+    ax.set_title("Scheduler events per arm x deploy" + (" (sums over runs)" if pooled else " x run"))
     fig.tight_layout()
     return _png(fig)
 

@@ -258,28 +258,47 @@ class StoredSpanTable(SpanTable):
             self._length = total
         return self._length
 
+    BATCH_ROWS = 1 << 20  # files are counted together up to this many spans (numpy's per-call cost)
+
     @cached_property
     def group_events(self) -> dict[SpanKey, tuple[EventCounts, bool]]:
         index: dict[SpanKey, int] = {}
-        parts = []
+        totals: dict[str, np.ndarray] = {}
+        batch: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
         length = 0
-        for cols, keys, codes in self._each():
+
+        def count() -> None:
+            if not batch:
+                return
+            cols = {name: np.concatenate([c[name] for c, _ in batch]) for name in batch[0][0]}
+            codes = np.concatenate([g for _, g in batch])
+            batch.clear()
             flags = classify_spans(cols["P"], cols["c"], cols["n"], cols["rows"])
             columns = event_count_columns(flags, len(codes))
             columns.update({name: cols[attr] for name, attr in MISALIGNED_COUNTS.items() if attr in cols})
             columns["misaligned_known"] = cols["misaligned_known"]
-            sums = {name: np.bincount(codes, weights=v, minlength=len(keys)).astype(np.int64)
-                    for name, v in columns.items()}
-            parts.append((np.array([index.setdefault(k, len(index)) for k in keys], dtype=np.int64), sums))
+            for name, v in columns.items():
+                sums = np.bincount(codes, weights=v, minlength=len(index)).astype(np.int64)
+                old = totals.get(name)
+                if old is not None:
+                    sums[: len(old)] += old
+                totals[name] = sums
+
+        rows = 0
+        for cols, keys, codes in self._each():
+            where = np.array([index.setdefault(k, len(index)) for k in keys], dtype=np.int64)
+            batch.append((cols, where[codes] if len(codes) else np.zeros(0, dtype=np.int64)))
+            rows += len(codes)
             length += len(codes)
+            if rows >= self.BATCH_ROWS:
+                count()
+                rows = 0
+        count()
         self._length = length
-        totals: dict[str, np.ndarray] = {}
-        for where, sums in parts:
-            for name, v in sums.items():
-                np.add.at(totals.setdefault(name, np.zeros(len(index), dtype=np.int64)), where, v)
+        if not totals:
+            return {}
         total_name = next(name for name, attr in MISALIGNED_COUNTS.items() if attr == "misaligned")
-        totals[total_name] = sum(totals[name] for name, attr in MISALIGNED_COUNTS.items() if attr != "misaligned") \
-            if totals else np.zeros(0, dtype=np.int64)
+        totals[total_name] = sum(totals[name] for name, attr in MISALIGNED_COUNTS.items() if attr != "misaligned")
         out = {}
         for g, key in enumerate(index):
             counts = EventCounts(**{name: int(v[g]) for name, v in totals.items() if name != "misaligned_known"})
@@ -332,7 +351,9 @@ class StoredSpanTable(SpanTable):
     def subset(self, keys: Iterable[SpanKey]) -> SpanTable:
         """Reads only the files of the keys' cells (a file's metadata names its cell), and of those only
         the keys' rows become dicts."""
-        from harness.spanstore import COLUMNS, arrow_ints, file_cell, read_span_file
+        import pyarrow as pa
+
+        from harness.spanstore import COLUMNS, arrow_ints, file_cell, np_ints, read_span_file
 
         wanted = set(keys)
         cells = {k[:3] for k in wanted}
@@ -345,13 +366,22 @@ class StoredSpanTable(SpanTable):
                 table = read_span_file(path)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
-            _cols, file_keys, codes = self._file(path)
-            hits = [i for i, k in enumerate(file_keys) if k in wanted]
-            if not hits:
+            mask = np.ones(table.num_rows, dtype=bool)
+            for pos, name in enumerate(("arm", "deploy", "repeat", "request")):
+                col = table.column(name)
+                col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+                values = {k[pos] for k in wanted}
+                if pa.types.is_dictionary(col.type):
+                    hits = [i for i, v in enumerate(col.dictionary.to_pylist()) if v in values]
+                    mask &= np.isin(np_ints(col.indices), hits)
+                else:
+                    mask &= np.isin(np_ints(col), list(values))
+            if not mask.any():
                 continue
-            rows = table.take(arrow_ints(np.flatnonzero(np.isin(codes, hits))))
+            rows = table.take(arrow_ints(np.flatnonzero(mask)))
             cols = {name: rows.column(name).to_pylist() for name in COLUMNS}
-            raw += [{name: cols[name][i] for name in COLUMNS} for i in range(rows.num_rows)]
+            raw += [d for d in ({name: cols[name][i] for name in COLUMNS} for i in range(rows.num_rows))
+                    if (d["arm"], d["deploy"], d["repeat"], d["request"]) in wanted]
         return SpanTable(raw, path=self.path)
 
 

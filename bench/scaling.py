@@ -13,7 +13,7 @@ Shapes (all ``omni-stress run --asr none``, seed 42):
 
 Each measured command runs in a process of its own; wall is its elapsed time, CPU its user + system
 seconds and those of every process it waited for (the sim's forked workers), peak RSS the largest
-single process's (``wait4``'s ``ru_maxrss``). Bytes: the span store (``spans/``), what the same spans
+single process's (GNU time's ``%M``). Bytes: the span store (``spans/``), what the same spans
 took as ``spans.jsonl`` before the store (the size of ``omni-stress export-spans``, byte-identical to
 that file), and ``requests.jsonl``. ``report`` (tables, plots, HTML) and ``gate`` then run on each run,
 and ``report`` once more on the run as an old run (its spans as ``spans.jsonl``, the reader before the
@@ -37,7 +37,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,23 +46,22 @@ PY = sys.executable
 DEFAULT_PROMPTS = REPO / "prompts" / "default.yaml"
 CELL_PROMPTS = 25  # the cells shape: 4 cells x 25 prompts x repeat
 SUPERLINEAR = 1.5
+TIME = "/usr/bin/time"  # GNU time
 
 
 def measure(argv: list[str], env: dict[str, str] | None = None, cwd: Path = REPO,
             ok: tuple[int, ...] = (0,)) -> dict[str, Any]:
-    """Runs ``argv``; its wall, CPU (itself and its waited-for children) and peak RSS."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, **(env or {})})
-    err = proc.stderr.read() if proc.stderr else b""
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    code = proc.returncode
-    if code not in ok or b"omni-stress: error:" in err:
-        raise SystemExit(f"{' '.join(argv)}: exit {code}: {err.decode()[-2000:]}")
-    return {"wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
-            "rss_mb": round(usage.ru_maxrss / 1024, 1), "exit": code}
+    """Runs ``argv`` under GNU time: its wall, CPU (itself and its waited-for children: the sim's forked
+    workers) and peak RSS (the largest process's). Not ``wait4`` here: Linux carries a process's peak
+    RSS across exec, so a child of this (large) process would report this process's peak."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as out:
+        proc = subprocess.run([TIME, "-f", "%e %U %S %M", "-o", out.name, *argv], cwd=cwd, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, env={**os.environ, **(env or {})}, check=False)
+        wall, user, system, rss_kb = out.read().split()[-4:]
+    if proc.returncode not in ok or b"omni-stress: error:" in proc.stderr:
+        raise SystemExit(f"{' '.join(argv)}: exit {proc.returncode}: {proc.stderr.decode()[-2000:]}")
+    return {"wall_s": float(wall), "cpu_s": round(float(user) + float(system), 2), "rss_mb": round(int(rss_kb) / 1024, 1),
+            "exit": proc.returncode}
 
 
 def prompt_set(path: Path, count: int) -> Path:

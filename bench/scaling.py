@@ -6,8 +6,8 @@
 
 Shapes (all ``omni-stress run --asr none``, seed 42):
 
-* ``one-cell``: every request in one cell (``--arm main --deploy stress``, a generated prompt set of N
-  prompts: the 16 default prompts, copied under new ids);
+* ``one-cell``: every request in one cell (``--arm main --deploy stress``, its ``sim.max_steps`` raised,
+  a generated prompt set of N prompts: the 16 default prompts, copied under new ids);
 * ``cells``: main, pr x reference, stress, 25 prompts (the default 16 and 9 copies) and ``--repeat
   N / 100``: N requests across 4 x repeat cells.
 
@@ -79,13 +79,23 @@ def prompt_set(path: Path, count: int) -> Path:
     return path
 
 
+def stress_deploy(work: Path) -> Path:
+    """deploy_configs/stress.yaml with the sim's step bound raised: one cell of 1,000 requests takes
+    more than the default 200,000 scheduler steps (the stress deploy runs one request at a time)."""
+    path = work / "stress.yaml"
+    text = (REPO / "deploy_configs" / "stress.yaml").read_text()
+    assert "\nsim:" not in text
+    path.write_text(text + "\nsim:\n  max_steps: 10000000\n")
+    return path
+
+
 def run_argv(shape: str, n: int, work: Path, run_id: str) -> tuple[list[str], int]:
     """The ``omni-stress run`` command line of one shape and size, and its number of requests."""
     cli = [PY, "-m", "harness.cli", "run", "--asr", "none", "--quiet", "--no-cache", "--seed", "42",
            "--out", str(work), "--run-id", run_id]
     if shape == "one-cell":
         prompts = prompt_set(work / f"prompts-{n}.yaml", n)
-        return [*cli, "--arm", "main", "--deploy", "stress", "--prompts", str(prompts)], n
+        return [*cli, "--arm", "main", "--deploy", str(stress_deploy(work)), "--prompts", str(prompts)], n
     prompts = prompt_set(work / f"prompts-{CELL_PROMPTS}.yaml", CELL_PROMPTS)
     if n < 4 * CELL_PROMPTS:
         prompts = prompt_set(work / f"prompts-{n // 4}.yaml", n // 4)

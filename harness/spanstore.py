@@ -140,16 +140,22 @@ def write_span_file(path: Path, spans: list[SpanRecord]) -> None:
     table = spans_table(spans)
     first = spans[0]
     table = table.replace_schema_metadata({"arm": first.arm, "deploy": first.deploy, "repeat": str(first.repeat)})
+    sink = pa.BufferOutputStream()  # built in memory, written by Python: a full disk is an OSError with its errno
+    with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_table(table)
+    data = sink.getvalue()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     try:
-        with open(fd, "wb") as fh, pa.ipc.new_file(fh, table.schema,
-                                                   options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
-            writer.write_table(table)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            with open(fd, "wb") as fh:
+                fh.write(memoryview(data))
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as exc:  # name the store's file (rundir.disk_full_error says it), not the temporary one
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 class SpanStoreWriter:

@@ -227,3 +227,37 @@ def test_bytes_per_span_are_a_fraction_of_jsonl(tmp_path: Path) -> None:
     legacy = write_jsonl(tmp_path / "old", spans)
     assert spanstore.store_bytes(tmp_path / "new") * 10 < legacy.stat().st_size
     assert json.loads(legacy.read_text().splitlines()[0])["request"] == "p00"
+
+
+def test_a_full_disk_names_the_span_file_and_leaves_no_temporary_file(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    class Full:
+        def __init__(self, fh) -> None:
+            self.fh = fh
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.fh.close()
+
+        def write(self, data) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_open(file, mode="r", *args, **kwargs):
+        fh = real_open(file, mode, *args, **kwargs)
+        return Full(fh) if isinstance(file, int) and "b" in mode else fh
+
+    writer = SpanStoreWriter(tmp_path)
+    writer.write_many(make_spans(10, per_cell=5)[:5])
+    monkeypatch.setattr(builtins, "open", full_open)
+    with pytest.raises(OSError) as info:
+        writer.flush()
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "spans" / "000001.arrow")
+    assert list((tmp_path / "spans").iterdir()) == []

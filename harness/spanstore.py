@@ -203,8 +203,10 @@ def read_span_file(path: Path) -> Any:
     """One store file as an Arrow table; a file that is not one is a ValueError naming it."""
     pa = _pa()
     try:
+        # threads only for a large file: on a cell's file of some 20,000 spans they cost more than they gain
+        options = pa.ipc.IpcReadOptions(use_threads=os.path.getsize(path) > 1 << 22)
         with pa.memory_map(str(path), "r") as source:
-            table = pa.ipc.open_file(source).read_all()
+            table = pa.ipc.open_file(source, options=options).read_all()
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise ValueError(f"{path}: not a readable span file ({str(exc).splitlines()[0] if str(exc) else exc})") \
             from None

@@ -205,8 +205,8 @@ def read_span_file(path: Path) -> Any:
     try:
         # threads only for a large file: on a cell's file of some 20,000 spans they cost more than they gain
         options = pa.ipc.IpcReadOptions(use_threads=os.path.getsize(path) > 1 << 22)
-        with pa.memory_map(str(path), "r") as source:
-            table = pa.ipc.open_file(source, options=options).read_all()
+        # the bytes, not pa.memory_map(str(path)): a run directory's path need not be UTF-8
+        table = pa.ipc.open_file(pa.py_buffer(Path(path).read_bytes()), options=options).read_all()
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise ValueError(f"{path}: not a readable span file ({str(exc).splitlines()[0] if str(exc) else exc})") \
             from None
@@ -228,7 +228,7 @@ def file_cell(path: Path) -> tuple[str, str, int] | None:
     """The (arm, deploy, repeat) a store file holds, from its metadata (None when it has none)."""
     pa = _pa()
     try:
-        with pa.memory_map(str(path), "r") as source:
+        with open(path, "rb") as source:  # the footer only
             meta = pa.ipc.open_file(source).schema.metadata or {}
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
         raise ValueError(f"{path}: not a readable span file ({exc})") from None

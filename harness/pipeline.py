@@ -3,7 +3,8 @@
 Order of work, chosen so that nothing measured is lost: configs are validated and the ASR
 model located before anything runs; ``manifest.json`` is written first; each request record
 is appended to ``requests.jsonl`` (flushed) as soon as its audio is transcribed; a cell's
-spans are appended when the cell's simulation completes; the manifest is updated at the end.
+spans are written to the span store (``spans/``, one whole file per cell or batch,
+``harness.spanstore``) before any of its records; the manifest is updated at the end.
 ``--resume`` skips every (arm, deploy, repeat, prompt) already recorded.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
-import json
 import os
 import platform
 import socket
@@ -20,6 +20,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from harness import __version__, interrupt
@@ -30,13 +31,13 @@ from harness.families import DEFAULT_FAMILY
 from harness.rundir import ResumeState
 from harness.records import (
     REQUESTS_FILE,
-    SPANS_FILE,
     JsonlWriter,
     RequestRecord,
     read_manifest,
-    write_file_atomic,
     write_manifest,
 )
+from harness.spanstore import STORE_FORMAT, SpanStoreWriter
+from harness.spanstore import drop_cells as drop_span_cells
 
 if TYPE_CHECKING:
     from harness.audio.pipeline import AsrResult
@@ -188,6 +189,7 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "finished": None,
         **({"stream": True} if o.stream else {}),  # absent when not streamed: manifests as they were
+        "span_store": STORE_FORMAT,  # spans/*.arrow (issue 48); runs before it have spans.jsonl
         # the checkpoint the real server served (the header names it; sim manifests as they were)
         **({"served_model": str(o.serve.model)} if getattr(o.serve, "model", None) else {}),
     }
@@ -355,8 +357,10 @@ class AudioScorer:
 class RecordSink:
     """Writes each request record once its transcript is in, in completion order."""
 
-    def __init__(self, scorer: AudioScorer, out: JsonlWriter, progress: Progress, times: StageTimes) -> None:
+    def __init__(self, scorer: AudioScorer, out: JsonlWriter, progress: Progress, times: StageTimes,
+                 before_write: Callable[[], None] = lambda: None) -> None:
         self.scorer, self.out, self.progress, self.times = scorer, out, progress, times
+        self.before_write = before_write  # the span store's flush: a record on disk has its spans on disk
         self.pending: list[PendingScore] = []
 
     def add(self, record: RequestRecord, cell: str) -> None:
@@ -385,6 +389,7 @@ class RecordSink:
                 self.pending.remove(p)
                 self.scorer.finish(p)
                 _mark_not_measurable(p.record)
+                self.before_write()
                 self.out.write(p.record)
                 r = p.record
                 self.progress.update(p.cell, f"WER {r.score:.2f}" if r.score is not None else "")
@@ -408,10 +413,10 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
     scorer = AudioScorer(plan.options, plan.run_dir, times)  # locates the ASR model before any work
     prompt_ids = [p.id for p in plan.prompts.prompts]
     _drop_partial_span_cells(plan.run_dir, resume, prompt_ids)  # before the writers open the file
+    spans_out = SpanStoreWriter(plan.run_dir)
     requests_out = JsonlWriter(plan.run_dir / REQUESTS_FILE)
-    spans_out = JsonlWriter(plan.run_dir / SPANS_FILE)
     progress = Progress(plan.options.quiet)
-    sink = RecordSink(scorer, requests_out, progress, times)
+    sink = RecordSink(scorer, requests_out, progress, times, before_write=spans_out.flush)
     cell_walls: dict[str, float] = {}
     cell_extra: dict[str, dict[str, Any]] = {}  # e.g. which implementation a real server ran
     from harness.backends import CellJob
@@ -439,6 +444,7 @@ def execute(plan: RunPlan, resume: ResumeState | None = None) -> StageTimes:
             write_spans = (job.arm.name, job.deploy.name, job.repeat) not in resume.span_cells
             outcome = backend.run_cell(job, emit, spans_out.write_many if write_spans else lambda spans: None,
                                        idle=lambda: sink.flush(block=False))
+            spans_out.flush()  # the cell's last spans: one file per cell where the backend allows
             times.add(outcome)
             cell_walls[job.key] = round(outcome.seconds, 3)
             if outcome.extra:
@@ -474,12 +480,5 @@ def _drop_partial_span_cells(run_dir: Path, resume: ResumeState, prompt_ids: lis
     partial = {k for k in resume.span_cells if not all((*k, pid) in resume.done for pid in prompt_ids)}
     if not partial:
         return
-    path = run_dir / SPANS_FILE
-    keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.strip() and _span_cell(json.loads(line)) not in partial]
-    write_file_atomic(path, "".join(keep))
+    drop_span_cells(run_dir, partial)
     resume.span_cells -= partial
-
-
-def _span_cell(span: dict[str, Any]) -> tuple:
-    return (span["arm"], span["deploy"], span["repeat"])

@@ -29,10 +29,10 @@ from harness.records import (
     SPANS_FILE,
     read_manifest,
     read_requests,
-    read_spans,
     truncate_torn_tail,
     write_manifest,
 )
+from harness.spanstore import span_cells as stored_span_cells
 
 LOCK_FILE = ".lock"
 _held: set[int] = set()  # lock fds this process holds
@@ -112,7 +112,7 @@ def locked(run_dir: Path) -> Iterator[None]:
 
 
 RUN_FILES = (MANIFEST_FILE, REQUESTS_FILE, SPANS_FILE, LOCK_FILE)
-RUN_FOLDERS = ("audio",)
+RUN_FOLDERS = ("audio", "spans")  # spans/: the span store (harness.spanstore)
 
 
 def check_run_files(run_dir: Path) -> None:
@@ -345,7 +345,7 @@ def check_resume(run_dir: Path, plan_manifest: dict[str, Any]) -> ResumeState:
     truncate_torn_tail(run_dir / SPANS_FILE)
     try:
         done = {r.key for r in read_requests(run_dir)}
-        span_cells = {(s.arm, s.deploy, s.repeat) for s in read_spans(run_dir)}
+        span_cells = stored_span_cells(run_dir)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     return ResumeState(done, span_cells)

@@ -60,6 +60,16 @@ def _copy_run(src: Path, tmp: Path, name: str = "copy") -> Path:
     return dst
 
 
+def as_jsonl_run(run_dir: Path) -> Path:
+    """The run as one written before the span store (issue 48): its spans in spans.jsonl (the
+    export, byte for byte that file), no spans/. Tests that edit span lines use it."""
+    from harness.spanstore import SPANS_DIR, export_lines
+
+    (run_dir / "spans.jsonl").write_text("".join(export_lines(run_dir)))
+    shutil.rmtree(run_dir / SPANS_DIR)
+    return run_dir
+
+
 def _interrupt(run_dir: Path, keep: int) -> None:
     """What a kill leaves: `keep` records, a torn line after them, finished null."""
     lines = (run_dir / "requests.jsonl").read_text().splitlines(keepends=True)

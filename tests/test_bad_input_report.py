@@ -196,7 +196,7 @@ def test_16_gate_refuses_event_counts_that_differ_from_the_spans(small_run, tmp_
     _edit_first_record(run, lambda r: r["events"].update(talker_calls=was + 7))
     key = f"{first['arm']}/{first['deploy']} repeat {first['repeat']} prompt {first['prompt_id']}"
     assert_one_line_error(invoke_cli("gate", str(run)), "1 request record in requests.jsonl whose event counts differ "
-                          f"from their spans in spans.jsonl (first: {key}: events.talker_calls is {was + 7}, its spans "
+                          f"from their spans in spans/ (first: {key}: events.talker_calls is {was + 7}, its spans "
                           f"count {was})", "not gated")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from harness.records import read_requests
 
-from clikit import _copy_run, _copy_run_r3, _edit_record, _interrupt, _one_prompt, assert_one_line_error
+from clikit import _copy_run, _copy_run_r3, _edit_record, _interrupt, _one_prompt, as_jsonl_run, assert_one_line_error
 from conftest import REPO, SMALL_PROMPTS, invoke_cli, run_cli
 
 
@@ -138,13 +139,22 @@ def test_F15_disk_full_is_one_line_and_resume_finishes(tmp_path, small_run, monk
 def test_F13_resume_with_a_span_missing_fields(tmp_path, small_run):
     run_dir = _copy_run(small_run, tmp_path)
     _interrupt(run_dir, 3)
-    path = run_dir / "spans.jsonl"
+    path = as_jsonl_run(run_dir) / "spans.jsonl"  # an old run's spans.jsonl, one line edited
     lines = path.read_text().splitlines()
     span = json.loads(lines[4])
     del span["P"]
     lines[4] = json.dumps(span)
     path.write_text("\n".join(lines) + "\n")
     assert_one_line_error(_resume(run_dir), "spans.jsonl", "line 5", "malformed span", "'P'")
+
+
+def test_F13_resume_with_a_corrupt_span_file(tmp_path, small_run):
+    """A file of the span store that is not one (edited, truncated by a copy): one line naming it."""
+    run_dir = _copy_run(small_run, tmp_path)
+    _interrupt(run_dir, 3)
+    bad = sorted((run_dir / "spans").glob("*.arrow"))[0]
+    bad.write_bytes(bad.read_bytes()[:100])
+    assert_one_line_error(_resume(run_dir), f"{bad}: not a readable span file")
 
 
 # ----------------------------------------------------------------------------- 18: unique default run ids
@@ -198,12 +208,20 @@ def test_3_out_path_that_is_not_utf8(tmp_path):
 
 def test_4_spans_file_that_is_a_folder(one_run, tmp_path):
     run = _copy_run_r3(one_run, tmp_path / "run")
-    (run / "spans.jsonl").unlink()
-    (run / "spans.jsonl").mkdir()
+    (run / "spans.jsonl").mkdir()  # an old run's spans file
     for command in (["report"], ["gate"], ["compare", str(one_run)]):
         res = invoke_cli(*command, str(run))
         assert_one_line_error(res, f"{run}/spans.jsonl: is a folder; a run directory's spans.jsonl must be a "
                                    "regular file")
+
+
+def test_4_span_store_that_is_a_file(one_run, tmp_path):
+    run = _copy_run_r3(one_run, tmp_path / "run")
+    shutil.rmtree(run / "spans")
+    (run / "spans").write_text("not a folder\n")
+    for command in (["report"], ["gate"], ["compare", str(one_run)], ["export-spans"]):
+        res = invoke_cli(*command, str(run))
+        assert_one_line_error(res, f"{run}/spans: is not a folder; a run directory's spans/ holds the run's files")
 
 
 def _outside_file(tmp: Path) -> Path:
@@ -215,6 +233,8 @@ def _outside_file(tmp: Path) -> Path:
 @pytest.mark.parametrize("name", ["requests.jsonl", "spans.jsonl", "manifest.json"])
 def test_17_symlinked_run_file_is_refused(one_run, tmp_path, name):
     run = _copy_run_r3(one_run, tmp_path / "run")
+    if name == "spans.jsonl":
+        as_jsonl_run(run)  # an old run's
     victim = _outside_file(tmp_path)
     victim.write_bytes((run / name).read_bytes())
     (run / name).unlink()
@@ -227,6 +247,21 @@ def test_17_symlinked_run_file_is_refused(one_run, tmp_path, name):
                      "--prompts", _one_prompt(tmp_path), "--resume", str(run))
     assert_one_line_error(res, needle)
     assert victim.read_bytes() == before
+
+
+def test_17_symlinked_span_store_is_refused(one_run, tmp_path):
+    run = _copy_run_r3(one_run, tmp_path / "run")
+    victim = tmp_path / "elsewhere"
+    shutil.move(run / "spans", victim)
+    (run / "spans").symlink_to(victim)
+    before = sorted(p.name for p in victim.iterdir())
+    needle = f"{run}/spans: is a symbolic link to {victim}; refused"
+    for command in (["report"], ["gate"], ["export-spans"]):
+        assert_one_line_error(invoke_cli(*command, str(run)), needle)
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--arm", "main", "--deploy", "reference",
+                     "--prompts", _one_prompt(tmp_path), "--resume", str(run))
+    assert_one_line_error(res, needle)
+    assert sorted(p.name for p in victim.iterdir()) == before
 
 
 def test_17_symlinked_lock_file_is_refused(one_run, tmp_path):

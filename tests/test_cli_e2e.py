@@ -42,9 +42,18 @@ def _cell(records, arm, deploy):
 
 def test_sim_run_writes_the_run_directory(sim_run):
     run_dir, proc = sim_run
-    for name in ("manifest.json", "requests.jsonl", "spans.jsonl", "summary.csv", "summary.md", "report.html"):
+    for name in ("manifest.json", "requests.jsonl", "summary.csv", "summary.md", "report.html"):
         assert (run_dir / name).is_file(), name
+    # spans: the span store, one compressed file per cell (issue 48); export-spans gives them as JSON lines
+    assert not (run_dir / "spans.jsonl").exists()
+    assert len(list((run_dir / "spans").glob("*.arrow"))) == 6
+    export = omni("export-spans", str(run_dir), cwd=run_dir)
+    assert export.returncode == 0, export.stderr
+    lines = export.stdout.splitlines()
+    assert len(lines) == len(read_spans(run_dir)) and all(line == json.dumps(json.loads(line), sort_keys=True)
+                                                          for line in lines)
     manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["span_store"] == "arrow-ipc-zstd/1"
     assert manifest["finished"] and manifest["backend"] == "sim"
     assert [(c["arm"], c["deploy"]) for c in manifest["cells"]] == [
         ("main", "reference"), ("main", "stress"), ("main", "tinykv"),

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from clikit import as_jsonl_run
 from conftest import invoke_cli
 from harness.config import load_arms, load_deploy, load_prompts
 from harness.families import get_family
@@ -254,6 +255,7 @@ def _as_real(run: Path, where: Path) -> Path:
     """A copy of a sim run that says it came from the real backend (what fidelity's second run is)."""
     real = where / "real"
     shutil.copytree(run, real)
+    as_jsonl_run(real)  # its spans as an old run's spans.jsonl, to edit by line
     for name in ("manifest.json", "requests.jsonl"):
         path = real / name
         path.write_text(path.read_text().replace('"backend": "sim"', '"backend": "vllm-omni"'))

@@ -1,13 +1,17 @@
 """Issue 23: making the sim faster must not change a single result.
 
 Runs two small matrices as a user does (``omni-stress run --asr none``, fixed seed) and compares
-their ``requests.jsonl`` and ``spans.jsonl`` with golden files written before the sim's hot path
+their ``requests.jsonl`` and spans with golden files written before the sim's hot path
 was optimised, line by line and field by field, except the fields that are times (``wall_s``,
 ``asr_seconds``):
 
 * the words Talker: main, pr x reference, stress on the small prompt set (4 prompts, seed 42);
 * the speaking Talker (``--sim-talker speaking``): main, pr x cpu-reference, cpu-stress on
   ``cpu_smoke``.
+
+Spans live in the span store (``spans/*.arrow``, issue 48) since the golden files were written: they
+are compared through ``omni-stress export-spans``, whose lines must also be exactly the
+``json.dumps(..., sort_keys=True)`` lines spans.jsonl held (the export is byte for byte today's file).
 
 The golden files are gzipped canonical JSON lines (``tests/data/records_golden/``). To rewrite
 them after a change that is *meant* to change results::
@@ -43,7 +47,18 @@ def run_matrix(name: str, out: Path) -> Path:
            "--out", str(out), "--run-id", name, *MATRICES[name]]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out / name
+    run_dir = out / name
+    assert not (run_dir / "spans.jsonl").exists() and list((run_dir / "spans").glob("*.arrow"))
+    export = subprocess.run([sys.executable, "-m", "harness.cli", "export-spans", str(run_dir), "-o",
+                             str(out / f"{name}.spans.jsonl")], cwd=REPO, capture_output=True, text=True, timeout=600,
+                            check=False)
+    assert export.returncode == 0, export.stderr[-3000:]
+    return run_dir
+
+
+def record_file(run_dir: Path, kind: str) -> Path:
+    """requests.jsonl, or the spans as ``export-spans`` wrote them beside the run directory."""
+    return run_dir / "requests.jsonl" if kind == "requests" else run_dir.parent / f"{run_dir.name}.spans.jsonl"
 
 
 def canonical_lines(path: Path) -> list[str]:
@@ -63,7 +78,7 @@ def golden_path(name: str, kind: str) -> Path:
 def write_golden(name: str, run_dir: Path) -> None:
     GOLDEN.mkdir(parents=True, exist_ok=True)
     for kind in ("requests", "spans"):
-        data = ("\n".join(canonical_lines(run_dir / f"{kind}.jsonl")) + "\n").encode()
+        data = ("\n".join(canonical_lines(record_file(run_dir, kind))) + "\n").encode()
         with open(golden_path(name, kind), "wb") as fh, gzip.GzipFile(fileobj=fh, mode="wb", mtime=0,
                                                                        filename="", compresslevel=9) as gz:
             gz.write(data)
@@ -76,8 +91,10 @@ def read_golden(name: str, kind: str) -> list[str]:
 @pytest.mark.parametrize("name", sorted(MATRICES))
 def test_records_match_golden(name: str, tmp_path: Path) -> None:
     run_dir = run_matrix(name, tmp_path)
+    exported = record_file(run_dir, "spans").read_text().splitlines()
+    assert exported and all(line == json.dumps(json.loads(line), sort_keys=True) for line in exported)
     for kind in ("requests", "spans"):
-        got, want = canonical_lines(run_dir / f"{kind}.jsonl"), read_golden(name, kind)
+        got, want = canonical_lines(record_file(run_dir, kind)), read_golden(name, kind)
         assert len(got) == len(want), f"{name} {kind}.jsonl: {len(got)} records, golden has {len(want)}"
         for i, (g, w) in enumerate(zip(got, want)):
             if g != w:

@@ -580,3 +580,28 @@ def test_plots_drawn_in_a_forked_child_are_the_same_bytes(seed_run: Path, monkey
     assert list(here) == list(beside) == ["wer", "events", "timeline"]
     assert here == beside
     assert forked == [threading.active_count() == 1]  # the runner's own threads, if any, rule the fork out
+
+
+def test_plots_pool_the_runs_of_a_run_of_many_cells() -> None:
+    """Above plots.MAX_PLOT_CELLS cells the per-cell plots show one column per arm x deploy (issue 48:
+    a 600-cell run's figure took over a minute): scores together, events and preemptions summed."""
+    from harness.report.plots import MAX_PLOT_CELLS, _cell_label, plot_events, plot_wer, plotted_cells
+    from harness.report.summary import CellSummary
+
+    def cell(arm: str, deploy: str, repeat: int) -> CellSummary:
+        return CellSummary(arm, deploy, repeat, 2, [0.1 * repeat, 0.0], [0.0, 0.0],
+                           EventCounts(talker_calls=10, nonzero_offset_chunks=repeat), "spans", True, 1, 0, 1.0,
+                           "oracle", repeat)
+
+    few = [cell(a, d, r) for a in ("main", "pr") for d in ("reference", "stress") for r in (1, 2)]
+    assert plotted_cells(few) == few
+    many = [cell(a, d, r) for a in ("main", "pr") for d in ("reference", "stress") for r in range(1, 11)]
+    assert len(many) > MAX_PLOT_CELLS
+    pooled = plotted_cells(many)
+    assert [(c.arm, c.deploy) for c in pooled] == [(a, d) for a in ("main", "pr") for d in ("reference", "stress")]
+    first = pooled[0]
+    assert first.scores == [s for c in many[:10] for s in c.scores] and first.requests == 20
+    assert first.events.talker_calls == 100 and first.events.nonzero_offset_chunks == 55 and first.preemptions == 10
+    assert _cell_label(first) == "main\nreference\n10 runs"
+    assert many[0].events.talker_calls == 10  # the tables' cells are untouched
+    assert plot_wer(many)[:8] == b"\x89PNG\r\n\x1a\n" and plot_events(many)[:8] == b"\x89PNG\r\n\x1a\n"

@@ -49,9 +49,10 @@ def assert_same_as_uninterrupted(run_dir: Path, reference: Path) -> None:
     for key in want:
         assert got[key] == want[key], key
     assert _spans(run_dir) == _spans(reference)
-    for name in ("requests.jsonl", "spans.jsonl"):  # every line whole again
-        for line in (run_dir / name).read_text().splitlines():
+    for name in ("requests.jsonl", "spans.jsonl"):  # every line whole again (spans.jsonl: an old run's)
+        for line in (run_dir / name).read_text().splitlines() if (run_dir / name).exists() else ():
             json.loads(line)
+    assert not list((run_dir / "spans").glob(".*"))  # no temporary file of a killed write left
     manifest = read_manifest(run_dir)
     assert manifest["finished"] is not None
     assert set(manifest["cell_wall_s"]) <= {f"{a}/{d}/{r}" for a, d, r in CELLS}
@@ -108,34 +109,60 @@ def _span_lines_of_first_cells(run_dir: Path, cells: int) -> int:
     return sum(1 for s in spans if (s.arm, s.deploy, s.repeat) in order[:cells])
 
 
-@pytest.mark.parametrize("state", ["torn-request-mid-cell", "torn-spans-of-the-next-cell"])
+def _store_files(run_dir: Path) -> list[Path]:
+    files = sorted((run_dir / "spans").glob("*.arrow"))
+    assert len(files) == len(CELLS)  # one whole file per cell
+    return files
+
+
+@pytest.mark.parametrize("state", ["torn-request-mid-cell", "spans-of-the-next-cell-cut-short",
+                                   "old-run-torn-spans-jsonl"])
 def test_resume_after_a_torn_last_line(tmp_path, small_run, state):
-    """Killed while writing a record (cell 2 half reported), or while writing cell 2's spans."""
+    """Killed while writing a record (cell 2 half reported), or while writing cell 2's span file (a
+    temporary file is all it left), or an old run's spans.jsonl (written before the span store) cut
+    mid-line: ``--resume`` completes each identically."""
     run_dir = tmp_path / "run"
     shutil.copytree(small_run, run_dir)
     manifest = read_manifest(run_dir)
     manifest["finished"] = None
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
-    one_cell = _span_lines_of_first_cells(run_dir, 1)
-    two_cells = _span_lines_of_first_cells(run_dir, 2)
+    files = _store_files(run_dir)
     if state == "torn-request-mid-cell":
         _cut(run_dir / "requests.jsonl", 6, torn=True)  # cell 1 complete, 2 of cell 2, a torn 3rd
-        _cut(run_dir / "spans.jsonl", two_cells, torn=False)
+        for path in files[2:]:
+            path.unlink()
+    elif state == "spans-of-the-next-cell-cut-short":
+        _cut(run_dir / "requests.jsonl", 4, torn=False)  # cell 1 complete
+        data = files[1].read_bytes()
+        (run_dir / "spans" / f".{files[1].name}.4242.tmp").write_bytes(data[: len(data) // 2])
+        for path in files[1:]:
+            path.unlink()
     else:
+        one_cell = _span_lines_of_first_cells(run_dir, 1)
+        two_cells = _span_lines_of_first_cells(run_dir, 2)
+        res = invoke_cli("export-spans", str(run_dir), "-o", str(run_dir / "spans.jsonl"))
+        assert res.exit_code == 0, res.stderr
+        shutil.rmtree(run_dir / "spans")
         _cut(run_dir / "requests.jsonl", 4, torn=False)  # cell 1 complete
         _cut(run_dir / "spans.jsonl", (one_cell + two_cells) // 2, torn=True)  # cell 2's spans cut short
     res = invoke_cli(*RUN_ARGS, "--resume", str(run_dir))
     assert res.exit_code == 0, res.stderr
     assert_same_as_uninterrupted(run_dir, small_run)
+    if state == "old-run-torn-spans-jsonl":  # cell 1 stays in spans.jsonl, the rest went to the store
+        assert _span_lines_of_first_cells(run_dir, 1) == len((run_dir / "spans.jsonl").read_text().splitlines())
+        assert len(list((run_dir / "spans").glob("*.arrow"))) == len(CELLS) - 1
 
 
 def test_resume_of_a_finished_run_runs_nothing(tmp_path, small_run):
     run_dir = tmp_path / "run"
     shutil.copytree(small_run, run_dir)
-    before = (run_dir / "requests.jsonl").read_bytes(), (run_dir / "spans.jsonl").read_bytes()
+    def files() -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in [run_dir / "requests.jsonl", *(run_dir / "spans").iterdir()]}
+
+    before = files()
     res = invoke_cli(*[a for a in RUN_ARGS if a != "--quiet"], "--resume", str(run_dir))
     assert res.exit_code == 0, res.stderr
-    assert ((run_dir / "requests.jsonl").read_bytes(), (run_dir / "spans.jsonl").read_bytes()) == before
+    assert files() == before
     # not a TTY and not --quiet: one plain line per cell instead of bars
     notes = [ln for ln in res.stderr.splitlines() if ln.startswith("[omni-stress]")]
     assert notes == [f"[omni-stress] {a} x {d} (run {r}): already complete, skipped" for a, d, r in CELLS]

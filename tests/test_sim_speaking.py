@@ -27,6 +27,7 @@ from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, parse_babble
 from harness.sim.rows import NONE, UNKNOWN, RowSpace
 from harness.sim.speaking_talker import SpeakingKV, SpeakingTalker, speech_units, spoken_codes
 from harness.tokenizer import SPECIAL_TOKENS, byte_tokenize, chat_prompt, token_byte
+from clikit import as_jsonl_run
 from tests.conftest import REPO, invoke_cli
 
 # --------------------------------------------------------------------------- tokenizer
@@ -370,6 +371,7 @@ def test_fidelity_of_a_run_against_itself_is_all_ones(speaking_run, tmp_path):
 def test_fidelity_shows_the_exact_differences_of_a_hand_edited_copy(speaking_run, tmp_path):
     real = tmp_path / "real"
     shutil.copytree(speaking_run, real)
+    as_jsonl_run(real)  # its spans as an old run's spans.jsonl, to edit by line
     recs = _lines(real / "requests.jsonl")
     by = {(r["arm"], r["deploy"], r["prompt_id"]): r for r in recs}
     tea = by[("pr", "cpu-stress", "c01-tea")]
@@ -429,6 +431,7 @@ def test_fidelity_bad_input_is_one_line_and_exit_2(speaking_run, tmp_path):
     assert "not a run directory" in refused(str(speaking_run), str(tmp_path / "empty"))
     other = tmp_path / "other"
     shutil.copytree(speaking_run, other)
+    as_jsonl_run(other)
     for name in ("requests.jsonl", "spans.jsonl", "manifest.json"):
         path = other / name
         path.write_text(path.read_text().replace("cpu-reference", "x-reference").replace("cpu-stress", "x-stress"))

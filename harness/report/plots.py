@@ -28,7 +28,7 @@ from matplotlib.ticker import FuncFormatter
 from harness.metrics import METRICS
 from harness.contract import span_regions
 from harness.records import SpanRecord
-from harness.report.summary import WER_THRESHOLD, CellSummary, Run
+from harness.report.summary import WER_THRESHOLD, CellSummary, Run, SpanTable
 
 matplotlib.use("Agg")  # headless: CI and servers have no display (safe here: no figure exists yet)
 
@@ -53,7 +53,45 @@ def _png(fig: Any) -> bytes:
 
 
 def _cell_label(cell: CellSummary) -> str:
-    return f"{cell.arm}\n{cell.deploy}\nrun {cell.run_number}"
+    runs = getattr(cell, "pooled_runs", None)
+    return f"{cell.arm}\n{cell.deploy}\n{f'{runs} runs' if runs else f'run {cell.run_number}'}"
+
+
+# Above this many cells the per-cell plots pool each arm x deploy's runs into one column: a bar per
+# cell of a run of hundreds of cells is unreadable, and its figure (one column of pixels per cell) took
+# over a minute to draw at 600 cells (bench/scaling.py). The tables keep every cell.
+MAX_PLOT_CELLS = 32
+
+
+def plotted_cells(cells: list[CellSummary]) -> list[CellSummary]:
+    """``cells``, or with more than ``MAX_PLOT_CELLS`` of them, one per arm x deploy: the runs' scores
+    together, their events and preemptions summed (``pooled_runs``: how many runs)."""
+    if len(cells) <= MAX_PLOT_CELLS:
+        return cells
+    import dataclasses
+
+    from harness.records import EventCounts
+
+    pooled: dict[tuple[str, str], CellSummary] = {}
+    counts: dict[tuple[str, str], int] = {}
+    for c in cells:
+        key = (c.arm, c.deploy)
+        if key not in pooled:
+            pooled[key] = dataclasses.replace(c, scores=[], oracle_scores=[], events=EventCounts(), preemptions=0,
+                                              misaligned_known=False, records=[], requests=0, errors=0)
+            counts[key] = 0
+        p = pooled[key]
+        p.scores += c.scores
+        p.oracle_scores += c.oracle_scores
+        p.events.add(c.events)
+        p.preemptions += c.preemptions
+        p.misaligned_known = p.misaligned_known or c.misaligned_known
+        p.requests += c.requests
+        p.errors += c.errors
+        counts[key] += 1
+    for key, p in pooled.items():
+        p.pooled_runs = counts[key]  # type: ignore[attr-defined]
+    return list(pooled.values())
 
 
 def _jitter(key: str, i: int) -> float:
@@ -63,6 +101,8 @@ def _jitter(key: str, i: int) -> float:
 
 def plot_wer(cells: list[CellSummary], threshold: float = WER_THRESHOLD) -> bytes:
     """Strip plot of per-request WER for each cell, the threshold line and each cell's mean."""
+    pooled = len(plotted_cells(cells)) < len(cells)
+    cells = plotted_cells(cells)
     deploys = list(dict.fromkeys(c.deploy for c in cells))
     colour = {d: DEPLOY_COLOURS[i % len(DEPLOY_COLOURS)] for i, d in enumerate(deploys)}
     fig, ax = plt.subplots(figsize=(max(6.0, 1.25 * len(cells) + 2), 4.6))
@@ -88,7 +128,7 @@ def plot_wer(cells: list[CellSummary], threshold: float = WER_THRESHOLD) -> byte
     ax.legend(handles=[Patch(color=colour[d], label=f"{d} deploy") for d in deploys]
               + [Line2D([], [], color="black", linewidth=2, label="cell mean")],
               loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-    ax.set_title("WER of every request, per arm x deploy x run")
+    ax.set_title("WER of every request, per arm x deploy" + (" (runs pooled)" if pooled else " x run"))
     return _png(fig)
 
 
@@ -99,6 +139,8 @@ EVENT_METRICS = [*((m.name, m.label) for m in METRICS if m.plot), ("preemptions"
 def plot_events(cells: list[CellSummary]) -> bytes:
     """Grouped bars of each cell's scheduler events: a stress run that stressed nothing shows flat.
     Below them, where the backend measures them, the misaligned positions per region."""
+    pooled = len(plotted_cells(cells)) < len(cells)
+    cells = plotted_cells(cells)
     measured = [c for c in cells if c.misaligned_known]
     width_in = max(6.0, 1.6 * len(cells) + 2)
     if measured:
@@ -124,7 +166,7 @@ def plot_events(cells: list[CellSummary]) -> bytes:
     ax.set_ylabel("count per cell")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.set_title("Scheduler events per arm x deploy x run")
+    ax.set_title("Scheduler events per arm x deploy" + (" (sums over runs)" if pooled else " x run"))
     fig.tight_layout()
     return _png(fig)
 
@@ -165,11 +207,11 @@ def _plot_misaligned(ax: Any, cells: list[CellSummary]) -> None:
     ax.set_title("Misaligned positions per region (rows that differ from the contract's)")
 
 
-def _span_kinds(run: Run, indices: np.ndarray) -> list[str]:
+def _span_kinds(spans: SpanTable, indices: np.ndarray) -> list[str]:
     """What the timeline colours each span at ``indices`` as, from the table's event flags:
     replay (crosses the prompt boundary) over chunk (non-zero offset) over prefill, else a
     multi-position or single decode."""
-    f = {k: v[indices] for k, v in run.spans.flags.items()}
+    f = {k: v[indices] for k, v in spans.flags.items()}
     kinds = np.where(f["multi_decode"], "multi", "decode").astype(object)
     kinds[f["is_prefill"]] = "prefill"
     kinds[f["nonzero_offset"]] = "chunk"
@@ -179,14 +221,14 @@ def _span_kinds(run: Run, indices: np.ndarray) -> list[str]:
 
 def pick_stressed_request(run: Run) -> tuple[str, int, str] | None:
     """The (deploy, repeat, prompt) whose spans show the most replays, then chunks, over all arms."""
-    keys, _ = run.spans.group_codes
-    sums = run.spans.group_sums({k: run.spans.flags[k] for k in ("cross_boundary", "nonzero_offset", "multi_decode")})
     score: dict[tuple[str, int, str], list[int]] = {}
-    for g, (_, deploy, repeat, request) in enumerate(keys):  # summed over arms
+    # the request's event counts (the table reads them file by file): cross-boundary replays, non-zero
+    # offset chunks and multi-position decodes are the counts of those flags (metrics.EVENT_COUNTS)
+    for (_, deploy, repeat, request), (counts, _known) in run.spans.group_events.items():  # summed over arms
         entry = score.setdefault((deploy, repeat, request), [0, 0, 0])
-        entry[0] += int(sums["cross_boundary"][g])
-        entry[1] += int(sums["nonzero_offset"][g])
-        entry[2] += int(sums["multi_decode"][g])
+        entry[0] += counts.cross_boundary_replays
+        entry[1] += counts.nonzero_offset_chunks
+        entry[2] += counts.multi_position_decode_spans
     if not score:
         return None
     best = max(sorted(score), key=lambda k: tuple(score[k]))
@@ -212,10 +254,9 @@ def plot_timeline(run: Run, cells: list[CellSummary], max_arms: int = 4) -> byte
     deploy, repeat, prompt = picked
     by_arm: dict[str, list[SpanRecord]] = {}
     kind_of: dict[int, str] = {}  # id(span) -> kind, from the table's flags (no classify_span per draw)
-    keys, codes = run.spans.group_codes
-    wanted = [g for g, k in enumerate(keys) if k[1:] == picked]
-    indices = np.flatnonzero(np.isin(codes, wanted))  # file order, as before
-    for s, kind in zip(run.spans.records(indices), _span_kinds(run, indices)):
+    picked_spans = run.spans.subset(k for k in run.spans.group_events if k[1:] == picked)  # file order
+    indices = np.arange(len(picked_spans))
+    for s, kind in zip(picked_spans.records(indices), _span_kinds(picked_spans, indices)):
         by_arm.setdefault(s.arm, []).append(s)
         kind_of[id(s)] = kind
 

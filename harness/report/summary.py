@@ -43,6 +43,7 @@ from harness.records import (
     read_requests,
     span_from_dict,
 )
+from harness.spanstore import span_files
 
 WER_THRESHOLD = 0.5
 CellKey = tuple[str, str, int]  # (arm, deploy, repeat)
@@ -59,6 +60,7 @@ _SPAN_STR_FIELDS = ("arm", "deploy", "request")
 _SPAN_INT_FIELDS = ("repeat", "step", "P", "c", "n", "rows")
 class SpanTable:
     """``spans.jsonl`` as columns: what the report reads of 65k spans, without 65k objects.
+    (``StoredSpanTable``: the span store's files, read the same way by column.)
 
     Iterating yields ``SpanRecord`` objects (built on demand, for the few spans a plot draws or for
     callers that want records); ``group_events`` is what the tables count.
@@ -69,6 +71,7 @@ class SpanTable:
         """``raw``: one dict per span as in spans.jsonl; ``lines``: their line numbers (for errors)."""
         self.raw = raw or []
         self.path = path
+        self.source = SPANS_FILE
         where = str(path) if path is not None else SPANS_FILE
         line_of = (lambda i: lines[i]) if lines is not None else (lambda i: i + 1)
         cols: dict[str, Any] = {}
@@ -126,6 +129,12 @@ class SpanTable:
     def records(self, indices: Iterable[int]) -> list[SpanRecord]:
         return [span_from_dict(self.raw[int(i)]) for i in indices]
 
+    def subset(self, keys: Iterable[SpanKey]) -> SpanTable:
+        """The spans of the requests ``keys`` (file order), as a table of their own (a plot's request)."""
+        wanted = set(keys)
+        return SpanTable([d for d in self.raw if (d["arm"], d["deploy"], d["repeat"], d["request"]) in wanted],
+                         path=self.path)
+
     @cached_property
     def flags(self) -> dict[str, np.ndarray]:
         c = self.columns
@@ -162,6 +171,218 @@ class SpanTable:
             counts = EventCounts(**{name: int(v[g]) for name, v in sums.items() if name != "misaligned_known"})
             out[key] = (counts, bool(sums["misaligned_known"][g]))
         return out
+
+
+class StoredSpanTable(SpanTable):
+    """The span store's files (``harness.spanstore``) as a ``SpanTable`` read by column, one file at a
+    time: ``group_events`` (what the tables, the gate and compare count) is summed file by file, so
+    a run of 10,000 requests (about 11 million spans) never holds more than one file's columns; the
+    full columns (``columns``, ``flags``, ``group_codes``, ``raw``) are built only when asked for (the
+    sweep's schedules of a run without digests, ``fidelity``).
+
+    ``raw``, iteration and ``records`` give each span's fields as stored, except ``error`` (None) and a
+    region count stored as null next to a known one (0): nothing that reads a ``SpanTable`` uses them.
+    """
+
+    source = "spans/"  # the span store, as messages name it
+
+    def __init__(self, files: list[Path]) -> None:  # noqa: D107 - no SpanTable.__init__: nothing is read yet
+        self.files = list(files)
+        self.path = self.files[0].parent if self.files else None
+        self._length: int | None = None
+
+    # ----- one file's columns
+    @staticmethod
+    def _file(path: Path) -> tuple[dict[str, np.ndarray], list[SpanKey], np.ndarray]:
+        """(columns, keys in first-seen order, each row's key code) of one store file."""
+        import pyarrow as pa
+
+        from harness.spanstore import arrow_ints, np_ints, np_nulls, read_span_file
+
+        try:
+            table = read_span_file(path)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        cols: dict[str, np.ndarray] = {}
+        for name in ("step", "P", "c", "n", "rows"):
+            cols[name] = np_ints(table.column(name))
+        nulls = {}
+        for name in ("misaligned_text", "misaligned_end", "misaligned"):
+            nulls[name] = np_nulls(table.column(name))
+            cols[name] = np_ints(table.column(name))
+        split = ~nulls["misaligned_text"] | ~nulls["misaligned_end"]
+        cols["misaligned_known"] = split | ~nulls["misaligned"]
+        if not split.all():  # a span written with ``misaligned`` alone counts in the text region
+            cols["misaligned_text"] = np.where(split, cols["misaligned_text"], cols["misaligned"])
+            cols["misaligned_end"] = np.where(split, cols["misaligned_end"], 0)
+        del cols["misaligned"]  # text + end, summed per group where counted
+        P, c, n = cols["P"], cols["c"], cols["n"]
+        invalid = np.flatnonzero((P < 0) | (c < 0) | (n < 1))
+        if invalid.size:
+            i = int(invalid[0])
+            raise UserError(f"{path}: row {i + 1}: invalid span P={P[i]} c={c[i]} n={n[i]}")
+        parts = []
+        for name in ("arm", "deploy", "repeat", "request"):
+            col = table.column(name)
+            col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+            if not pa.types.is_dictionary(col.type):
+                col = col.dictionary_encode()
+            parts.append((np_ints(col.indices).astype(np.int64), col.dictionary.to_pylist()))
+        combo = np.zeros(table.num_rows, dtype=np.int64)
+        for indices, values in parts:
+            combo = combo * max(len(values), 1) + indices
+        encoded = arrow_ints(combo).dictionary_encode()  # first-seen order, by hash
+        keys = []
+        for value in np_ints(encoded.dictionary).tolist():
+            fields = []
+            for _indices, values in reversed(parts):
+                value, i = divmod(value, max(len(values), 1))
+                fields.append(values[i])
+            keys.append(tuple(reversed(fields)))
+        return cols, keys, np_ints(encoded.indices)
+
+    def _each(self) -> Iterator[tuple[dict[str, np.ndarray], list[SpanKey], np.ndarray]]:
+        for path in self.files:
+            yield self._file(path)
+
+    def __len__(self) -> int:
+        if self._length is None:
+            from harness.spanstore import read_span_file
+
+            total = 0
+            for path in self.files:
+                try:
+                    total += read_span_file(path).num_rows
+                except ValueError as exc:
+                    raise UserError(str(exc)) from None
+            self._length = total
+        return self._length
+
+    BATCH_ROWS = 1 << 20  # files are counted together up to this many spans (numpy's per-call cost)
+
+    @cached_property
+    def group_events(self) -> dict[SpanKey, tuple[EventCounts, bool]]:
+        index: dict[SpanKey, int] = {}
+        totals: dict[str, np.ndarray] = {}
+        batch: list[tuple[dict[str, np.ndarray], np.ndarray]] = []
+        length = 0
+
+        def count() -> None:
+            if not batch:
+                return
+            cols = {name: np.concatenate([c[name] for c, _ in batch]) for name in batch[0][0]}
+            codes = np.concatenate([g for _, g in batch])
+            batch.clear()
+            flags = classify_spans(cols["P"], cols["c"], cols["n"], cols["rows"])
+            columns = event_count_columns(flags, len(codes))
+            columns.update({name: cols[attr] for name, attr in MISALIGNED_COUNTS.items() if attr in cols})
+            columns["misaligned_known"] = cols["misaligned_known"]
+            for name, v in columns.items():
+                sums = np.bincount(codes, weights=v, minlength=len(index)).astype(np.int64)
+                old = totals.get(name)
+                if old is not None:
+                    sums[: len(old)] += old
+                totals[name] = sums
+
+        rows = 0
+        for cols, keys, codes in self._each():
+            where = np.array([index.setdefault(k, len(index)) for k in keys], dtype=np.int64)
+            batch.append((cols, where[codes] if len(codes) else np.zeros(0, dtype=np.int64)))
+            rows += len(codes)
+            length += len(codes)
+            if rows >= self.BATCH_ROWS:
+                count()
+                rows = 0
+        count()
+        self._length = length
+        if not totals:
+            return {}
+        total_name = next(name for name, attr in MISALIGNED_COUNTS.items() if attr == "misaligned")
+        totals[total_name] = sum(totals[name] for name, attr in MISALIGNED_COUNTS.items() if attr != "misaligned")
+        out = {}
+        for g, key in enumerate(index):
+            counts = EventCounts(**{name: int(v[g]) for name, v in totals.items() if name != "misaligned_known"})
+            out[key] = (counts, bool(totals["misaligned_known"][g]))
+        return out
+
+    @cached_property
+    def _all(self) -> tuple[dict[str, np.ndarray], list[SpanKey], np.ndarray]:
+        """Every file's columns concatenated, one key table (built on demand)."""
+        index: dict[SpanKey, int] = {}
+        cols_parts: list[dict[str, np.ndarray]] = []
+        code_parts = []
+        for cols, keys, codes in self._each():
+            where = np.array([index.setdefault(k, len(index)) for k in keys], dtype=np.int64)
+            cols_parts.append(cols)
+            code_parts.append(where[codes] if len(codes) else np.zeros(0, dtype=np.int64))
+        names = ("step", "P", "c", "n", "rows", "misaligned_text", "misaligned_end", "misaligned_known")
+        cols = {name: np.concatenate([p[name] for p in cols_parts]) if cols_parts else
+                np.zeros(0, dtype=bool if name == "misaligned_known" else np.int64) for name in names}
+        cols["misaligned"] = cols["misaligned_text"] + cols["misaligned_end"]
+        keys = list(index)
+        codes = np.concatenate(code_parts) if code_parts else np.zeros(0, dtype=np.int64)
+        cols["repeat"] = np.array([k[2] for k in keys], dtype=np.int64)[codes] if keys else np.zeros(0, np.int64)
+        return cols, keys, codes
+
+    @cached_property
+    def columns(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._all[0]
+
+    @cached_property
+    def group_codes(self) -> tuple[list[SpanKey], np.ndarray]:
+        _cols, keys, codes = self._all
+        return keys, codes
+
+    @cached_property
+    def raw(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        cols, keys, codes = self._all
+        known, text, end = cols["misaligned_known"], cols["misaligned_text"], cols["misaligned_end"]
+        out = []
+        lists = {name: cols[name].tolist() for name in ("step", "P", "c", "n", "rows")}
+        for i, code in enumerate(codes.tolist()):
+            arm, deploy, repeat, request = keys[code]
+            m = int(text[i]) if known[i] else None
+            e = int(end[i]) if known[i] else None
+            out.append({"arm": arm, "deploy": deploy, "repeat": repeat, "request": request,
+                        **{name: values[i] for name, values in lists.items()},
+                        "misaligned_text": m, "misaligned_end": e, "error": None})
+        return out
+
+    def subset(self, keys: Iterable[SpanKey]) -> SpanTable:
+        """Reads only the files of the keys' cells (a file's metadata names its cell), and of those only
+        the keys' rows become dicts."""
+        import pyarrow as pa
+
+        from harness.spanstore import COLUMNS, arrow_ints, file_cell, np_ints, read_span_file
+
+        wanted = set(keys)
+        cells = {k[:3] for k in wanted}
+        raw = []
+        for path in self.files:
+            try:
+                cell = file_cell(path)
+                if cell is not None and cell not in cells:
+                    continue
+                table = read_span_file(path)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+            mask = np.ones(table.num_rows, dtype=bool)
+            for pos, name in enumerate(("arm", "deploy", "repeat", "request")):
+                col = table.column(name)
+                col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+                values = {k[pos] for k in wanted}
+                if pa.types.is_dictionary(col.type):
+                    hits = [i for i, v in enumerate(col.dictionary.to_pylist()) if v in values]
+                    mask &= np.isin(np_ints(col.indices), hits)
+                else:
+                    mask &= np.isin(np_ints(col), list(values))
+            if not mask.any():
+                continue
+            rows = table.take(arrow_ints(np.flatnonzero(mask)))
+            cols = {name: rows.column(name).to_pylist() for name in COLUMNS}
+            raw += [d for d in ({name: cols[name][i] for name in COLUMNS} for i in range(rows.num_rows))
+                    if (d["arm"], d["deploy"], d["repeat"], d["request"]) in wanted]
+        return SpanTable(raw, path=self.path)
 
 
 @dataclass
@@ -221,8 +442,33 @@ def load_run(run_dir: Path) -> Run:
     digest = hashlib.sha256()
     for part in ((run_dir / MANIFEST_FILE).read_bytes(), (run_dir / REQUESTS_FILE).read_bytes(), spans_bytes or b""):
         digest.update(hashlib.sha256(part).digest())
-    return Run(run_dir=run_dir, manifest=manifest, requests=requests,
-               spans=SpanTable(raw, path=spans_path, lines=lines), torn=torn, digest=digest.hexdigest())
+    files = span_files(run_dir)
+    for path in files:  # the span store: compressed, a few hundred KB per thousand requests
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    spans: SpanTable
+    if files and spans_bytes is None:
+        spans = StoredSpanTable(files)
+    elif files:  # an old run resumed by this version: its spans.jsonl, then the store's spans
+        stored = StoredSpanTable(files)
+        spans = SpanTable(list(raw) + [dict(d) for d in _store_dicts(files)], path=spans_path,
+                          lines=None if lines is None else lines + list(range(len(lines) + 1, len(lines) + 1 + len(stored))))
+    else:
+        spans = SpanTable(raw, path=spans_path, lines=lines)
+    return Run(run_dir=run_dir, manifest=manifest, requests=requests, spans=spans, torn=torn,
+               digest=digest.hexdigest())
+
+
+def _store_dicts(files: list[Path]) -> Iterator[dict[str, Any]]:
+    from harness.spanstore import read_span_file, COLUMNS
+
+    for path in files:
+        try:
+            table = read_span_file(path)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        cols = {name: table.column(name).to_pylist() for name in COLUMNS}
+        for i in range(table.num_rows):
+            yield {name: cols[name][i] for name in COLUMNS}
 
 
 def _torn_tail(path: Path) -> bool:
@@ -569,7 +815,7 @@ def run_problems(run: Run) -> list[str]:
     if wrong:
         problems.append(f"{len(wrong)} request record{'s' if len(wrong) > 1 else ''} from backend "
                         f"{wrong[0].backend!r}, {MANIFEST_FILE} says {backend!r} (first: {_key_text(wrong[0].key)})")
-    keys, _ = run.spans.group_codes
+    keys = list(run.spans.group_events)
     span_foreign = sorted({k[:3] for k in keys if k[:3] not in cell_set})
     if span_foreign:
         problems.append(f"spans for {len(span_foreign)} cell{'s' if len(span_foreign) > 1 else ''} {MANIFEST_FILE} "
@@ -585,7 +831,7 @@ def event_problems(run: Run) -> list[str]:
     wrong = []
     for rec in run.requests:
         counted = groups.get(rec.key)
-        if counted is None:
+        if counted is None or rec.events == counted[0]:  # dataclass equality: no asdict per record
             continue
         mine, theirs = asdict(rec.events), asdict(counted[0])
         diff = [k for k in mine if mine[k] != theirs[k]]
@@ -595,7 +841,7 @@ def event_problems(run: Run) -> list[str]:
         return []
     rec, field_name, said, counted_n = wrong[0]
     return [f"{len(wrong)} request record{'s' if len(wrong) > 1 else ''} in {REQUESTS_FILE} whose event counts differ "
-            f"from their spans in {SPANS_FILE} (first: {_key_text(rec.key)}: events.{field_name} is {said}, "
+            f"from their spans in {run.spans.source} (first: {_key_text(rec.key)}: events.{field_name} is {said}, "
             f"its spans count {counted_n})"]
 
 

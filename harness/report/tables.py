@@ -822,7 +822,7 @@ def html_requests(run: Run, cells: list[CellSummary]) -> str:
                    for h, _, tip in _REQUEST_HTML) + "<th>Audio</th><th class=\"text\">Transcript</th>"
     body = []
     current = None
-    for rec, (_, row) in zip(records, df.iterrows()):
+    for rec, row in zip(records, df.to_dict("records")):  # plain dicts: iterrows built a Series per row
         key = (rec.arm, rec.deploy, rec.repeat)
         if key != current:
             current = key

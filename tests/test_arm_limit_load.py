@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -16,42 +15,46 @@ from harness.sim import armcall
 
 
 
-@pytest.fixture
-def limit():
-    before = armcall.limit()
-    yield armcall.set_limit
-    armcall.set_limit(before)
+# Each case runs in a child process: a timed call starts armcall's watchdog thread, which would stay in the test
+# runner and make the fork tests (tests/test_proc_fork.py) decline, as fork_call does with another thread alive.
+_CASE = """\
+import time
+from harness.sim import armcall
 
-
-def _fake_run_queue(monkeypatch: pytest.MonkeyPatch, share_waiting: float) -> None:
-    """The main thread 'waited for a CPU' ``share_waiting`` of every wall second since the fake started."""
+def fake_run_queue(share_waiting):  # the main thread 'waited for a CPU' this share of every wall second
     start = time.monotonic()
-    monkeypatch.setattr(armcall, "_run_queue_ns", lambda: int((time.monotonic() - start) * share_waiting * 1e9))
+    armcall._run_queue_ns = lambda: int((time.monotonic() - start) * share_waiting * 1e9)
+
+{body}
+"""
 
 
-def test_a_call_that_waited_for_a_cpu_gets_that_time_back(limit, monkeypatch) -> None:
-    limit(0.1)
-    _fake_run_queue(monkeypatch, 0.9)  # 0.3 s of wall is 0.03 s of running: inside the limit
-    assert armcall.call(lambda: (time.sleep(0.3), "done")[1]) == "done"
+def _case(body: str) -> str:
+    res = subprocess.run([sys.executable, "-c", _CASE.format(body=body)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
 
 
-def test_a_call_that_did_not_wait_for_a_cpu_times_out_at_the_limit(limit, monkeypatch) -> None:
-    limit(0.1)
-    _fake_run_queue(monkeypatch, 0.0)
-    t0 = time.monotonic()
-    with pytest.raises(armcall.ArmFailure, match=r"^ArmTimeout: talker_preprocess did not return within 0\.1 s "):
-        armcall.call(lambda: time.sleep(30))
-    assert time.monotonic() - t0 < 10  # at the limit, not at the hang's end (a generous bound for a busy machine)
+def test_a_call_that_waited_for_a_cpu_gets_that_time_back() -> None:
+    # 0.3 s of wall is 0.03 s of running: inside the limit
+    out = _case("armcall.set_limit(0.1)\nfake_run_queue(0.9)\nprint(armcall.call(lambda: (time.sleep(0.3), 'done')[1]))")
+    assert out == "done\n"
 
 
-def test_a_starved_hang_still_ends_at_the_hard_wall_bound(limit, monkeypatch) -> None:
-    limit(0.05)
-    monkeypatch.setattr(armcall, "HARD_LIMIT_MIN_S", 0.4)
-    _fake_run_queue(monkeypatch, 1.0)  # always waiting: only the hard bound ends it
-    t0 = time.monotonic()
-    with pytest.raises(armcall.ArmFailure, match=r"^ArmTimeout: "):
-        armcall.call(lambda: time.sleep(30))
-    assert 0.4 <= time.monotonic() - t0 < 20
+def test_a_call_that_did_not_wait_for_a_cpu_times_out_at_the_limit() -> None:
+    out = _case("armcall.set_limit(0.1)\nfake_run_queue(0.0)\nt0 = time.monotonic()\n"
+                "try:\n    armcall.call(lambda: time.sleep(30))\n"
+                "except armcall.ArmFailure as exc:\n    print(str(exc).split(' (')[0], time.monotonic() - t0 < 10)")
+    # at the limit, not at the hang's end (a generous bound for a busy machine)
+    assert out == "ArmTimeout: talker_preprocess did not return within 0.1 s True\n"
+
+
+def test_a_starved_hang_still_ends_at_the_hard_wall_bound() -> None:
+    out = _case("armcall.set_limit(0.05)\narmcall.HARD_LIMIT_MIN_S = 0.4\nfake_run_queue(1.0)\nt0 = time.monotonic()\n"
+                "try:\n    armcall.call(lambda: time.sleep(30))\n"
+                "except armcall.ArmFailure as exc:\n    print(str(exc).split(':')[0], 0.4 <= time.monotonic() - t0 < 20)")
+    assert out == "ArmTimeout True\n"  # always waiting: only the hard bound ends it
 
 
 def test_the_run_queue_delay_is_read_from_the_kernel() -> None:

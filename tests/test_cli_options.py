@@ -22,7 +22,7 @@ def _params(command: click.Command) -> set[str]:
 def test_every_run_and_sweep_option_is_a_runargs_field():
     typed = {f.name for f in fields(RunArgs)}
     assert _params(run_command) == typed
-    assert _params(sweep_command) == (typed - {"deploys", "dry_run"}) | {"sweep_file", "rules_path", "no_plots"}
+    assert _params(sweep_command) == (typed - {"deploys", "dry_run"}) | {"sweep_file", "rules_path", "no_plots", "any_family"}
 
 
 def test_from_click_types_the_values_once(tmp_path, monkeypatch):

@@ -179,7 +179,8 @@ def test_the_gate_fails_the_release_as_a_candidate(tmp_path):
     assert gate.exit_code == 1
     assert "FAIL   candidate-contract: upstream/qwen3-tts-stress run 1 [candidate]" in gate.stdout
     assert "FAIL  max_misaligned_text_positions: misaligned positions in the text region = 1743 > 0" in gate.stdout
-    assert gate.stdout.splitlines()[-1].startswith("gate: ") and "-> FAIL (a rule failed) (exit 1)" in gate.stdout
+    assert gate.stdout.splitlines()[-1].startswith("gate: ") and gate.stdout.splitlines()[-1].endswith(
+        "-> FAIL (candidate-contract, candidate-stress-matches-reference failed) (exit 1)")
 
 
 def test_a_qwen3_tts_mrv2_deploy_on_the_real_backend_is_refused_in_one_line(tmp_path):

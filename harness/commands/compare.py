@@ -9,9 +9,8 @@ import click
 
 from harness.report import summary
 from harness.report import tables as report
-from harness.errors import UserError
 from harness.proc import printable_streams
-from harness.rundir import manifest_family
+from harness.rundir import same_family
 
 
 @click.command("compare")
@@ -26,10 +25,9 @@ def command(run_a: Path, run_b: Path, fmt: str, strict: bool, any_family: bool) 
     """Compare RUN_B (e.g. a PR) against RUN_A (its base): cells side by side, delta = B - A."""
     printable_streams()
     a, b = report.load_run(run_a), report.load_run(run_b)
-    families = [manifest_family(run.manifest) for run in (a, b)]
-    if families[0] != families[1] and not any_family:
-        raise UserError(f"compare {run_a} {run_b}: the first run is of family {families[0]!r}, the second of "
-                        f"{families[1]!r}; their cells and prompts do not pair (give --any-family to compare anyway)")
+    if not any_family:
+        same_family(f"compare {run_a} {run_b}", a.manifest, b.manifest,
+                    "their cells and prompts do not pair (give --any-family to compare anyway)")
     for run in (a, b):
         warning = summary.incomplete_warning(run, strict, "not compared (--strict)")
         if warning:

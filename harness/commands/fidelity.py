@@ -35,14 +35,12 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
     from harness.report import fidelity, summary
     from harness.errors import UserError
     from harness.backends import is_simulated
-    from harness.rundir import manifest_family, manifest_sim_talker
+    from harness.rundir import manifest_sim_talker, same_family
     from harness.records import write_file_atomic
 
     runs = [summary.load_run(sim_run), summary.load_run(real_run)]
-    families = [manifest_family(run.manifest) for run in runs]
-    if families[0] != families[1]:
-        raise UserError(f"fidelity {sim_run} {real_run}: the first run is of family {families[0]!r}, the second of "
-                        f"{families[1]!r}; fidelity compares two runs of one model family")
+    family = same_family(f"fidelity {sim_run} {real_run}", runs[0].manifest, runs[1].manifest,
+                         "fidelity compares two runs of one model family")
     for run in runs:  # the check report and compare make, with the same warning (the gate refuses such a run)
         warning = summary.incomplete_warning(run, strict, "not compared (--strict)")
         if warning:
@@ -67,7 +65,7 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
                              events=summary.request_events(run),
                              schedules=fidelity.span_schedules(run.spans.raw))
 
-    result = fidelity.compare(side(runs[0]), side(runs[1]), _decoder(families[0], [manifest_sim_talker(r.manifest) for r in runs]))
+    result = fidelity.compare(side(runs[0]), side(runs[1]), _decoder(family, [manifest_sim_talker(r.manifest) for r in runs]))
     data = fidelity.as_json(result)
     text = fidelity.render_text(result)
     if self_check is not None:

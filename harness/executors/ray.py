@@ -99,7 +99,6 @@ def _probe(address: str, shown: str | None = None) -> None:
 # writes a line to stderr per try from its C++ client (issue 47, case 7). One call of the GCS's cheapest
 # method tells first: a GCS answers it, anything else answers UNIMPLEMENTED, an HTTP error or nothing.
 _GCS_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"  # ray/src/ray/protobuf/gcs_service.proto
-_NOT_A_GCS: tuple = ()
 
 
 def _probe_gcs(host: str, port: int, shown: str) -> None:
@@ -107,9 +106,8 @@ def _probe_gcs(host: str, port: int, shown: str) -> None:
         import grpc
     except ImportError:  # Ray brings grpcio; without it, ray.init says what it says
         return
-    global _NOT_A_GCS
     # No such method (another gRPC server, or an HTTP/2 proxy's 404), no gRPC at all, or silence.
-    _NOT_A_GCS = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    not_a_gcs = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     channel = grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)])
     try:
@@ -117,7 +115,7 @@ def _probe_gcs(host: str, port: int, shown: str) -> None:
         call(b"", timeout=PROBE_TIMEOUT_S)
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else None
-        if code not in _NOT_A_GCS:  # a GCS's own answer (e.g. UNAUTHENTICATED: a cluster with token auth)
+        if code not in not_a_gcs:  # a GCS's own answer (e.g. UNAUTHENTICATED: a cluster with token auth)
             return
         detail = (exc.details() if hasattr(exc, "details") else "") or str(code)
         detail = " ".join(str(detail).split())[:160]

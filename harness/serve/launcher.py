@@ -132,11 +132,16 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 _LOG_HEADER = re.compile(r"^(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[^\]]*\] ")
 
 
+def _log_line(line: str) -> tuple[str | None, str]:
+    """(the logger level of vLLM's header, or None; the line as a person reads it: no colour codes, no
+    vLLM process prefix, no logger header)."""
+    line = _LOG_PREFIX.sub("", _ANSI.sub("", line).replace("\r", ""))
+    m = _LOG_HEADER.match(line)
+    return (m.group(1), line[m.end():]) if m else (None, line)
+
+
 def clean_log_line(line: str) -> str:
-    """A log line as a person reads it: no colour codes, no vLLM process prefix, no logger header."""
-    line = _ANSI.sub("", line).replace("\r", "")
-    line = _LOG_PREFIX.sub("", line)
-    return _LOG_HEADER.sub("", line)
+    return _log_line(line)[1]
 
 
 def last_traceback_line(text: str) -> str | None:
@@ -161,11 +166,10 @@ def crash_line_of(text: str) -> str:
     line = last_traceback_line(text)
     if line is not None:
         return line
-    raw = [ln for ln in text.splitlines() if ln.strip()]
-    errors = [ln for ln in raw if (m := _LOG_HEADER.match(_LOG_PREFIX.sub("", _ANSI.sub("", ln))))
-              and m.group(1) in ("ERROR", "CRITICAL")]
-    pick = errors[-1] if errors else raw[-1] if raw else ""
-    return clean_log_line(pick).strip()[:300] or "no output"
+    lines = [_log_line(ln) for ln in text.splitlines() if ln.strip()]
+    errors = [clean for level, clean in lines if level in ("ERROR", "CRITICAL")]
+    pick = errors[-1] if errors else lines[-1][1] if lines else ""
+    return pick.strip()[:300] or "no output"
 
 
 class ServerLauncher:

@@ -20,22 +20,31 @@ def _stderr(tmp_path: Path, code: str) -> str:
 
 
 def test_onnxruntime_says_nothing_about_an_unwritable_cache(tmp_path: Path) -> None:
-    bare = _stderr(tmp_path, "import onnxruntime")
-    assert "Failed to persist telemetry device ID" in bare  # what the user saw, once per ASR process
+    # Whether the bare import prints the warning depends on the onnxruntime build and on what it kept before
+    # (CI's machine printed nothing), so the premise is not asserted; the quiet import must be silent either way.
     quiet = _stderr(tmp_path, "from harness.cachedirs import import_onnxruntime_quietly as q; q(); import onnxruntime")
     assert quiet == ""
 
 
-def test_other_lines_written_during_the_import_are_passed_on(tmp_path: Path) -> None:
-    code = ("import os, sys, types\n"
+def _noisy_import(lines: bytes) -> str:
+    """A child whose ``import onnxruntime`` writes ``lines`` on descriptor 2, as the C++ library does."""
+    return ("import os, sys, types\n"
             "sys.modules.pop('onnxruntime', None)\n"
             "from harness import cachedirs\n"
             "import builtins\n"
             "real = builtins.__import__\n"
             "def noisy(name, *a, **k):\n"
             "    if name == 'onnxruntime':\n"
-            "        os.write(2, b'kept line\\n')\n"
+            f"        os.write(2, {lines!r})\n"
             "    return real(name, *a, **k)\n"
             "builtins.__import__ = noisy\n"
             "cachedirs.import_onnxruntime_quietly()\n")
-    assert _stderr(tmp_path, code) == "kept line\n"
+
+
+def test_the_telemetry_line_is_held_back_and_other_lines_are_passed_on(tmp_path: Path) -> None:
+    telemetry = b"2026-12-05 [W:onnxruntime:Default, telemetry.cc:12] Failed to persist telemetry device ID: denied\n"
+    assert _stderr(tmp_path, _noisy_import(telemetry + b"kept line\n")) == "kept line\n"
+
+
+def test_other_lines_written_during_the_import_are_passed_on(tmp_path: Path) -> None:
+    assert _stderr(tmp_path, _noisy_import(b"kept line\n")) == "kept line\n"

@@ -31,6 +31,37 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+# ---------------------------------------------------------------------------- parallel runs (pytest-xdist)
+# The README's test command runs ``pytest -n 2 --dist loadgroup``: whole groups go to one worker, so a module
+# fixture (a real server run, a Ray cluster) is made once. A module is one group, except that a test using one of
+# the real-server run fixtures below joins that fixture's own group (each is minutes of server starts, and
+# splitting them lets the two workers share the load). Groups run longest first, so that no worker waits
+# alone on a long group at the end; the order is fixed, so every worker collects the same list.
+RUN_FIXTURES = ("real_run", "real_sweep", "broken_run")
+SAME_GROUP = {"test_ray_executor": "ray", "test_asr_ray": "ray"}  # one Ray cluster at a time
+LONGEST_FIRST = ("test_real_cpu_e2e::real_run", "test_real_cpu_tts_e2e::real_run", "test_real_cpu_e2e::broken_run",
+                 "test_real_cpu_e2e::real_sweep", "test_real_cpu_e2e")
+
+
+def xdist_group_of(module: str, fixturenames: list[str]) -> str:
+    """The group a test runs in: its module's, or its real-server run fixture's."""
+    for name in RUN_FIXTURES:
+        if name in fixturenames:
+            return f"{module}::{name}"
+    return SAME_GROUP.get(module, module)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the mark into the test's id
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    groups = {}
+    for item in items:
+        group = xdist_group_of(Path(item.path).stem, list(getattr(item, "fixturenames", ())))
+        item.add_marker(pytest.mark.xdist_group(group))
+        groups[item.nodeid] = group
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # stable: collection order otherwise
+
+
 @dataclass
 class CliResult:
     exit_code: int

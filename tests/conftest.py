@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,34 +35,20 @@ if str(REPO) not in sys.path:
 
 
 # ---------------------------------------------------------------------------- parallel runs (pytest-xdist)
-# The README's test command runs ``pytest -n 2 --dist loadgroup``: whole groups go to one worker, so a module
-# fixture (a real server run, a Ray cluster) is made once. A module is one group, except that a test using one of
-# the real-server run fixtures below joins that fixture's own group (each is minutes of server starts, and
-# splitting them lets the two workers share the load). Groups run longest first, so that no worker waits
-# alone on a long group at the end; the order is fixed, so every worker collects the same list.
-RUN_FIXTURES = ("real_run", "real_sweep", "broken_run")
-SAME_GROUP = {"test_ray_executor": "ray", "test_asr_ray": "ray"}  # one Ray cluster at a time
-LONGEST_FIRST = ("test_real_cpu_e2e::real_run", "test_real_cpu_tts_e2e::real_run", "test_real_cpu_e2e::broken_run",
-                 "test_real_cpu_e2e::real_sweep", "test_real_cpu_e2e")
+# The README's test command runs ``pytest -n 2 --dist loadscope --no-loadscope-reorder``: each module goes whole
+# to one worker, so a module fixture (a real server run, a Ray cluster) is made once; the real-server runs are
+# modules of their own (test_real_cpu_*.py) so the two workers can share them. Modules run longest first, so
+# that no worker waits alone on a long one at the end; the order is fixed, so every worker collects the same
+# list. (Not ``--dist loadgroup``: pytest-xdist 3.8 marks a group in ``item._nodeid``, which pytest 9 no
+# longer reads, so every test became a group of its own.)
+# Measured on 2 cores (issue 48): four, four, three, two and one server starts; Ray's executor tests 4 minutes.
+LONGEST_FIRST = ("test_real_cpu_e2e", "test_real_cpu_tts_e2e", "test_ray_executor", "test_real_cpu_broken",
+                 "test_bad_input_run", "test_asr_ray", "test_real_cpu_sweep", "test_qwen3_tts", "test_real_cpu_subclass")
 
 
-def xdist_group_of(module: str, fixturenames: list[str]) -> str:
-    """The group a test runs in: its module's, or its real-server run fixture's."""
-    for name in RUN_FIXTURES:
-        if name in fixturenames:
-            return f"{module}::{name}"
-    return SAME_GROUP.get(module, module)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the mark into the test's id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    groups = {}
-    for item in items:
-        group = xdist_group_of(Path(item.path).stem, list(getattr(item, "fixturenames", ())))
-        item.add_marker(pytest.mark.xdist_group(group))
-        groups[item.nodeid] = group
-    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # stable: collection order otherwise
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.path).stem, len(rank)))  # stable: collection order otherwise
 
 
 @dataclass
@@ -113,3 +102,33 @@ def one_run(tmp_path_factory) -> Path:
                      "--prompts", _one_prompt(tmp), "--out", str(tmp / "out"), "--run-id", "one")
     assert res.exit_code == 0, res.stderr
     return tmp / "out" / "one"
+
+
+# ---------------------------------------------------------------------------- the real CPU server modules
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The speaking tiny Qwen2.5-Omni checkpoint, built once per module that asks (``omni-stress tiny-model``,
+    about 10 s): each real-server module may run on its own xdist worker."""
+    require_real_env()
+    tmp = tmp_path_factory.mktemp("model")
+    model = tmp / "tiny"
+    t0 = time.monotonic()
+    built = subprocess.run([sys.executable, "-m", "harness.cli", "tiny-model", str(model), "--python", str(REAL_PY)], cwd=tmp,
+                           capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stderr[-2000:]
+    summary = json.loads(built.stdout.strip().splitlines()[-1])
+    assert summary["vocab_size"] == 152064 and summary["hidden_size"] == 64 and summary["speaking"] is True
+    sys.stderr.write(f"[real e2e] tiny model: {time.monotonic() - t0:.1f} s\n")
+    return model
+
+
+def spans_by_cell(run_dir: Path) -> dict[tuple[str, str], list]:
+    """A run's spans by (arm, deploy)."""
+    from harness.records import read_spans
+
+    cells: dict[tuple[str, str], list] = defaultdict(list)
+    for s in read_spans(run_dir):
+        cells[(s.arm, s.deploy)].append(s)
+    return cells

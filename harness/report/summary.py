@@ -8,6 +8,10 @@ and ``gate`` all import these, so the numbers the gate judges are the numbers th
 Event counts come from ``spans.jsonl`` whenever the cell has spans (the definitive per-call
 trace), else from the per-request ``events`` the backend summed; events are counted with numpy
 from the same predicate table as the contract (``harness.contract.EVENTS``).
+
+The per-cell look-ups of the paired table and the gate (``reference_cell``, ``repeat_group``,
+``worst_of_repeats``) go through one index per cell list (``_CellIndex``): scanning every cell for
+every cell made ``report`` grow faster than linear with cells (issue 48).
 """
 
 from __future__ import annotations
@@ -910,7 +914,7 @@ def reference_cell(cell: CellSummary, deploy: str, cells: list[CellSummary]) -> 
     index = _cell_index(cells)
     resolved = deploy if not any(ch in deploy for ch in "*?[") else index.resolve(cell, deploy)
     same_arm = index.groups.get((cell.arm, resolved), ())
-    found = index.by_key.get((cell.arm, resolved, cell.repeat))
+    found = index.by_repeat(cell.arm, resolved).get(cell.repeat) if same_arm else None
     if found is not None:
         return found
     return same_arm[0] if len(same_arm) == 1 else None
@@ -926,16 +930,25 @@ class _CellIndex:
     def __init__(self, cells: list[CellSummary]) -> None:
         self.cells = tuple(cells)
         self.groups: dict[tuple[str, str], list[CellSummary]] = {}  # (arm, deploy): its repeats, in list order
-        self.by_key: dict[tuple[str, str, int], CellSummary] = {}  # (arm, deploy, repeat): the first such cell
         self.arm_deploys: dict[str, list[str]] = {}  # arm: its deploys, each once
         for c in cells:
             group = self.groups.setdefault((c.arm, c.deploy), [])
             if not group:
                 self.arm_deploys.setdefault(c.arm, []).append(c.deploy)
             group.append(c)
-            self.by_key.setdefault((c.arm, c.deploy, c.repeat), c)
+        self._by_repeat: dict[tuple[str, str], dict[int, CellSummary]] = {}
         self._resolved: dict[tuple[str, str, str], str | None] = {}
         self._worst: dict[tuple[str, str], dict[str, float]] = {}
+
+    def by_repeat(self, arm: str, deploy: str) -> dict[int, CellSummary]:
+        """{repeat: the first cell of that repeat} of one arm x deploy (reads only that group's repeats)."""
+        key = (arm, deploy)
+        if key not in self._by_repeat:
+            first: dict[int, CellSummary] = {}
+            for c in self.groups.get(key, ()):
+                first.setdefault(c.repeat, c)
+            self._by_repeat[key] = first
+        return self._by_repeat[key]
 
     def resolve(self, cell: CellSummary, deploy: str) -> str | None:
         """``resolve_reference_deploy`` of a pattern, once per (arm, pattern, the cell's deploy)."""

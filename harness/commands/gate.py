@@ -32,7 +32,7 @@ def command(run_dir: Path, rules_path: str | None, junit_path: Path | None, any_
     printable_streams()
     try:
         rules = gate.load_rules(gate.resolve_rules_path(rules_path)) if rules_path is not None else None
-        run = summary.load_run(run_dir)
+        run = summary.load_run(run_dir, codec_tokens=False)  # no rule reads the tokens (issue 48)
         from harness.rundir import manifest_family
 
         family = manifest_family(run.manifest)

@@ -29,7 +29,7 @@ def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_
     incomplete run is reported with a warning (on stderr and in the reports); the gate refuses it.
     """
     printable_streams()
-    run = report.load_run(run_dir)
+    run = report.load_run(run_dir, codec_tokens=False)  # the tables never read the tokens (issue 48)
     problems = report.run_problems(run)
     if problems:
         click.echo(f"omni-stress: warning: {summary.problems_line(run, problems)}; the gate refuses it", err=True)

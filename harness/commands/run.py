@@ -89,7 +89,7 @@ def _locked_run(run_dir: Path, resume: bool, arm_specs: list[ArmSpec], deploy_sp
 
     from harness.report.tables import load_run, summarize_cells, terminal_table, write_reports
 
-    run = load_run(plan.run_dir)  # read once, for the files and the printed tables
+    run = load_run(plan.run_dir, codec_tokens=False)  # read once, for the files and the printed tables
     cells = summarize_cells(run)
     write_reports(run, cells)
     return (terminal_table(run, cells)

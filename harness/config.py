@@ -19,6 +19,7 @@ import yaml
 
 from harness.errors import ConfigError, short_repr
 from harness.families import DEFAULT_FAMILY, FAMILY_PACKAGES, TEXT_INPUT_FAMILIES
+from harness.roles import DEPLOY_ROLES, deploy_role
 from harness.physics import FRAMES_PER_TEXT_TOKEN
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -325,6 +326,11 @@ class Deploy:
     # The model family whose stage this deploy configures (harness.families); a deploy without a
     # ``family:`` key is Qwen2.5-Omni's, so the shipped deploys' files and hashes are unchanged.
     family: str = DEFAULT_FAMILY
+    # What the deploy is for (DEPLOY_ROLES): a ``reference`` deploy is what a ``stress`` deploy is
+    # measured against, and ``pair`` names that reference (the paired table, its audio players and the
+    # gate's ``reference_deploy: pair`` use it, for every family); see ``deploy_role``.
+    role: str = "stress"
+    pair: str | None = None
 
     @property
     def config_hash(self) -> str:
@@ -338,7 +344,7 @@ class Deploy:
 
 
 _DEPLOY_KEYS = {"name", "description", "talker", "thinker", "code2wav", "async_chunk", "sampling", "sim", "speculative",
-                "load", "family"}
+                "load", "family", "role", "pair"}
 
 
 def _family_field(f: _Fields) -> str:
@@ -478,7 +484,25 @@ def parse_deploy(path: Path, data: Any, overrides: tuple[tuple[str, Any], ...] =
         load=_load_settings(top),
         overrides=overrides,
         family=_family_field(top),
+        **_role_fields(top, name),
     )
+
+
+def _role_fields(top: _Fields, name: str) -> dict[str, Any]:
+    """``role`` and ``pair`` of a deploy document, checked (``deploy_role`` fills what is not declared)."""
+    role = top.str_("role")
+    if role is not None and role not in DEPLOY_ROLES:
+        raise top.fail("role", f"must be one of {', '.join(DEPLOY_ROLES)}, got {short_repr(role)}")
+    pair = top.str_("pair")
+    if pair is not None:
+        if (bad := check_name(pair)) is not None:
+            raise top.fail("pair", bad)
+        if pair == name:
+            raise top.fail("pair", f"names the deploy itself ({name}); a stress deploy pairs with a reference deploy")
+        if deploy_role(name, role)[0] == "reference":
+            raise top.fail("pair", "a reference deploy has no pair (it is what stress deploys pair with)")
+    role, pair = deploy_role(name, role, pair)
+    return {"role": role, "pair": pair}
 
 
 # --------------------------------------------------------------------------- arms

@@ -180,6 +180,8 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "repeat": o.repeat,
         "arms": [{"name": a.name, "talker": a.talker, "role": a.role} for a in plan.arms],
         "deploys": [d.name for d in plan.deploys],
+        # each deploy's role and pair (config.deploy_role): the paired table and the gate's pairing
+        "deploy_roles": {d.name: {"role": d.role, "pair": d.pair} for d in plan.deploys},
         "prompts": plan.prompts.name,
         "prompt_ids": [p.id for p in plan.prompts.prompts],  # the gate checks every cell has each one
         "cells": [{"arm": c.arm.name, "deploy": c.deploy.name, "repeat": c.repeat} for c in plan.cells],

@@ -270,13 +270,15 @@ def test_empty_cell_cannot_evaluate_and_unmeasured_misalignment_is_skipped() -> 
     ({"rules": [{"deploy": "stress", "max_errors": 0}]}, "rules[0]: needs 'deploy' and 'arm' or 'role'"),
     ({"rules": [{"role": "fix", "deploy": "s", "max_errors": 0}]},
      "rules[0].role: must be baseline, candidate or .{3}, got 'fix'"),
-    ({"rules": [{"role": "candidate", "deploy": "s", "max_worst_paired_delta": 0.1}]}, "needs reference_deploy"),
+    ({"rules": [{"role": "candidate", "deploy": "s", "deploy_role": "heavy", "max_errors": 0}]},
+     "deploy_role: must be reference, stress or \"*\", got 'heavy'"),
     ({"rules": [{"role": "baseline", "deploy": "s", "expect": "fail", "min_misaligned_text_positions": 1,
                  "max_worst_paired_delta": 1}], "reference_deploy": "r"}, "contradicts max_worst_paired_delta"),
     ({"rules": [{"arm": "pr", "deploy": "x", "max_wer": 1}]}, "rules[0] (pr/x).max_wer: unknown key"),
     ({"rules": [{"arm": "pr", "deploy": "x", "max_mean_wer": "low"}]}, "max_mean_wer: must be a finite number >= 0, got 'low'"),
     ({"rules": [{"arm": "pr", "deploy": "x"}]}, "no bound"),
-    ({"rules": [{"arm": "pr", "deploy": "x", "max_wer_delta": 0.1}]}, "needs reference_deploy"),
+    ({"rules": [{"arm": "pr", "deploy": "x", "max_wer_delta": 0.1, "reference_deploy": 3}]},
+     "reference_deploy: must be a non-empty string"),
     ({"rules": [{"arm": "m", "deploy": "x", "expect": "fail", "max_errors": 0}]}, "needs a detection bound"),
     ({"rules": [{"arm": "m", "deploy": "x", "expect": "fail", "min_mean_wer": 0.5, "max_mean_wer": 1}]},
      "contradicts max_mean_wer"),
@@ -495,7 +497,7 @@ def test_ci_workflow_runs_the_matrix_and_the_gate() -> None:
     assert any(step.get("uses", "").startswith("actions/upload-artifact") for step in doc["jobs"]["gate"]["steps"])
 
 
-def test_a_pattern_reference_deploy_pairs_within_the_deploy_family() -> None:
+def test_a_pattern_reference_deploy_pairs_within_the_name_prefix() -> None:
     from types import SimpleNamespace as Cell
 
     from harness.report.summary import resolve_reference_deploy

@@ -162,6 +162,12 @@ def test_run_family_qwen3_tts_shows_the_release_failing_and_the_fix_equal_to_its
     assert "tts-0.30.0, qwen3-tts-stress deploy 0.579 12/16 7 23" in table
     assert "tts-fix, qwen3-tts-stress deploy 0.011 0/16 7 24" in table
     assert "tts-fix, qwen3-tts-mrv2-stress deploy 0.011 0/16 7 24" in table
+    # the paired table by the deploys' declared pairs (issue 46: it appeared only for a deploy named "reference")
+    paired = json.loads((run / "summary.json").read_text())["paired"]
+    assert sorted({(p["arm"], p["deploy"], p["reference_deploy"]) for p in paired}) == sorted(
+        (arm, f"qwen3-tts{k}-stress", f"qwen3-tts{k}-reference") for arm in ("tts-0.30.0", "tts-fix") for k in ("", "-mrv2"))
+    assert len(paired) == 4 * 16
+    assert (run / "report.html").read_text().count('<tr class="worst">') == 4
     gate = run_cli("gate", str(run))
     assert gate.exit_code == 0, gate.stdout[-3000:]
     assert gate.stdout.splitlines()[-1] == "gate: 12 passed, 0 failed, 0 could not be evaluated -> pass (exit 0)"

@@ -135,17 +135,18 @@ def check(rule: Rule, bound: Bound, cell: CellSummary, cells: list[CellSummary],
     if bound.metric not in REFERENCE_METRICS:
         value = _metric_value(cell, bound.metric, cells, threshold)
     else:
-        assert rule.reference_deploy is not None  # parse_rules guarantees it
-        ref = reference_cell(cell, rule.reference_deploy, cells)
+        target = rule.reference_target  # None: the pair the cell's deploy declares
+        ref = reference_cell(cell, target, cells)
         if ref is None:
-            return CheckResult(bound, None, "error", f"{bound.key}: no {cell.arm}/{rule.reference_deploy} cell "
+            wanted = target or cell.pair or f"(none: {cell.deploy} is a {cell.deploy_role} deploy with no pair)"
+            return CheckResult(bound, None, "error", f"{bound.key}: no {cell.arm}/{wanted} cell "
                                                      f"for run {cell.run_number} in this run")
         if bound.metric == "wer_delta":
             value = None if cell.mean_wer is None or ref.mean_wer is None else cell.mean_wer - ref.mean_wer
             if value is not None:
                 ref_note = f" (vs {ref.arm}/{ref.deploy} run {ref.run_number}: {ref.mean_wer:.3f})"
         else:
-            value = worst_paired_delta(cell, cells, rule.reference_deploy)
+            value = worst_paired_delta(cell, cells, target)
             worst = _worst_pair(cell, ref)
             if value is not None and worst is not None:
                 ref_note = f" (prompt {worst[0]}: {worst[2]:.3f} vs {worst[1]:.3f} in {ref.arm}/{ref.deploy})"

@@ -8,11 +8,13 @@ which deploys must show stress and which arms are expected to fail all come from
 Rules file (``deploy_configs/gates.yaml``)::
 
     wer_threshold: 0.5            # "requests over" counts requests with WER above this
-    reference_deploy: reference   # baseline deploy of wer_delta / worst_paired_delta
+    reference_deploy: pair        # baseline deploy of wer_delta / worst_paired_delta: "pair" (the
+                                  # default) is each deploy's declared pair, else a name or a pattern
     rules:
       - name: candidate-contract
         role: candidate           # baseline, candidate or "*" (default "*")
         deploy: "*"               # deploy name or "*"
+        deploy_role: "*"          # reference, stress or "*" (default "*"): the deploy's declared role
         max_misaligned_text_positions: 0
         max_row_count_mismatches: 0
       - name: baseline-stress-shows-bug
@@ -43,6 +45,7 @@ from harness.config import DEPLOY_DIR, load_yaml
 from harness.errors import ConfigError, UserError, short_repr
 from harness.metrics import METRICS as COUNT_METRICS
 from harness.metrics import MISALIGNED_COUNTS, STRESS_METRICS
+from harness.roles import DEPLOY_ROLES
 from harness.report.summary import (
     ROLES,
     CellSummary,
@@ -72,7 +75,9 @@ DETECTION_METRICS = ("mean_wer", "requests_over", "wer_delta", "worst_paired_del
                      "worst_of_repeats_requests_over", "row_count_mismatches", *MISALIGNED_METRICS)
 NO_MAX_WHEN_FAIL = ("mean_wer", "requests_over", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer",
                     "worst_of_repeats_requests_over")
-RULE_KEYS = {"name", "arm", "role", "deploy", "expect", "stress", "reference_deploy", "optional", "description"}
+RULE_KEYS = {"name", "arm", "role", "deploy", "deploy_role", "expect", "stress", "reference_deploy", "optional",
+             "description"}
+PAIR = "pair"  # reference_deploy: each deploy's declared pair (harness.roles), the default
 TOP_KEYS = {"family", "wer_threshold", "reference_deploy", "rules"}
 
 
@@ -95,10 +100,16 @@ class Rule:
     bounds: tuple[Bound, ...]
     expect: str = "pass"  # "fail": the arm is known-broken, the checks assert the bug is detected
     stress: bool = False
-    reference_deploy: str | None = None
+    reference_deploy: str = PAIR
     optional: bool = False  # true: matching no cell is fine (else the gate cannot evaluate)
     description: str = ""
     role: str = "*"  # baseline, candidate or "*"
+    deploy_role: str = "*"  # reference, stress or "*" (harness.roles)
+
+    @property
+    def reference_target(self) -> str | None:
+        """The ``reference_deploy`` that ``summary.reference_cell`` takes: None for ``pair``."""
+        return None if self.reference_deploy == PAIR else self.reference_deploy
 
     @property
     def names_arm(self) -> bool:
@@ -109,13 +120,16 @@ class Rule:
         return _match(self.arm, arm) and (self.role == "*" or self.role == role)
 
     def matches(self, cell: CellSummary) -> bool:
-        return self.selects(cell.arm, cell.role) and _match(self.deploy, cell.deploy)
+        return (self.selects(cell.arm, cell.role) and _match(self.deploy, cell.deploy)
+                and self.deploy_role in ("*", cell.deploy_role))
 
     @property
     def selector(self) -> str:
         parts = [] if self.arm == "*" else [f"arm {self.arm!r}"]
         parts += [] if self.role == "*" else [f"role {self.role!r}"]
-        return " x ".join(parts + [f"deploy {self.deploy!r}"])
+        parts += [f"deploy {self.deploy!r}"]
+        parts += [] if self.deploy_role == "*" else [f"deploy role {self.deploy_role!r}"]
+        return " x ".join(parts)
 
 
 def _is_pattern(text: str) -> bool:
@@ -242,17 +256,17 @@ def _parse_rule(item: Any, where: str, source: str, default_ref: str | None) -> 
         clash = sorted(k for k in keys if k in {f"max_{m}" for m in NO_MAX_WHEN_FAIL})
         if clash:
             raise ConfigError(f"{source}: {where}: expect: fail contradicts {', '.join(clash)}")
-    ref = item.get("reference_deploy", default_ref)
-    if ref is not None:
-        ref = _string(source, f"{where}.reference_deploy", ref)
-    if any(b.metric in REFERENCE_METRICS for b in bounds) and ref is None:
-        raise ConfigError(f"{source}: {where}: a {' / '.join(REFERENCE_METRICS)} bound needs reference_deploy "
-                          f"(in the rule or at the top level)")
+    ref = _string(source, f"{where}.reference_deploy", item.get("reference_deploy", default_ref or PAIR))
+    deploy_role = _string(source, f"{where}.deploy_role", item.get("deploy_role", "*"))
+    if deploy_role != "*" and deploy_role not in DEPLOY_ROLES:
+        raise ConfigError(f"{source}: {where}.deploy_role: must be {', '.join(DEPLOY_ROLES)} or \"*\", "
+                          f"got {short_repr(deploy_role)}")
     if not bounds:
         raise ConfigError(f"{source}: {where}: no bound (give at least one min_<metric> or max_<metric>)")
     description = item.get("description", "")
     return Rule(name=name, arm=arm, deploy=deploy, bounds=tuple(bounds), expect=expect, stress=stress,
-                reference_deploy=ref, optional=optional, description=str(description), role=role)
+                reference_deploy=ref, optional=optional, description=str(description), role=role,
+                deploy_role=deploy_role)
 
 
 def load_rules(path: Path) -> Rules:

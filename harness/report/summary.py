@@ -35,6 +35,7 @@ import numpy as np
 from harness.backends import is_simulated
 from harness.contract import MISALIGNED_COUNTS, classify_spans, event_count_columns
 from harness.errors import UserError
+from harness.roles import deploy_role
 from harness.records import (
     CRASHED_ERROR,
     MANIFEST_FILE,
@@ -421,6 +422,16 @@ class Run:
                 out[arm["name"]] = arm.get("role") or DEFAULT_ROLE
         return out
 
+    def deploy_role(self, deploy: str) -> tuple[str, str | None]:
+        """(role, pair) of a deploy of this run: as the manifest's ``deploy_roles`` records them, or for a
+        run recorded before roles, as ``harness.roles.deploy_role`` infers them from the name."""
+        recorded = self.manifest.get("deploy_roles")
+        entry = recorded.get(deploy) if isinstance(recorded, dict) else None
+        if isinstance(entry, dict) and entry.get("role") in ("reference", "stress"):
+            pair = entry.get("pair")
+            return str(entry["role"]), pair if isinstance(pair, str) and entry["role"] == "stress" else None
+        return deploy_role(deploy)
+
 
 def load_run(run_dir: Path, codec_tokens: bool = True) -> Run:
     """Reads manifest, requests and spans; any problem is one UserError naming the file.
@@ -611,10 +622,18 @@ class CellSummary:
     run_number: int  # the repeat as the tables show it ("run 1")
     accepted: list[float] = field(default_factory=list)  # accepted_tokens_per_step of each request that has it
     role: str = DEFAULT_ROLE  # the arm's role, from the run's manifest (ROLES)
+    # the deploy's role (harness.roles: reference or stress) and, for a stress deploy, its reference
+    # deploy (the paired table and the gate's pairing); "" (a cell built by hand): inferred from the name
+    deploy_role: str = ""
+    pair: str | None = None
     records: list[RequestRecord] = field(default_factory=list, repr=False)  # the cell's requests, by prompt id
     not_measurable: int = 0  # requests whose reference normalises to no words (no WER; the gate refuses them)
     crashed: int = 0  # requests a real server's crash took down (errors starting with records.CRASHED_ERROR)
     trace: str | None = None  # the real server's --trace level (None: the sim); "off": no span facts at all
+
+    def __post_init__(self) -> None:
+        if not self.deploy_role:
+            self.deploy_role, self.pair = deploy_role(self.deploy)
 
     @property
     def span_facts(self) -> bool:
@@ -717,6 +736,7 @@ def summarize_cells(run: Run) -> list[CellSummary]:
     }
     traces = cell_trace_levels(run)
     roles = run.roles
+    deploy_roles = {key[1]: run.deploy_role(key[1]) for key in order}
 
     out = []
     for key in order:
@@ -747,6 +767,7 @@ def summarize_cells(run: Run) -> list[CellSummary]:
             wall_s=float(wall), wer_source=wer_source, run_number=key[2] + offset,
             accepted=[float(r.accepted_tokens_per_step) for r in recs if r.accepted_tokens_per_step is not None],
             role=roles.get(key[0], DEFAULT_ROLE), records=sorted(recs, key=lambda r: r.prompt_id),
+            deploy_role=deploy_roles[key[1]][0], pair=deploy_roles[key[1]][1],
             not_measurable=sum(r.not_measurable for r in recs), trace=traces.get(key),
             crashed=sum(1 for r in recs if r.error is not None and r.error.startswith(CRASHED_ERROR)),
         ))
@@ -888,31 +909,42 @@ def incomplete_warning(run: Run, strict: bool, refused: str) -> str | None:
 # --------------------------------------------------------------------------- pairs (per-request evidence)
 
 
-def reference_deploy_of(run: Run | list[CellSummary], preferred: str = "reference") -> str | None:
-    """The deploy the paired table measures against: ``preferred`` when the run has it, else None."""
+def reference_deploy_of(run: Run | list[CellSummary]) -> str | None:
+    """The one reference deploy the run's paired cells pair with (summary.json and the paired note name
+    it), or the run's one reference deploy when nothing pairs; None when there are several, or none."""
     cells = run if isinstance(run, list) else summarize_cells(run)
-    return preferred if any(c.deploy == preferred for c in cells) else None
+    present = {c.deploy for c in cells}
+    pairs = {c.pair for c in cells if c.deploy_role == "stress" and c.pair in present}
+    if not pairs:
+        pairs = {c.deploy for c in cells if c.deploy_role == "reference"}
+    return next(iter(pairs)) if len(pairs) == 1 else None
 
 
-def deploy_family(name: str) -> str:
-    """``cpu-stress`` -> ``cpu``, ``stress`` -> ``""``: deploys named FAMILY-KIND pair within a family."""
+def deploy_prefix(name: str) -> str:
+    """``cpu-stress`` -> ``cpu``, ``stress`` -> ``""``: a ``reference_deploy`` pattern picks the deploy of
+    the cell's own prefix (deploys named PREFIX-KIND pair within a prefix)."""
     return name.rsplit("-", 1)[0] if "-" in name else ""
 
 
-def resolve_reference_deploy(cell: CellSummary, deploy: str, cells: list[CellSummary]) -> str | None:
-    """``deploy`` itself, or for a pattern (``*reference``) the one matching deploy of the cell's arm in
-    the cell's family (``cpu-stress`` pairs with ``cpu-reference``, ``stress`` with ``reference``);
+def resolve_reference_deploy(cell: CellSummary, deploy: str | None, cells: list[CellSummary]) -> str | None:
+    """The reference deploy of ``cell``: with ``deploy`` None, the pair its deploy declares (None for a
+    reference deploy); a name, itself; a pattern (``*reference``), the one matching deploy of the cell's
+    arm with the cell's prefix (``cpu-stress`` pairs with ``cpu-reference``, ``stress`` with ``reference``),
     None when no deploy, or more than one, qualifies."""
+    if deploy is None:
+        return cell.pair if cell.deploy_role == "stress" else None
     if not any(ch in deploy for ch in "*?["):
         return deploy
     return _cell_index(cells).resolve(cell, deploy)
 
 
-def reference_cell(cell: CellSummary, deploy: str, cells: list[CellSummary]) -> CellSummary | None:
-    """The same arm's cell in ``deploy`` (a name, or a pattern resolved by ``resolve_reference_deploy``),
-    same repeat; a single reference run serves all repeats."""
+def reference_cell(cell: CellSummary, deploy: str | None, cells: list[CellSummary]) -> CellSummary | None:
+    """The same arm's cell in the cell's reference deploy (``resolve_reference_deploy``), same repeat; a
+    single reference run serves all repeats."""
     index = _cell_index(cells)
     resolved = resolve_reference_deploy(cell, deploy, cells)
+    if resolved is None:
+        return None
     same_arm = index.groups.get((cell.arm, resolved), ())
     found = index.by_repeat(cell.arm, resolved).get(cell.repeat) if same_arm else None
     if found is not None:
@@ -955,7 +987,7 @@ class _CellIndex:
         key = (cell.arm, deploy, cell.deploy)
         if key not in self._resolved:
             names = {d for d in self.arm_deploys.get(cell.arm, ()) if fnmatch.fnmatchcase(d, deploy)}
-            same = sorted(n for n in names if deploy_family(n) == deploy_family(cell.deploy))
+            same = sorted(n for n in names if deploy_prefix(n) == deploy_prefix(cell.deploy))
             self._resolved[key] = same[0] if len(same) == 1 else None
         return self._resolved[key]
 
@@ -1009,8 +1041,9 @@ class PairedRow:
         return self.oracle_wer - self.reference_oracle_wer
 
 
-def paired_rows(cell: CellSummary, cells: list[CellSummary], reference_deploy: str) -> list[PairedRow]:
-    """Per prompt: this cell's WER and the reference cell's (same arm, same repeat); [] without one."""
+def paired_rows(cell: CellSummary, cells: list[CellSummary], reference_deploy: str | None = None) -> list[PairedRow]:
+    """Per prompt: this cell's WER and the reference cell's (same arm, same repeat; ``reference_deploy``
+    None: the cell's declared pair); [] without one."""
     ref = reference_cell(cell, reference_deploy, cells)
     if ref is None or ref is cell:
         return []
@@ -1024,7 +1057,7 @@ def paired_rows(cell: CellSummary, cells: list[CellSummary], reference_deploy: s
     return rows
 
 
-def worst_paired_delta(cell: CellSummary, cells: list[CellSummary], reference_deploy: str) -> float | None:
+def worst_paired_delta(cell: CellSummary, cells: list[CellSummary], reference_deploy: str | None = None) -> float | None:
     """The largest per-prompt WER increase over the reference cell; None when nothing pairs."""
     deltas = [r.delta for r in paired_rows(cell, cells, reference_deploy) if r.delta is not None]
     return max(deltas) if deltas else None

@@ -293,7 +293,25 @@ REQUEST_COLUMNS = [
 
 
 def requests_table(run: Run, cells: list[CellSummary], max_text: int = 80) -> pd.DataFrame:
-    """Per-request rows in table order, so a reader can find the request a plot points at."""
+    """Per-request rows in table order, so a reader can find the request a plot points at; the error and
+    the transcript cut to ``max_text`` characters."""
+    rows = _request_rows(run, cells)
+    err, text = REQUEST_COLUMNS.index("Error"), REQUEST_COLUMNS.index("Transcript")
+    cut = [row if len(row[err]) <= max_text and len(row[text]) <= max_text else
+           [*row[:err], _cut(row[err], max_text), _cut(row[text], max_text)] for row in rows]
+    return pd.DataFrame(cut, columns=REQUEST_COLUMNS, dtype=object)
+
+
+_REQUEST_ROWS: list[tuple[Run, list[CellSummary], list[list[str]]]] = []  # the last few (run, cells): rows
+
+
+def _request_rows(run: Run, cells: list[CellSummary]) -> list[list[str]]:
+    """``requests_table``'s rows with the whole (whitespace-joined) error and transcript, built once per
+    run and cells: ``report`` asks for the table three times (markdown, HTML, the CSV and JSON), and at
+    10,000 requests each build took a quarter of a second (issue 48)."""
+    for seen_run, seen_cells, rows in _REQUEST_ROWS:
+        if seen_run is run and seen_cells is cells:
+            return rows
     events = request_events(run)
     known = {k: v[1] for k, v in run.spans.group_events.items()}
     rank = {c.key: i for i, c in enumerate(cells)}
@@ -311,13 +329,15 @@ def requests_table(run: Run, cells: list[CellSummary], max_text: int = 80) -> pd
             fmt_accepted(rec.accepted_tokens_per_step), fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls),
             *((str(ev.misaligned_text_positions), str(ev.misaligned_end_positions))
               if known.get(rec.key, is_simulated(rec.backend)) else (NA, NA)),
-            _shorten(rec.error or "", max_text), _shorten(text or "", max_text),
+            " ".join((rec.error or "").split()), " ".join((text or "").split()),
         ])
-    return pd.DataFrame(rows, columns=REQUEST_COLUMNS, dtype=object)
+    if len(_REQUEST_ROWS) >= 4:
+        _REQUEST_ROWS.pop(0)
+    _REQUEST_ROWS.append((run, cells, rows))
+    return rows
 
 
-def _shorten(text: str, limit: int) -> str:
-    text = " ".join(text.split())
+def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -337,23 +357,21 @@ PAIRED_COLUMNS = [
 ]
 
 
-def paired_cells(cells: list[CellSummary], reference_deploy: str | None) -> list[CellSummary]:
-    """The cells the paired table shows: every cell outside the reference deploy that has a reference cell."""
-    if reference_deploy is None:
-        return []
-    return [c for c in cells if c.deploy != reference_deploy and paired_rows(c, cells, reference_deploy)]
+def paired_cells(cells: list[CellSummary], reference_deploy: str | None = None) -> list[CellSummary]:
+    """The cells the paired table shows: every cell that has a reference cell (``reference_deploy`` None:
+    every stress cell whose declared pair ran, ``harness.roles``), outside that reference deploy."""
+    return [c for c in cells if (reference_deploy is not None or c.deploy_role == "stress")
+            and c.deploy != reference_deploy and paired_rows(c, cells, reference_deploy)]
 
 
 def paired_table(run: Run, cells: list[CellSummary], reference_deploy: str | None = None) -> pd.DataFrame:
     """Per arm and prompt: this deploy's WER minus the same prompt's WER in the same arm's reference
     deploy (same run; a single reference run serves all repeats), the same for the oracle WER where the
     backend has it, the request's misaligned positions, and which request is its cell's worst."""
-    reference_deploy = reference_deploy or reference_deploy_of(cells)
     events = request_events(run)
     known = {k: v[1] for k, v in run.spans.group_events.items()}
     rows = []
     for cell in paired_cells(cells, reference_deploy):
-        assert reference_deploy is not None
         worst = cell.worst_request
         for pr in paired_rows(cell, cells, reference_deploy):
             key = (cell.arm, cell.deploy, cell.repeat, pr.prompt_id)
@@ -370,10 +388,11 @@ def paired_table(run: Run, cells: list[CellSummary], reference_deploy: str | Non
 
 
 def paired_note(cells: list[CellSummary], reference_deploy: str | None = None) -> str:
-    reference_deploy = reference_deploy or reference_deploy_of(cells)
-    if reference_deploy is None or not paired_cells(cells, reference_deploy):
+    if not paired_cells(cells, reference_deploy):
         return "No paired table: the run has no reference deploy to pair with."
-    return (f"\u0394 WER = WER minus the same prompt's WER in the same arm's {reference_deploy} deploy (same run); "
+    named = reference_deploy or reference_deploy_of(cells)
+    which = f"{named} deploy" if named is not None else "reference deploy (the pair each stress deploy declares)"
+    return (f"\u0394 WER = WER minus the same prompt's WER in the same arm's {which} (same run); "
             f"'worst' marks each cell's highest-WER request.")
 
 
@@ -594,14 +613,12 @@ def json_summary(run: Run, cells: list[CellSummary], full_requests: pd.DataFrame
 
 def paired_frame(cells: list[CellSummary], reference_deploy: str | None = None) -> pd.DataFrame:
     """Numbers, not strings: one row per paired prompt, for paired.csv and summary.json."""
-    reference_deploy = reference_deploy or reference_deploy_of(cells)
     rows = []
     for cell in paired_cells(cells, reference_deploy):
-        assert reference_deploy is not None
         worst = cell.worst_request
         for pr in paired_rows(cell, cells, reference_deploy):
             rows.append({"arm": cell.arm, "role": cell.role, "deploy": cell.deploy, "repeat": cell.repeat,
-                         "run": cell.run_number, "prompt": pr.prompt_id, "reference_deploy": reference_deploy,
+                         "run": cell.run_number, "prompt": pr.prompt_id, "reference_deploy": pr.reference.deploy,
                          "reference_wer": pr.reference_wer, "wer": pr.wer, "wer_delta": pr.delta,
                          "oracle_wer_delta": pr.oracle_delta,
                          "worst_of_cell": worst is not None and pr.record is worst,
@@ -774,12 +791,10 @@ def audio_tag(run: Run, record: RequestRecord | None, label: str) -> str:
 
 def html_paired(run: Run, cells: list[CellSummary]) -> str:
     """The paired table as HTML; each cell's worst request carries its audio and the reference's."""
-    reference_deploy = reference_deploy_of(cells)
-    df = paired_table(run, cells, reference_deploy)
+    df = paired_table(run, cells)
     if not len(df):
         return ""
-    records = [pr for cell in paired_cells(cells, reference_deploy)
-               for pr in paired_rows(cell, cells, reference_deploy)]  # type: ignore[arg-type]
+    records = [pr for cell in paired_cells(cells) for pr in paired_rows(cell, cells)]
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in list(df.columns) + ["Audio (worst request)"])
     body = []
     for pr, row in zip(records, df.itertuples(index=False)):

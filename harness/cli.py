@@ -136,7 +136,9 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="omni-stress")
 def main() -> None:
-    """Stress-test the Qwen2.5-Omni Talker and score its speech with Whisper."""
+    """Stress-test a speech model's Talker under the scheduler's chunking, replays and preemption
+    (Qwen2.5-Omni, Qwen3-TTS; the embedded sim or a real vLLM-Omni server), score its speech with
+    Whisper and gate the result."""
     from harness.cachedirs import redirect_unwritable
 
     redirect_unwritable(click.get_current_context().invoked_subcommand)  # before a library writes its cache

@@ -68,30 +68,47 @@ class Metric:
     stressed_point: bool = False  # a map point counts as stressed when any such metric is > 0
     plot: bool = False  # drawn in the events plot (harness.report.plots)
     gate: bool = True  # a gate rule may bound it (max_NAME / min_NAME)
+    # A column of the per-cell (extended) table and, with ``per_request``, of the per-request tables
+    # (terminal, summary.md, requests.csv, summary.json, report.html; harness.report.tables): its heading
+    # there (None: no column), shown as ``count/ratio_of's count`` when ``ratio_of`` names another metric,
+    # headed ``compact`` in report.html's narrow per-request table with ``tip`` (default: ``label``) as its
+    # tooltip. A flag count reads n/a in a cell run with --trace off, a span-field count where the backend
+    # does not measure it.
+    table: str | None = None
+    ratio_of: str | None = None
+    per_request: bool = True
+    compact: str | None = None
+    tip: str | None = None
 
 
 METRICS: tuple[Metric, ...] = (
     Metric("talker_calls", "talker_preprocess calls", "Talker calls", "Talker calls", flags=(), gate=False),
     Metric("prefill_calls", "prefill calls", "Prefill calls", "prefill calls", flags=("is_prefill",), gate=False),
     Metric("nonzero_offset_chunks", "non-zero-offset prefill chunks", "Non-zero-offset prefill chunks",
-           "non-zero-offset chunks", flags=("nonzero_offset",), stress=True, stressed_point=True, plot=True),
+           "non-zero-offset chunks", flags=("nonzero_offset",), stress=True, stressed_point=True, plot=True,
+           table="Non-zero-offset chunks", compact="Chunks"),
     Metric("cross_boundary_replays", "replays crossing the prompt boundary", "Replays crossing the prompt boundary",
-           "crossing replays", flags=("cross_boundary",), stress=True, stressed_point=True, plot=True),
+           "crossing replays", flags=("cross_boundary",), stress=True, stressed_point=True, plot=True,
+           table="Cross-boundary replays", compact="Replays"),
     Metric("multi_position_decode_spans", "multi-position decode spans", "Multi-position decode spans",
-           "multi-position decode spans", flags=("multi_decode",), stressed_point=True, plot=True),
+           "multi-position decode spans", flags=("multi_decode",), stressed_point=True, plot=True,
+           table="Multi-position decode spans", compact="Multi-pos. decode"),
     Metric("one_token_tails", "one-token prefill tails", "One-token prefill tails", "one-token tails",
-           flags=("one_token_tail",),
-           plot=True),
+           flags=("one_token_tail",), plot=True, table="One-token tails", per_request=False),
     Metric("row_count_mismatches", "row-count mismatches", "Row-count mismatches", "row-count mismatches",
            flags=("row_mismatch",), plot=True),
     Metric("prefill_row_count_mismatches", "row-count mismatches in prefill calls", "Prefill row-count mismatches",
-           "prefill row-count mismatches", flags=("row_mismatch", "is_prefill"), gate=False),
+           "prefill row-count mismatches", flags=("row_mismatch", "is_prefill"), gate=False,
+           table="Row-count mismatches / prefill calls", ratio_of="prefill_calls",
+           compact="Row-count mism. / prefill", tip="row-count mismatches / prefill calls"),
     Metric("misaligned_positions", "misaligned positions (both regions)", "Misaligned positions",
            "misaligned", span_field="misaligned"),
     Metric("misaligned_text_positions", "misaligned positions in the text region", "Misaligned (text)",
-           "misaligned (text)", span_field="misaligned_text"),
+           "misaligned (text)", span_field="misaligned_text", table="Misaligned (text)", compact="Misal. (text)",
+           tip="misaligned positions up to and including text-EOS"),
     Metric("misaligned_end_positions", "misaligned positions in the end region", "Misaligned (end)",
-           "misaligned (end)", span_field="misaligned_end"),
+           "misaligned (end)", span_field="misaligned_end", table="Misaligned (end)", compact="Misal. (end)",
+           tip="misaligned positions after text-EOS"),
 )
 BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
 
@@ -102,3 +119,4 @@ MISALIGNED_COUNTS: dict[str, str] = {m.name: m.span_field for m in METRICS if m.
 GATED_COUNTS: tuple[str, ...] = tuple(m.name for m in METRICS if m.gate)
 STRESS_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.stress)
 STRESSED_POINT_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.stressed_point)
+TABLE_METRICS: tuple[Metric, ...] = tuple(m for m in METRICS if m.table)  # the tables' count columns, in order

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.metrics import span_flags
+from harness.metrics import EVENT_FIELDS, METRICS, span_flags
 
 REQUESTS_FILE = "requests.jsonl"
 SPANS_FILE = "spans.jsonl"  # runs before the span store (issue 48), and the export's line format
@@ -56,12 +56,11 @@ class SpanRecord:
     misaligned_end: int | None = None
     misaligned: int | None = None  # misaligned_text + misaligned_end
     error: str | None = None
-    is_prefill: bool = field(default=False, init=False)
-    nonzero_offset: bool = field(default=False, init=False)
-    cross_boundary: bool = field(default=False, init=False)
-    multi_decode: bool = field(default=False, init=False)
-    one_token_tail: bool = field(default=False, init=False)
-    row_mismatch: bool = field(default=False, init=False)
+    # The event flags, one bool per ``harness.metrics.EVENTS`` entry in its order (is_prefill,
+    # nonzero_offset, cross_boundary, multi_decode, one_token_tail, row_mismatch): generated from it, so a
+    # new event is a field here, in every span's JSON and in the fast writer (``span_json``) with no edit.
+    __annotations__.update(dict.fromkeys(EVENT_FIELDS, "bool"))
+    vars().update({name: field(default=False, init=False) for name in EVENT_FIELDS})
 
     def __post_init__(self) -> None:
         for name, value in span_flags(self.P, self.c, self.n, self.rows).items():
@@ -72,20 +71,14 @@ class SpanRecord:
 
 @dataclass
 class EventCounts:
-    """Per-request (or per-cell) counts of the contract's events: one field per ``harness.metrics.METRICS``
-    entry, in its order (``tests/test_metrics.py``)."""
+    """Per-request (or per-cell) counts of the contract's events: one int field per ``harness.metrics.METRICS``
+    entry, in its order (talker_calls, prefill_calls, nonzero_offset_chunks, cross_boundary_replays,
+    multi_position_decode_spans, one_token_tails, row_count_mismatches, prefill_row_count_mismatches,
+    misaligned_positions (text + end), misaligned_text_positions, misaligned_end_positions), generated from
+    it: a new count is one ``Metric``."""
 
-    talker_calls: int = 0
-    prefill_calls: int = 0
-    nonzero_offset_chunks: int = 0
-    cross_boundary_replays: int = 0
-    multi_position_decode_spans: int = 0
-    one_token_tails: int = 0
-    row_count_mismatches: int = 0
-    prefill_row_count_mismatches: int = 0
-    misaligned_positions: int = 0  # text + end
-    misaligned_text_positions: int = 0
-    misaligned_end_positions: int = 0
+    __annotations__ = {m.name: "int" for m in METRICS}  # the class's own: it declares no other field
+    vars().update(dict.fromkeys((m.name for m in METRICS), 0))
 
     def add(self, other: EventCounts) -> None:
         for f in dataclasses.fields(self):
@@ -181,8 +174,13 @@ _SPAN_KEYS = tuple(sorted(f.name for f in dataclasses.fields(SpanRecord)))
 _SPAN_TEMPLATE = "{" + ", ".join(f'"{k}": %s' for k in _SPAN_KEYS) + "}"
 _INTS = ("P", "c", "n", "repeat", "rows", "step")
 _OPTIONAL_INTS = ("misaligned", "misaligned_end", "misaligned_text")
-_FLAGS = ("cross_boundary", "is_prefill", "multi_decode", "nonzero_offset", "one_token_tail", "row_mismatch")
-assert set(_SPAN_KEYS) == {*_INTS, *_OPTIONAL_INTS, *_FLAGS, "arm", "deploy", "request", "error"}
+_FLAGS = tuple(sorted(EVENT_FIELDS))
+_STRINGS = ("arm", "deploy", "request")
+assert set(_SPAN_KEYS) == {*_INTS, *_OPTIONAL_INTS, *_FLAGS, *_STRINGS, "error"}
+# each key of the JSON object, in sorted order, with how its value is written: 0 int, 1 optional int,
+# 2 flag, 3 string, 4 the error (a string or null)
+_SPAN_KINDS = tuple((k, 0 if k in _INTS else 1 if k in _OPTIONAL_INTS else 2 if k in _FLAGS else 3 if k in _STRINGS
+                     else 4) for k in _SPAN_KEYS)
 _JSON_STRINGS: dict[str, str] = {}  # arm, deploy and prompt ids repeat on every span: each encoded once
 
 
@@ -195,28 +193,30 @@ def _json_str(value: str) -> str:
     return text
 
 
-def _optional_int(value: Any) -> str | None:
-    return "null" if value is None else int.__repr__(value) if type(value) is int else None
-
-
 def span_json(span: SpanRecord) -> str:
-    """``json.dumps(vars(span), sort_keys=True)``, the same bytes, faster (a sweep writes about a million
-    spans): the fields' types checked, then one format string. Anything else (an attribute beyond the
+    """``json.dumps(vars(span), sort_keys=True)``, the same bytes, faster (``export-spans`` writes millions
+    of spans): the fields' types checked, then one format string. Anything else (an attribute beyond the
     fields, a value of another type) takes json.dumps itself."""
     d = vars(span)
-    P, c, n, repeat, rows, step = d.get("P"), d.get("c"), d.get("n"), d.get("repeat"), d.get("rows"), d.get("step")
-    arm, deploy, request, error = d.get("arm"), d.get("deploy"), d.get("request"), d.get("error")
-    m, m_end, m_text = (_optional_int(d.get(k)) for k in _OPTIONAL_INTS)
-    flags = [d.get(k) for k in _FLAGS]
-    if (len(d) != len(_SPAN_KEYS) or type(P) is not int or type(c) is not int or type(n) is not int
-            or type(repeat) is not int or type(rows) is not int or type(step) is not int or type(arm) is not str
-            or type(deploy) is not str or type(request) is not str or (error is not None and type(error) is not str)
-            or m is None or m_end is None or m_text is None or any(type(f) is not bool for f in flags)):
+    if len(d) != len(_SPAN_KEYS):
         return json.dumps(dict(d), sort_keys=True)
-    cross, prefill, multi, nonzero, tail, mismatch = ("true" if f else "false" for f in flags)
-    return _SPAN_TEMPLATE % (P, _json_str(arm), c, cross, _json_str(deploy), "null" if error is None else
-                             _json_str(error), prefill, m, m_end, m_text, multi, n, nonzero, tail, repeat,
-                             _json_str(request), mismatch, rows, step)
+    values = []
+    for key, kind in _SPAN_KINDS:
+        value = d.get(key)
+        kind_of = type(value)
+        if kind == 0 and kind_of is int:
+            values.append(int.__repr__(value))
+        elif kind == 1 and (value is None or kind_of is int):
+            values.append("null" if value is None else int.__repr__(value))
+        elif kind == 2 and kind_of is bool:
+            values.append("true" if value else "false")
+        elif kind == 3 and kind_of is str:
+            values.append(_json_str(value))
+        elif kind == 4 and (value is None or kind_of is str):
+            values.append("null" if value is None else _json_str(value))
+        else:
+            return json.dumps(dict(d), sort_keys=True)
+    return _SPAN_TEMPLATE % tuple(values)
 
 
 _REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))

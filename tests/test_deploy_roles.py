@@ -112,7 +112,8 @@ def test_deploys_named_anything_pair_by_their_declared_roles(tmp_path: Path) -> 
     markdown = (run / "summary.md").read_text()
     assert "same prompt's WER in the same arm's calm deploy (same run)" in markdown
     html = (run / "report.html").read_text()
-    assert html.count('<tr class="worst">') == 2  # one worst request per paired cell, with its players
+    # one worst request per paired cell, with its players; tinted where worse than its pair (main's, not pr's)
+    assert html.count('<tr class="worst">') == 1 and html.count('<tr class="plays">') == 1
 
     rules = tmp_path / "roles.yaml"
     rules.write_text(RULES)

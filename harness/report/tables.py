@@ -32,9 +32,9 @@ import pandas as pd
 
 from harness.backends import is_simulated
 from harness.errors import UserError
-from harness.metrics import METRICS
+from harness.metrics import METRICS, TABLE_METRICS
 from harness.proc import fork_call
-from harness.records import RequestRecord, write_file_atomic
+from harness.records import EventCounts, RequestRecord, write_file_atomic
 from harness.report.summary import (  # re-exported: callers and tests use report.load_run & co.
     DEFAULT_ROLE,
     ROLES,
@@ -191,11 +191,47 @@ def seed_table(cells: list[CellSummary]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=SEED_COLUMNS, dtype=object)
 
 
+# The count columns of the per-cell and per-request tables come from harness.metrics (``Metric.table``), in
+# its order; speculative decoding's accepted tokens per step (a record's figure, not a count) follows the
+# count of its verify spans.
+ACCEPTED = "Accepted tokens/step"
+ACCEPTED_AFTER = "multi_position_decode_spans"
+
+
+def count_columns(per_request: bool = False) -> list[str]:
+    """The count columns (``Metric.table``) with ``ACCEPTED`` in its place."""
+    out = []
+    for m in TABLE_METRICS:
+        if m.per_request or not per_request:
+            out.append(m.table)
+        if m.name == ACCEPTED_AFTER:
+            out.append(ACCEPTED)
+    return out
+
+
+def count_values(events: EventCounts, accepted: str, misaligned_known: bool, traced: bool = True,
+                 per_request: bool = False) -> list[str]:
+    """``count_columns``' values: a flag count n/a where the cell was not traced (--trace off), a span-field
+    count (misaligned positions) n/a where the backend does not measure it."""
+    out = []
+    for m in TABLE_METRICS:
+        if m.per_request or not per_request:
+            value = getattr(events, m.name)
+            if m.span_field is not None:
+                out.append(str(value) if misaligned_known else NA)
+            elif not traced:
+                out.append(NA)
+            else:
+                out.append(fmt_ratio(value, getattr(events, m.ratio_of)) if m.ratio_of else str(value))
+        if m.name == ACCEPTED_AFTER:
+            out.append(accepted)
+    return out
+
+
 EXTENDED_COLUMNS = [
     "Arm", "Deploy", "Run", "Requests", "WER source", "WER (mean)", "WER (median)", "Oracle WER (mean)",
-    f"Requests with WER > {WER_THRESHOLD}", "Not measurable", "Non-zero-offset chunks", "Cross-boundary replays",
-    "Multi-position decode spans", "Accepted tokens/step", "One-token tails", "Row-count mismatches / prefill calls",
-    "Misaligned (text)", "Misaligned (end)", "Worst request", "Preemptions", "Errors", "Wall time (s)",
+    f"Requests with WER > {WER_THRESHOLD}", "Not measurable", *count_columns(), "Worst request", "Preemptions",
+    "Errors", "Wall time (s)",
 ]
 
 
@@ -211,14 +247,10 @@ def extended_table(cells: list[CellSummary]) -> pd.DataFrame:
         rows.append([
             c.arm, c.deploy, str(c.run_number), str(c.requests), WER_SOURCE_TEXT[c.wer_source].split(" (")[0],
             fmt_wer(c.mean_wer), fmt_wer(c.median_wer), fmt_wer(c.oracle_mean_wer),
-            fmt_ratio(c.requests_over(), c.scored), str(c.not_measurable), traced(str(ev.nonzero_offset_chunks)),
-            traced(str(ev.cross_boundary_replays)),
-            traced(str(ev.multi_position_decode_spans)), fmt_accepted(c.accepted_tokens_per_step),
-            traced(str(ev.one_token_tails)), traced(fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls)),
-            str(ev.misaligned_text_positions) if c.misaligned_known else NA,
-            str(ev.misaligned_end_positions) if c.misaligned_known else NA, fmt_worst(c),
-            traced(str(c.preemptions)), f"{c.errors} ({c.crashed} crashed)" if c.crashed else str(c.errors),
-            f"{c.wall_s:.1f}",
+            fmt_ratio(c.requests_over(), c.scored), str(c.not_measurable),
+            *count_values(ev, fmt_accepted(c.accepted_tokens_per_step), c.misaligned_known, c.span_facts),
+            fmt_worst(c), traced(str(c.preemptions)),
+            f"{c.errors} ({c.crashed} crashed)" if c.crashed else str(c.errors), f"{c.wall_s:.1f}",
         ])
     return pd.DataFrame(rows, columns=EXTENDED_COLUMNS, dtype=object)
 
@@ -275,7 +307,7 @@ def cells_frame(cells: list[CellSummary]) -> pd.DataFrame:
         }
         row.update({k: v for k, v in vars(c.events).items()})
         if not c.misaligned_known:
-            row.update(misaligned_positions=None, misaligned_text_positions=None, misaligned_end_positions=None)
+            row.update({m.name: None for m in METRICS if m.span_field is not None})  # not measured
         worst = c.worst_request
         row.update(role=c.role, worst_request=worst.prompt_id if worst else None,
                    worst_request_wer=worst.score if worst else None)
@@ -289,8 +321,7 @@ def cells_frame(cells: list[CellSummary]) -> pd.DataFrame:
 
 REQUEST_COLUMNS = [
     "Arm", "Deploy", "Run", "Prompt", "WER", "Oracle WER", "Codec tokens", "Finish", "Preemptions",
-    "Non-zero-offset chunks", "Cross-boundary replays", "Multi-position decode spans", "Accepted tokens/step",
-    "Row-count mismatches / prefill calls", "Misaligned (text)", "Misaligned (end)", "Error", "Transcript",
+    *count_columns(per_request=True), "Error", "Transcript",
 ]
 
 
@@ -335,10 +366,8 @@ def _request_rows(run: Run, cells: list[CellSummary]) -> list[list[str]]:
             rec.arm, rec.deploy, str(run_number[cell]), rec.prompt_id,
             "not measurable" if rec.not_measurable else fmt_wer(rec.score), fmt_wer(rec.oracle_wer),
             str(rec.num_codec_tokens), rec.finish_reason or NA, str(rec.preemptions),
-            str(ev.nonzero_offset_chunks), str(ev.cross_boundary_replays), str(ev.multi_position_decode_spans),
-            fmt_accepted(rec.accepted_tokens_per_step), fmt_ratio(ev.prefill_row_count_mismatches, ev.prefill_calls),
-            *((str(ev.misaligned_text_positions), str(ev.misaligned_end_positions))
-              if known.get(rec.key, is_simulated(rec.backend)) else (NA, NA)),
+            *count_values(ev, fmt_accepted(rec.accepted_tokens_per_step), known.get(rec.key, is_simulated(rec.backend)),
+                          per_request=True),
             " ".join((rec.error or "").split()), " ".join((text or "").split()),
         ])
     if len(_REQUEST_ROWS) >= 4:
@@ -361,9 +390,10 @@ def fmt_delta(value: float | None) -> str:
     return NA if value is None else f"{value:+.3f}"
 
 
+PAIRED_SPAN_METRICS = [m for m in TABLE_METRICS if m.span_field is not None]  # the request's misaligned positions
 PAIRED_COLUMNS = [
     "Arm", "Deploy", "Run", "Prompt", "Reference WER", "WER", "\u0394 WER", "Oracle \u0394 WER",
-    "Misaligned (text)", "Misaligned (end)", "Worst of cell",
+    *(m.table for m in PAIRED_SPAN_METRICS), "Worst of cell",
 ]
 
 
@@ -390,8 +420,7 @@ def paired_table(run: Run, cells: list[CellSummary], reference_deploy: str | Non
             rows.append([
                 cell.arm, cell.deploy, str(cell.run_number), pr.prompt_id, fmt_wer(pr.reference_wer), fmt_wer(pr.wer),
                 fmt_delta(pr.delta), fmt_delta(pr.oracle_delta),
-                str(ev.misaligned_text_positions) if measured and ev else NA,
-                str(ev.misaligned_end_positions) if measured and ev else NA,
+                *(str(getattr(ev, m.name)) if measured and ev else NA for m in PAIRED_SPAN_METRICS),
                 "worst" if worst is not None and pr.record is worst else "",
             ])
     return pd.DataFrame(rows, columns=PAIRED_COLUMNS, dtype=object)
@@ -812,23 +841,22 @@ def html_paired(run: Run, cells: list[CellSummary]) -> str:
         if worst:
             ref_rec = next((r for r in pr.reference.records if r.prompt_id == pr.prompt_id), None)
             audio = audio_tag(run, pr.record, pr.cell.deploy) + " " + audio_tag(run, ref_rec, pr.reference.deploy)
-        tr = '<tr class="worst">' if worst else "<tr>"
+        # the worst request of each cell carries the players; it is tinted only where it is worse than its
+        # reference (no tint where nothing is wrong: a correct arm's worst prompt is often equal)
+        tr = ('<tr class="worst">' if worst and pr.delta is not None and pr.delta > 0 else
+              '<tr class="plays">' if worst else "<tr>")
         body.append(f"{tr}{cells_html}<td class=\"audio\">{audio}</td></tr>")
     return _scroll(f"<table class=\"paired\"><thead><tr>{head}</tr></thead><tbody>" + "".join(body)
                    + "</tbody></table>")
 
 
 # the per-request table's HTML columns: (heading, the requests_table column it shows, tooltip)
+_COMPACT = {m.table: (m.compact or m.table, m.tip or m.label) for m in TABLE_METRICS}
+_COMPACT[ACCEPTED] = ("Acc. tok/step", "accepted tokens per verify step (speculative decoding)")
 _REQUEST_HTML = [
     ("Prompt", "Prompt", None), ("WER", "WER", None), ("Oracle WER", "Oracle WER", None),
     ("Codec tokens", "Codec tokens", None), ("Finish", "Finish", None), ("Preempt.", "Preemptions", None),
-    ("Chunks", "Non-zero-offset chunks", "non-zero-offset prefill chunks"),
-    ("Replays", "Cross-boundary replays", "replays crossing the prompt boundary"),
-    ("Multi-pos. decode", "Multi-position decode spans", "multi-position decode spans"),
-    ("Acc. tok/step", "Accepted tokens/step", "accepted tokens per verify step (speculative decoding)"),
-    ("Row-count mism. / prefill", "Row-count mismatches / prefill calls", "row-count mismatches / prefill calls"),
-    ("Misal. (text)", "Misaligned (text)", "misaligned positions up to and including text-EOS"),
-    ("Misal. (end)", "Misaligned (end)", "misaligned positions after text-EOS"),
+    *((_COMPACT[c][0], c, _COMPACT[c][1]) for c in count_columns(per_request=True)),
 ]
 MAX_HTML_TEXT = 400  # transcript characters shown per request (requests.csv has them whole)
 

@@ -35,7 +35,7 @@ import numpy as np
 from harness.backends import is_simulated
 from harness.contract import MISALIGNED_COUNTS, classify_spans, event_count_columns
 from harness.errors import UserError
-from harness.roles import deploy_role
+from harness.roles import DEPLOY_ROLES, deploy_role
 from harness.records import (
     CRASHED_ERROR,
     MANIFEST_FILE,
@@ -458,7 +458,7 @@ class Run:
         run recorded before roles, as ``harness.roles.deploy_role`` infers them from the name."""
         recorded = self.manifest.get("deploy_roles")
         entry = recorded.get(deploy) if isinstance(recorded, dict) else None
-        if isinstance(entry, dict) and entry.get("role") in ("reference", "stress"):
+        if isinstance(entry, dict) and entry.get("role") in DEPLOY_ROLES:
             pair = entry.get("pair")
             return str(entry["role"]), pair if isinstance(pair, str) and entry["role"] == "stress" else None
         return deploy_role(deploy)

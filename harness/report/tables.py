@@ -32,7 +32,7 @@ import pandas as pd
 
 from harness.backends import is_simulated
 from harness.errors import UserError
-from harness.metrics import METRICS, TABLE_METRICS
+from harness.metrics import METRICS, TABLE_METRICS, Metric
 from harness.proc import fork_call
 from harness.records import EventCounts, RequestRecord, write_file_atomic
 from harness.report.summary import (  # re-exported: callers and tests use report.load_run & co.
@@ -198,15 +198,20 @@ ACCEPTED = "Accepted tokens/step"
 ACCEPTED_AFTER = "multi_position_decode_spans"
 
 
-def count_columns(per_request: bool = False) -> list[str]:
-    """The count columns (``Metric.table``) with ``ACCEPTED`` in its place."""
-    out = []
+def _count_slots(per_request: bool) -> list[Metric | None]:
+    """The count columns' metrics in table order, None where ``ACCEPTED`` stands."""
+    out: list[Metric | None] = []
     for m in TABLE_METRICS:
         if m.per_request or not per_request:
-            out.append(m.table)
+            out.append(m)
         if m.name == ACCEPTED_AFTER:
-            out.append(ACCEPTED)
+            out.append(None)
     return out
+
+
+def count_columns(per_request: bool = False) -> list[str]:
+    """The count columns (``Metric.table``) with ``ACCEPTED`` in its place."""
+    return [ACCEPTED if m is None else str(m.table) for m in _count_slots(per_request)]
 
 
 def count_values(events: EventCounts, accepted: str, misaligned_known: bool, traced: bool = True,
@@ -214,17 +219,16 @@ def count_values(events: EventCounts, accepted: str, misaligned_known: bool, tra
     """``count_columns``' values: a flag count n/a where the cell was not traced (--trace off), a span-field
     count (misaligned positions) n/a where the backend does not measure it."""
     out = []
-    for m in TABLE_METRICS:
-        if m.per_request or not per_request:
-            value = getattr(events, m.name)
-            if m.span_field is not None:
-                out.append(str(value) if misaligned_known else NA)
-            elif not traced:
-                out.append(NA)
-            else:
-                out.append(fmt_ratio(value, getattr(events, m.ratio_of)) if m.ratio_of else str(value))
-        if m.name == ACCEPTED_AFTER:
+    for m in _count_slots(per_request):
+        if m is None:
             out.append(accepted)
+        elif m.span_field is not None:
+            out.append(str(getattr(events, m.name)) if misaligned_known else NA)
+        elif not traced:
+            out.append(NA)
+        else:
+            value = getattr(events, m.name)
+            out.append(fmt_ratio(value, getattr(events, m.ratio_of)) if m.ratio_of else str(value))
     return out
 
 
@@ -400,8 +404,7 @@ PAIRED_COLUMNS = [
 def paired_cells(cells: list[CellSummary], reference_deploy: str | None = None) -> list[CellSummary]:
     """The cells the paired table shows: every cell that has a reference cell (``reference_deploy`` None:
     every stress cell whose declared pair ran, ``harness.roles``), outside that reference deploy."""
-    return [c for c in cells if (reference_deploy is not None or c.deploy_role == "stress")
-            and c.deploy != reference_deploy and paired_rows(c, cells, reference_deploy)]
+    return [c for c in cells if c.deploy != reference_deploy and paired_rows(c, cells, reference_deploy)]
 
 
 def paired_table(run: Run, cells: list[CellSummary], reference_deploy: str | None = None) -> pd.DataFrame:

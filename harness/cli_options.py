@@ -21,7 +21,7 @@ import click
 
 from harness.config import MAX_SEED
 from harness.executors import EXECUTORS, get_executor
-from harness.families import family_names
+from harness.family import family_names
 from harness.backends import BACKENDS, DEFAULT_SIM_TALKER, SIM_TALKERS
 from harness.sim import armcall
 
@@ -184,7 +184,7 @@ def family_defaults(family: str | None, **values: Any) -> dict[str, Any]:
     replaced by ``--family``'s own: ``--family X`` alone runs X's arms, deploys and prompts."""
     if family is None:
         return values
-    from harness.families import get_family
+    from harness.family import get_family
 
     fam = get_family(family)
     own = {"arms": fam.default_arms, "deploys": fam.default_deploys, "prompt_set": fam.default_prompts}

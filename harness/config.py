@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from harness.errors import ConfigError, short_repr
-from harness.families import DEFAULT_FAMILY, FAMILY_PACKAGES, TEXT_INPUT_FAMILIES
+from harness.family import DEFAULT_FAMILY, family_names, get_family
 from harness.roles import DEPLOY_ROLES, deploy_role
 from harness.physics import FRAMES_PER_TEXT_TOKEN
 
@@ -350,8 +350,8 @@ _DEPLOY_KEYS = {"name", "description", "talker", "thinker", "code2wav", "async_c
 def _family_field(f: _Fields) -> str:
     """A ``family:`` key (deploy, prompt set or arm): one of the registered families' names."""
     family = f.str_("family", default=DEFAULT_FAMILY) or DEFAULT_FAMILY
-    if family not in FAMILY_PACKAGES:
-        raise f.fail("family", f"unknown model family {short_repr(family)} (known: {', '.join(FAMILY_PACKAGES)})")
+    if family not in family_names():
+        raise f.fail("family", f"unknown model family {short_repr(family)} (known: {', '.join(family_names())})")
     return family
 
 
@@ -617,8 +617,8 @@ def load_prompts(name_or_path: str) -> PromptSet:
     top.reject_unknown({"name", "description", "system_prompt", "prompts", "family"})
     family = _family_field(top)
     # A TTS prompt set has no Thinker: each prompt is the ``text`` to say (its WER reference), and the set
-    # needs no system prompt. Its family's stage takes the text itself (``harness.families``).
-    tts = family in TEXT_INPUT_FAMILIES
+    # needs no system prompt. Its family's stage takes the text itself (``Family.text_input``).
+    tts = get_family(family).text_input
     system = top.str_("system_prompt", required=not tts, default="")
     items = top.data.get("prompts")
     if not isinstance(items, list) or not items:

@@ -27,7 +27,7 @@ from harness import __version__, interrupt
 from harness.backends import RunOptions, get_backend
 from harness.config import ArmSpec, Deploy, PromptSet
 from harness.errors import UserError
-from harness.families import DEFAULT_FAMILY
+from harness.family import DEFAULT_FAMILY
 from harness.rundir import ResumeState
 from harness.records import (
     REQUESTS_FILE,
@@ -94,7 +94,7 @@ class RunPlan:
 
     @property
     def family(self) -> str:
-        """The model family of the run (``harness.families.choose_family`` checked that every deploy agrees)."""
+        """The model family of the run (``harness.family.choose_family`` checked that every deploy agrees)."""
         return self.deploys[0].family if self.deploys else DEFAULT_FAMILY
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from harness.backends import DEFAULT_SIM_TALKER, is_simulated
 from harness.config import check_name
 from harness.errors import UserError, WorkerOutOfMemory, out_of_memory
-from harness.families import DEFAULT_FAMILY
+from harness.family import DEFAULT_FAMILY
 from harness.records import (
     MANIFEST_FILE,
     REQUESTS_FILE,

@@ -42,10 +42,10 @@ def is_spoken(token: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- the speaking tiny model's
-# tokenizer (``omni-stress tiny-model``, harness/serve/tiny_model.py): byte-level with no merges, so one token
+# tokenizer (``omni-stress tiny-model``, harness/families/qwen2_5_omni/tiny_model.py): byte-level with no merges, so one token
 # per UTF-8 byte, plus Qwen2.5-Omni's added special tokens, each one token that carries no byte. The sim's
 # ``speaking`` Talker mode tokenizes with it so that its Talker prompt length P is the real server's.
-# Must list the same tokens as ``harness.serve.tiny_model.SPECIAL_TOKENS`` (tests/test_sim_speaking.py).
+# Must list the same tokens as ``harness.families.qwen2_5_omni.tiny_model.SPECIAL_TOKENS`` (tests/test_sim_speaking.py).
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|box_end|>",
     "<|quad_start|>", "<|quad_end|>", "<|vision_bos|>", "<|vision_eos|>", "<|vision_pad|>", "<|IMAGE|>",

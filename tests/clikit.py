@@ -137,7 +137,7 @@ def _records(run_dir: Path) -> list[dict]:
 _CHDIR_PLUGIN = """\
 import os
 
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 os.chdir(os.environ["CHDIR_TO"])  # at import (the run's pre-flight imports it before any directory exists)
 

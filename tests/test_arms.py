@@ -11,13 +11,13 @@ from simkit import FakeRequest
 from harness.config import load_prompts
 from harness.contract import ContractError
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD
-from harness.sim.model import bind_arm
+from harness.families.qwen2_5_omni.model import bind_arm
 from harness.sim.rows import NONE, RowSpace
 from harness.families.qwen2_5_omni.sim import SimContract
 from harness.sim.runner import SimRunner
-from harness.sim.thinker import run_thinker, token_id_table
-from harness.talkers.main import MainTalker
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.thinker import run_thinker, token_id_table
+from harness.families.qwen2_5_omni.main import MainTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 PROMPTS = Path(__file__).parent / "data" / "prompts_e2e.yaml"
 
@@ -244,7 +244,7 @@ def test_plugin_module_in_the_working_directory_imports_with_the_installed_scrip
     import sys
     from pathlib import Path
 
-    (tmp_path / "mytalker.py").write_text("from harness.talkers.pr import FixedTalker\n\n\n"
+    (tmp_path / "mytalker.py").write_text("from harness.families.qwen2_5_omni.pr import FixedTalker\n\n\n"
                                           "class Fix(FixedTalker):\n    pass\n")
     script = Path(sys.executable).parent / "omni-stress"
     repo = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from conftest import run_cli
 CF = ["conform", "--deploy", "none", "--requests", "1", "--generated", "16"]
 
 _PLUGIN = """\
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 
 class Loops(FixedTalker):

@@ -147,7 +147,7 @@ def test_9_timeouts_must_be_finite_numbers(tmp_path, option, value):
 # ----------------------------------------------------------------------------- 11: an arm raising KeyboardInterrupt
 
 _KI_PLUGIN = """\
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 
 class RaisesKeyboardInterrupt(FixedTalker):
@@ -183,7 +183,7 @@ _THREAD_PLUGIN = """\
 import threading
 import time
 
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 _started = []
 
@@ -217,7 +217,7 @@ _SIGNAL_PLUGIN = """\
 import signal
 import time
 
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 
 class _Hangs(FixedTalker):
@@ -302,7 +302,7 @@ def test_6_a_plugin_that_changes_directory_does_not_move_the_run(tmp_path, worke
 # ----------------------------------------------------------------------------- 10: an arm that exhausts memory
 
 _MEMORY_PLUGIN = """\
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 BAD = {bad!r}
 _hoard = []
@@ -385,7 +385,7 @@ _DEAF_PLUGIN = """\
 import signal
 import time
 
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 
 class Deaf(FixedTalker):

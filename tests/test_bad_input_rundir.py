@@ -321,7 +321,7 @@ def test_19_disk_full_while_the_first_manifest_is_written(tmp_path, monkeypatch)
 # ----------------------------------------------------------------------------- 13: --resume after the arm's code changed
 
 _BASE = """\
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 
 class Base(FixedTalker):

@@ -26,7 +26,7 @@ def fake_arms(tmp_path):
     def write(**env: str) -> str:
         fake = REPO / "tests" / "fake_vllm" / "fake_vllm_serve.py"
         # the fake is "an installed vLLM-Omni as it is": no arm bound into it, no contract check on its rows
-        arms = {"arms": {"main": {"talker": "harness.talkers.main:MainTalker",
+        arms = {"arms": {"main": {"talker": "harness.families.qwen2_5_omni.main:MainTalker",
                                   "serve": {"command": [sys.executable, str(fake)], "bind_arm": False,
                                             "env": {"OMNI_STRESS_CONTRACT": "0", **env}}}}}
         path = tmp_path / "arms.yaml"
@@ -141,7 +141,7 @@ def test_22_stray_omni_stress_variables_never_reach_the_server(tmp_path, monkeyp
     wrapper = tmp_path / "dump_env_then_fake.py"
     wrapper.write_text(_ENV_DUMPER.format(fake=fake))
     dump = tmp_path / "env.jsonl"
-    arms = {"arms": {"main": {"talker": "harness.talkers.main:MainTalker",
+    arms = {"arms": {"main": {"talker": "harness.families.qwen2_5_omni.main:MainTalker",
                               "serve": {"command": [sys.executable, str(wrapper)], "bind_arm": False,
                                         "env": {"OMNI_STRESS_CONTRACT": "0", "ENV_DUMP_FILE": str(dump)}}}}}
     arms_file = tmp_path / "arms.yaml"

@@ -119,7 +119,7 @@ def test_gate_fails_a_stress_run_that_stressed_too_little(sim_run, tmp_path):
 def test_list_shows_arms_deploys_prompts(tmp_path):
     proc = omni("list", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "harness.talkers.main:MainTalker" in proc.stdout
+    assert "harness.families.qwen2_5_omni.main:MainTalker" in proc.stdout
     assert "num_gpu_blocks_override=128" in proc.stdout
     assert "16 prompts" in proc.stdout
 
@@ -129,7 +129,7 @@ def test_real_backend_against_fake_server(tmp_path):
     arms.write_text(
         "arms:\n"
         "  main:\n"
-        "    talker: harness.talkers.main:MainTalker\n"
+        "    talker: harness.families.qwen2_5_omni.main:MainTalker\n"
         f"    serve: {{command: [{json.dumps(sys.executable)}, {json.dumps(str(FAKE_VLLM))}], bind_arm: false}}\n"
     )
     common = ["--backend", "vllm-omni", "--arms-file", str(arms), "--arm", "main", "--deploy", "stress",

@@ -275,9 +275,9 @@ def test_plugin_arms_for_any_model(tmp_path: Path, monkeypatch: Any) -> None:
     (tmp_path / "conform_plugin_mod.py").write_text(PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     small = ["--deploy", "none", "--requests", "1", "--generated", "24"]
-    fixed = _cli("--model", "qwen2.5-omni:harness.talkers.pr:FixedTalker", *small)  # the form run/gate take
+    fixed = _cli("--model", "qwen2.5-omni:harness.families.qwen2_5_omni.pr:FixedTalker", *small)  # the form run/gate take
     assert fixed.exit_code == 0, fixed.output
-    assert "qwen2.5-omni:harness.talkers.pr:FixedTalker: conforms -- plugin arm harness.talkers.pr:FixedTalker" \
+    assert "qwen2.5-omni:harness.families.qwen2_5_omni.pr:FixedTalker: conforms -- plugin arm harness.families.qwen2_5_omni.pr:FixedTalker" \
         in fixed.output
     up = _check("qwen3-tts")
     plug = check_model(__import__("harness.conform.models", fromlist=["resolve_model"]).resolve_model(

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, invoke_cli
 from harness.config import ArmSpec, ConfigError, load_arms, load_deploy, load_prompts
 from harness.errors import UserError
-from harness.families import DEFAULT_FAMILY, FAMILY_PACKAGES, choose_family, get_family
+from harness.family import DEFAULT_FAMILY, EXTRA_MODULES, choose_family, get_family
 
 E2E_PROMPTS = REPO / "tests" / "data" / "prompts_e2e.yaml"
 
@@ -26,9 +26,8 @@ def test_qwen2_5_omni_is_the_default_family_and_names_its_parts():
     assert fam.request_api == "/v1/chat/completions"
     assert (fam.default_arms, fam.default_deploys, fam.default_prompts) == (("main", "pr"), ("reference", "stress"),
                                                                            "default")
-    from harness.families.qwen2_5_omni.sim import build_cell
-
-    assert fam.hook_fn("sim_cell") is build_cell
+    assert fam.text_input is False and fam.gate_rules == "gates" and fam.serve_missing is None
+    assert fam.serve().request_body.__module__ == "harness.families.qwen2_5_omni.serve"
 
 
 def test_unknown_family_is_one_line_naming_where():
@@ -68,7 +67,7 @@ def test_a_deploys_family_field_is_checked_against_the_registry(tmp_path):
 @pytest.fixture
 def toy(monkeypatch):
     """The test family ``toy`` (tests/fixtures/toy_family.py) registered for this test."""
-    monkeypatch.setitem(FAMILY_PACKAGES, "toy", "tests.fixtures.toy_family")
+    monkeypatch.setattr("harness.family.EXTRA_MODULES", [*EXTRA_MODULES, "tests.fixtures.toy_family"])
     from tests.fixtures import toy_family
 
     toy_family.CALLS.clear()
@@ -97,7 +96,7 @@ def test_choose_family_takes_the_deploys_and_refuses_a_mix(tmp_path, toy):
         choose_family(None, [toy_d], toy_prompts, [pr])
     assert str(exc.value) == (f"arm 'pr' ({pr.source}): family 'qwen2.5-omni', but the run's family is 'toy' "
                               "(its deploys')")
-    plugin = ArmSpec(name="x", talker="harness.talkers.pr:FixedTalker", source="--arm")
+    plugin = ArmSpec(name="x", talker="harness.families.qwen2_5_omni.pr:FixedTalker", source="--arm")
     assert choose_family(None, [toy_d], toy_prompts, [plugin]).name == "toy"
 
 
@@ -114,7 +113,7 @@ def test_a_second_family_drives_the_sim_through_its_own_hook(tmp_path, toy):
     deploy = _deploy(tmp_path, "toy-stress", "toy")
     prompts = _toy_prompts(tmp_path)
     common = ("run", "--asr", "none", "--quiet", "--sim-workers", "0", "--arm-timeout", "0",
-              "--arm", "fix=harness.talkers.pr:FixedTalker",
+              "--arm", "fix=harness.families.qwen2_5_omni.pr:FixedTalker",
               "--out", str(tmp_path / "out"))
     res = invoke_cli(*common, "--run-id", "toy", "--deploy", str(deploy), "--prompts", str(prompts))
     assert res.exit_code == 0, res.stderr
@@ -181,12 +180,45 @@ def test_list_families_shows_each_familys_chain_hook_and_defaults():
 
 
 def test_a_sim_talker_the_family_has_not_is_refused(tmp_path, toy, monkeypatch):
-    from dataclasses import replace
-
-    monkeypatch.setattr(toy, "FAMILY", replace(toy.FAMILY, sim_talkers=("words",)))
+    monkeypatch.setattr(toy.FAMILY, "sim_talkers", ("words",))
     res = invoke_cli("run", "--asr", "none", "--quiet", "--sim-talker", "speaking", "--arm",
-                     "fix=harness.talkers.pr:FixedTalker", "--deploy", str(_deploy(tmp_path, "toy-stress", "toy")),
+                     "fix=harness.families.qwen2_5_omni.pr:FixedTalker", "--deploy", str(_deploy(tmp_path, "toy-stress", "toy")),
                      "--prompts", str(_toy_prompts(tmp_path)), "--out", str(tmp_path / "out"))
     assert res.exit_code == 2
     assert res.stderr.strip().splitlines() == [
         "omni-stress: error: --sim-talker speaking: the toy family's sim has the Talkers words"]
+
+
+def test_a_family_that_omits_a_member_is_refused_at_registration_naming_it(monkeypatch, tmp_path):
+    """A copied family that forgets a member must not borrow Qwen2.5-Omni's silently."""
+    (tmp_path / "half_family.py").write_text(
+        "from harness.family import Family\n\n\n"
+        "class Half(Family):\n"
+        "    name = 'half'\n"
+        "    stages = ('talker',)\n"
+        "    stage_under_test = 0\n\n"
+        "    def sim_cell(self, impl, deploy, prompts, seed, talker_mode):\n"
+        "        return None\n\n\n"
+        "FAMILY = Half()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr("harness.family.EXTRA_MODULES", [*EXTRA_MODULES, "half_family"])
+    with pytest.raises(UserError) as exc:
+        get_family("qwen2.5-omni")
+    assert str(exc.value) == (
+        "half_family: family 'half' does not declare hook, trace_target, request_api, conform_model, default_arms, "
+        "default_deploys, default_prompts, sim_talkers, text_input, speaking_blind_spots, gate_rules, serve_missing, "
+        "check_prompts, load_arm, speaking_rules, serve, tiny_model_argv (every member of harness.family.Family is "
+        "required)")
+
+
+def test_families_are_found_without_a_list_and_a_taken_name_is_refused(monkeypatch, tmp_path):
+    from harness.family import family_names
+
+    assert family_names() == ("qwen2.5-omni", "qwen3-tts")  # the packages under harness/families/, in order
+    (tmp_path / "twin_family.py").write_text(
+        "from harness.families.qwen3_tts import Qwen3TTS\n\nFAMILY = Qwen3TTS()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr("harness.family.EXTRA_MODULES", [*EXTRA_MODULES, "twin_family"])
+    with pytest.raises(UserError) as exc:
+        family_names()
+    assert str(exc.value) == "twin_family: family name 'qwen3-tts' is taken by another package"

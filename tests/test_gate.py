@@ -469,12 +469,12 @@ def test_arm_roles_in_arms_yaml(tmp_path: Path) -> None:
     arms = load_arms()
     assert (arms["main"].role, arms["pr"].role) == ("baseline", "candidate")
     assert resolve_arm("mine=tests.fixtures.mutants:OffByOneDecode", arms).role == "candidate"
-    assert resolve_arm("main=harness.talkers.main:MainTalker", arms).role == "candidate"  # a plugin arm
+    assert resolve_arm("main=harness.families.qwen2_5_omni.main:MainTalker", arms).role == "candidate"  # a plugin arm
     res = CliRunner().invoke(main, ["list", "arms"])
-    assert "harness.talkers.main:MainTalker (role: baseline, family: qwen2.5-omni)" in res.stdout
-    assert "harness.talkers.pr:FixedTalker (role: candidate, family: qwen2.5-omni)" in res.stdout
+    assert "harness.families.qwen2_5_omni.main:MainTalker (role: baseline, family: qwen2.5-omni)" in res.stdout
+    assert "harness.families.qwen2_5_omni.pr:FixedTalker (role: candidate, family: qwen2.5-omni)" in res.stdout
     bad = tmp_path / "arms.yaml"
-    bad.write_text("arms:\n  main:\n    talker: harness.talkers.main:MainTalker\n    role: reference\n")
+    bad.write_text("arms:\n  main:\n    talker: harness.families.qwen2_5_omni.main:MainTalker\n    role: reference\n")
     with pytest.raises(ConfigError) as exc:
         load_arms(bad)
     assert str(exc.value) == f"{bad}: arms.main.role: must be one of baseline, candidate, got 'reference'"

@@ -47,7 +47,7 @@ EXPECTED_FAILURES = {
 def mutation_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mutations")
     arms = ["--arm", "main", "--arm", "pr", "--arm", "prcopy=tests.fixtures.mutants:PrReimplemented",
-            "--arm", "maincand=harness.talkers.main:MainTalker"]
+            "--arm", "maincand=harness.families.qwen2_5_omni.main:MainTalker"]
     for name, attr in MUTANTS.items():
         arms += ["--arm", f"{name}=tests.fixtures.mutants:{attr}"]
     res = invoke_cli("run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS), "--out", str(out),

@@ -69,7 +69,7 @@ def test_the_simulation_doc_states_the_code_derivation():
 
 def _setup(T: int = 30, R: int = 19):
     space = RowSpace(0)
-    from harness.sim.model import SimTalkerModelBase
+    from harness.families.qwen2_5_omni.model import SimTalkerModelBase
 
     model = SimTalkerModelBase(space)
     spk = int(space.identify(model.embed_text_spk_tokens["Chelsie"])[0][0])

@@ -38,14 +38,14 @@ def test_contract_rows_of_a_four_token_text():
 # --------------------------------------------------------------------------- forced spans through the runner
 
 def _cell(arm_name: str, deploy: str, prompts_n: int = 1):
-    from harness.families import get_family
+    from harness.family import get_family
     from harness.talkers import load_impl
 
     arm = load_arms()[arm_name]
     d = load_deploy(deploy)
     ps = load_prompts("qwen3_tts")
     ps = replace(ps, prompts=ps.prompts[:prompts_n])
-    cell = get_family(d.family).hook_fn("sim_cell")(load_impl(arm), d, ps, 42, "words")
+    cell = get_family(d.family).sim_cell(load_impl(arm), d, ps, 42, "words")
     runner = cell.runner_class(cell.model, cell.space, (arm_name, deploy, 1), cell.contract)
     out = cell.requests[0]
     runner.add_request(out, out.payload({}), 4096)

@@ -22,7 +22,7 @@ import pytest
 from clikit import as_jsonl_run
 from conftest import invoke_cli
 from harness.config import load_arms, load_deploy, load_prompts
-from harness.families import get_family
+from harness.family import get_family
 from harness.families.qwen3_tts import speaking
 from harness.sim.codec import CODEC_BOS
 from harness.talkers import load_impl
@@ -38,7 +38,7 @@ def _cell(arm_name: str, deploy: str = "qwen3-tts-cpu-stress", prompts_n: int = 
     d = load_deploy(deploy)
     ps = load_prompts(PROMPTS)
     ps = replace(ps, prompts=ps.prompts[:prompts_n])
-    cell = get_family(d.family).hook_fn("sim_cell")(load_impl(arm), d, ps, 42, "speaking")
+    cell = get_family(d.family).sim_cell(load_impl(arm), d, ps, 42, "speaking")
     runner = cell.runner_class(cell.model, cell.space, (arm_name, deploy, 1), cell.contract)
     for out in cell.requests:
         runner.add_request(out, out.payload({}), 4096)

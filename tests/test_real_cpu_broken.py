@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import speaking
+from harness.families.qwen2_5_omni import speaking
 from harness.config import load_prompts
 from harness.records import read_requests
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import speaking
+from harness.families.qwen2_5_omni import speaking
 from harness.config import load_prompts
 from harness.records import read_requests
 
@@ -40,7 +40,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path
     tmp = tmp_path_factory.mktemp("real")
     model = tiny_model
     t0 = time.monotonic()
-    check = subprocess.run([str(REAL_PY), "-m", "harness.serve.speaking_check", str(model), "--dtype", "bfloat16"],
+    check = subprocess.run([str(REAL_PY), "-m", "harness.families.qwen2_5_omni.speaking_check", str(model), "--dtype", "bfloat16"],
                            cwd=ROOT, capture_output=True, text=True, timeout=900)
     (tmp / "speaking_check.json").write_text(check.stdout.strip().splitlines()[-1] if check.stdout.strip() else "{}")
     sys.stderr.write(f"[real e2e] speaking check: {time.monotonic() - t0:.1f} s, rc {check.returncode}\n")
@@ -188,7 +188,7 @@ def test_pr_conforms_in_the_real_server(real_run: Path) -> None:
 
 def test_manifest_says_which_implementation_ran(real_run: Path) -> None:
     manifest = json.loads((real_run / "manifest.json").read_text())
-    want = {"main": "harness.talkers.main:MainTalker", "pr": "harness.talkers.pr:FixedTalker"}
+    want = {"main": "harness.families.qwen2_5_omni.main:MainTalker", "pr": "harness.families.qwen2_5_omni.pr:FixedTalker"}
     for cell in manifest["cells"]:
         sys.stderr.write(f"[real e2e] {cell['arm']}/{cell['deploy']}: {json.dumps(cell['serve_seconds'])}\n")
         assert cell["serve_seconds"]["server_start_s"] > 0 and cell["serve_seconds"]["requests_s"] > 0

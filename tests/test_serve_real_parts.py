@@ -15,11 +15,11 @@ from harness.errors import UserError
 from harness.serve import arm_binding
 from harness.serve.deploy_args import translate_deploy
 from harness.serve.worker_contract import count_misaligned
-from harness.sim.model import bind_arm
+from harness.families.qwen2_5_omni.model import bind_arm
 from harness.sim.rows import RowSpace
-from harness.sim.thinker import run_thinker, token_id_table
-from harness.talkers.main import MainTalker
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.thinker import run_thinker, token_id_table
+from harness.families.qwen2_5_omni.main import MainTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 
 def test_cpu_profile_of_the_stress_deploy() -> None:
@@ -62,16 +62,16 @@ def test_binding_takes_the_arms_own_methods_not_the_helper_port() -> None:
         def talker_preprocess(self, input_ids, input_embeds, **info):  # noqa: ANN001, ANN202
             return "upstream"
 
-    info = arm_binding.bind(Model, "harness.talkers.pr:FixedTalker")
+    info = arm_binding.bind(Model, "harness.families.qwen2_5_omni.pr:FixedTalker")
     assert Model.talker_preprocess is FixedTalker.talker_preprocess
     assert Model._omni_stress_upstream_talker_preprocess(None, None, None) == "upstream"
-    assert info["bound_methods"] == ["talker_preprocess"] and info["arm"] == "harness.talkers.pr:FixedTalker"
-    assert info["arm_file"].endswith("harness/talkers/pr.py") and len(info["arm_sha256"]) == 64
+    assert info["bound_methods"] == ["talker_preprocess"] and info["arm"] == "harness.families.qwen2_5_omni.pr:FixedTalker"
+    assert info["arm_file"].endswith("harness/families/qwen2_5_omni/pr.py") and len(info["arm_sha256"]) == 64
 
 
 def test_binding_a_missing_arm_raises() -> None:
     with pytest.raises(AttributeError):
-        arm_binding.bind(type("M", (), {}), "harness.talkers.pr:NoSuchArm")
+        arm_binding.bind(type("M", (), {}), "harness.families.qwen2_5_omni.pr:NoSuchArm")
 
 
 def _call(impl: type, c: int, n: int) -> tuple[dict, object]:
@@ -135,8 +135,8 @@ def test_dry_run_shows_the_cpu_profile_and_the_bound_arm(tmp_path) -> None:
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "platform cpu, arm harness.talkers.pr:FixedTalker bound onto the installed model" in text
-    assert "OMNI_STRESS_ARM=harness.talkers.pr:FixedTalker" in text
+    assert "platform cpu, arm harness.families.qwen2_5_omni.pr:FixedTalker bound onto the installed model" in text
+    assert "OMNI_STRESS_ARM=harness.families.qwen2_5_omni.pr:FixedTalker" in text
     assert "VLLM_CPU_OMP_THREADS_BIND=nobind" in text and "OMP_NUM_THREADS=1" in text
     assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in text
     assert '"num_gpu_blocks_override": 64' in text and '"dtype": "float32"' in text

@@ -23,7 +23,7 @@ import os
 import signal
 import time
 
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 
 class Swallows(FixedTalker):

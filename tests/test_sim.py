@@ -73,7 +73,7 @@ def _talker(space, words):
 
 def test_talker_speaks_aligned_row_and_stops_at_end_of_text():
     space = RowSpace(0)
-    from harness.sim.model import SimTalkerModelBase
+    from harness.families.qwen2_5_omni.model import SimTalkerModelBase
 
     model = SimTalkerModelBase(space)
     spk = int(space.identify(model.embed_text_spk_tokens["Chelsie"])[0][0])

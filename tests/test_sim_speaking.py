@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import speaking
+from harness.families.qwen2_5_omni import speaking
 from harness.config import load_arms, load_deploy, load_prompts
 from harness.talkers import resolve_arm
 from harness.errors import UserError
@@ -41,13 +41,13 @@ def test_byte_tokenize_one_token_per_byte_and_special_tokens_whole():
 
 
 def test_special_tokens_are_the_tiny_checkpoints():
-    from harness.serve.tiny_model import SPECIAL_TOKENS as TINY
+    from harness.families.qwen2_5_omni.tiny_model import SPECIAL_TOKENS as TINY
 
     assert set(SPECIAL_TOKENS) == set(TINY)
 
 
 def test_talker_prompt_length_is_the_chat_prompts_bytes_specials_once_plus_two():
-    from harness.sim.thinker import run_thinker
+    from harness.families.qwen2_5_omni.thinker import run_thinker
 
     prompts = load_prompts("cpu_smoke")
     outs = run_thinker(prompts, RowSpace(0), 1.0, byte_tokenize)
@@ -61,7 +61,7 @@ def test_talker_prompt_length_is_the_chat_prompts_bytes_specials_once_plus_two()
 
 
 def test_thinker_sequences_space_the_arrivals():
-    from harness.sim.thinker import run_thinker
+    from harness.families.qwen2_5_omni.thinker import run_thinker
 
     prompts = load_prompts("cpu_smoke")
     k = [len(p.reply.encode()) for p in prompts.prompts]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import speaking
+from harness.families.qwen2_5_omni import speaking
 from harness.config import load_deploy, load_prompts
 from harness.serve import client as chat
 from harness.serve.backend import ServeOptions, _collect_codec, codec_stream, is_speaking_checkpoint

@@ -172,7 +172,7 @@ def test_load_all_is_the_thinker_schedule() -> None:
     from harness.config import PromptSet, load_prompts
     from harness.sim.load import Arrivals
     from harness.sim.rows import RowSpace
-    from harness.sim.thinker import run_thinker
+    from harness.families.qwen2_5_omni.thinker import run_thinker
 
     prompts: PromptSet = load_prompts(str(PROMPTS))
     outs = run_thinker(prompts, RowSpace(42), 1.0)

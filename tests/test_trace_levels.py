@@ -22,11 +22,11 @@ from harness.serve import trace_plugin
 from harness.serve.trace_plugin import (ENV_CONTRACT, ENV_LEVEL, TIMING_GLOB, TraceWriter, install, trace_level,
                                         wrap_talker_preprocess)
 from harness.serve.worker_contract import ROW_ID_DIMS, count_misaligned, tag_payload
-from harness.sim.model import bind_arm
+from harness.families.qwen2_5_omni.model import bind_arm
 from harness.sim.rows import RowSpace
-from harness.sim.thinker import run_thinker, token_id_table
-from harness.talkers.main import MainTalker
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.thinker import run_thinker, token_id_table
+from harness.families.qwen2_5_omni.main import MainTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "cpu")
 
@@ -223,11 +223,11 @@ def test_off_binds_the_arm_and_wraps_nothing(tmp_path, monkeypatch) -> None:
 
     module.Model = Model
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    assert install(str(tmp_path), "fake_off_release:Model", "harness.talkers.pr:FixedTalker", trace=False) == "wrapped"
+    assert install(str(tmp_path), "fake_off_release:Model", "harness.families.qwen2_5_omni.pr:FixedTalker", trace=False) == "wrapped"
     assert not getattr(Model.talker_preprocess, "__omni_stress_traced__", False)
     assert Model.talker_preprocess is FixedTalker.talker_preprocess
     (impl,) = [json.loads(p.read_text()) for p in tmp_path.glob("implementation-*.json")]
-    assert impl["arm"] == "harness.talkers.pr:FixedTalker"
+    assert impl["arm"] == "harness.families.qwen2_5_omni.pr:FixedTalker"
     assert list(tmp_path.glob("trace-*.jsonl")) == []
 
 

@@ -30,7 +30,7 @@ def test_the_sim_refuses_the_option(tmp_path: Path) -> None:
 
 
 def test_the_level_travels_in_the_server_environment(tmp_path: Path) -> None:
-    arm = ArmSpec(name="pr", talker="harness.talkers.pr:FixedTalker")
+    arm = ArmSpec(name="pr", talker="harness.families.qwen2_5_omni.pr:FixedTalker")
     options = ServeOptions(model="m", platform="cpu", default_python=sys.executable)
     assert "OMNI_STRESS_TRACE_LEVEL" not in server_env_overrides(arm, tmp_path, options)  # the default
     for level in ("off", "spans", "contract"):
@@ -38,7 +38,7 @@ def test_the_level_travels_in_the_server_environment(tmp_path: Path) -> None:
                                                      trace_level=level), base={})
         assert cell_trace_level(env) == level
     # an arm whose serve env turns the check off (the older switch) runs at spans unless --trace says otherwise
-    quiet = ArmSpec(name="q", talker="harness.talkers.pr:FixedTalker",
+    quiet = ArmSpec(name="q", talker="harness.families.qwen2_5_omni.pr:FixedTalker",
                     serve=ServeSettings(python=sys.executable, env={"OMNI_STRESS_CONTRACT": "0"}))
     assert cell_trace_level(server_env(quiet, tmp_path, options, base={})) == "spans"
     assert cell_trace_level(server_env(quiet, tmp_path, ServeOptions(model="m", platform="cpu", trace_level="contract"),
@@ -57,7 +57,7 @@ def test_the_dry_run_shows_the_level(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_run_at_off_is_recorded_reported_and_refused_by_the_gate(tmp_path: Path) -> None:
     fake = REPO / "tests" / "fake_vllm" / "fake_vllm_serve.py"
-    arms = {"arms": {"main": {"talker": "harness.talkers.main:MainTalker",
+    arms = {"arms": {"main": {"talker": "harness.families.qwen2_5_omni.main:MainTalker",
                               "serve": {"command": [sys.executable, str(fake)], "bind_arm": False,
                                         "env": {"OMNI_STRESS_CONTRACT": "0"}}}}}
     arms_file = tmp_path / "arms.yaml"

@@ -22,18 +22,19 @@ from harness.config import ArmSpec, load_arms, load_prompts
 from harness.talkers import resolve_arm
 from harness.errors import ConfigError
 from harness.records import read_requests
-from harness.sim.model import bind_arm
+from harness.families.qwen2_5_omni.model import bind_arm
 from harness.sim.rows import DIM, NONE, RowSpace
 from harness.families.qwen2_5_omni.sim import SimContract
 from harness.sim.runner import SimRunner
-from harness.sim.thinker import run_thinker, token_id_table
+from harness.families.qwen2_5_omni.thinker import run_thinker, token_id_table
 from harness.talkers import load_impl
-from harness.talkers.main import MainTalker
+from harness.families.qwen2_5_omni.arms import load_upstream
+from harness.families.qwen2_5_omni.main import MainTalker
+from harness.families.qwen2_5_omni.model import SimTalkerModelBase
 from harness.talkers.upstream import (
     MEMBER,
     UpstreamUnavailable,
     build_mixin,
-    load_upstream,
     read_source,
     upstream_info,
 )
@@ -350,5 +351,5 @@ def test_attribute_the_stand_in_lacks_is_named(tmp_path: Path) -> None:
                  "            self.maybe()\n"
                  "        return input_ids, input_embeds * self.talker_scale, {}\n")
     with pytest.raises(ConfigError, match=r"uses self.talker_scale \(line 5\), which the sim's stand-in model "
-                                          r"\(harness.sim.model.SimTalkerModelBase\) does not provide"):
-        build_mixin(read_source(str(f)))
+                                          r"\(harness.families.qwen2_5_omni.model.SimTalkerModelBase\) does not provide"):
+        build_mixin(read_source(str(f)), SimTalkerModelBase)

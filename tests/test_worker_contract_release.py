@@ -14,10 +14,10 @@ import torch
 from harness.config import load_prompts
 from harness.serve import arm_binding
 from harness.serve.worker_contract import capture_release, count_misaligned, release_view
-from harness.sim.model import SimTalkerModelBase
+from harness.families.qwen2_5_omni.model import SimTalkerModelBase
 from harness.sim.rows import RowSpace
-from harness.sim.thinker import run_thinker, token_id_table
-from harness.talkers.qwen2_5_omni import Qwen25OmniTalkerHelpers
+from harness.families.qwen2_5_omni.thinker import run_thinker, token_id_table
+from harness.families.qwen2_5_omni.helpers import Qwen25OmniTalkerHelpers
 
 
 def _release_model(monkeypatch: pytest.MonkeyPatch, name: str) -> types.ModuleType:
@@ -53,7 +53,7 @@ def _bound_call(monkeypatch: pytest.MonkeyPatch, spec: str, c: int, n: int) -> t
 
 
 def test_pr_bound_the_same_way_is_aligned(monkeypatch: pytest.MonkeyPatch) -> None:
-    got, P, _ = _bound_call(monkeypatch, "harness.talkers.pr:FixedTalker", 0, 61)
+    got, P, _ = _bound_call(monkeypatch, "harness.families.qwen2_5_omni.pr:FixedTalker", 0, 61)
     assert P == 61 and got == {"misaligned_text": 0, "misaligned_end": 0}
 
 

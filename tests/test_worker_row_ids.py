@@ -13,11 +13,11 @@ import torch
 from harness.config import load_prompts
 from harness.serve.worker_contract import (KIND_OUTPUT, KIND_PROMPT, ROW_ID_DIMS, count_misaligned, request_code,
                                            strip_ids, tag_payload)
-from harness.sim.model import bind_arm
+from harness.families.qwen2_5_omni.model import bind_arm
 from harness.sim.rows import RowSpace
-from harness.sim.thinker import run_thinker, token_id_table
-from harness.talkers.main import MainTalker
-from harness.talkers.pr import FixedTalker
+from harness.families.qwen2_5_omni.thinker import run_thinker, token_id_table
+from harness.families.qwen2_5_omni.main import MainTalker
+from harness.families.qwen2_5_omni.pr import FixedTalker
 
 DIMS = list(ROW_ID_DIMS)
 
@@ -136,7 +136,7 @@ def test_the_launcher_asks_for_row_identities_only_on_the_speaking_checkpoint(tm
     from harness.config import ArmSpec
     from harness.serve.backend import SPEAKING_MARKER, ServeOptions, server_env_overrides
 
-    arm = ArmSpec(name="pr", talker="harness.talkers.pr:FixedTalker")
+    arm = ArmSpec(name="pr", talker="harness.families.qwen2_5_omni.pr:FixedTalker")
     speaking_dir, random_dir = tmp_path / "speaking", tmp_path / "random"
     for d, flag in ((speaking_dir, True), (random_dir, False)):
         d.mkdir()

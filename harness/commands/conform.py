@@ -135,7 +135,7 @@ def _load_beside(run_dir: Path, strict: bool = False) -> tuple[str, Any, list[tu
     an incomplete run is said as ``report``, ``compare`` and ``fidelity`` say it (refused with ``--strict``)."""
     from harness.config import load_deploy
     from harness.errors import ConfigError
-    from harness.families import get_family
+    from harness.family import get_family
     from harness.report import summary
     from harness.rundir import manifest_family
 

@@ -83,12 +83,9 @@ def _decoder(family_name: str, talkers: list[str | None]) -> Callable[[list[int]
     """The family's speaking read-back (codes -> transcript) when both sides ran a speaking Talker (the real
     server's speaking checkpoint, or the sim's ``speaking`` mode); None otherwise (a words sim's codes are
     not the speaking table's)."""
-    import importlib
+    from harness.family import get_family
 
-    from harness.families import get_family
-
-    rules = get_family(family_name).speaking_rules
-    if rules is None or any(t not in (None, "speaking") for t in talkers):
+    if any(t not in (None, "speaking") for t in talkers):
         return None
-    decode = importlib.import_module(rules).decode
+    decode = get_family(family_name).speaking_rules().decode
     return lambda codes: decode(codes).text

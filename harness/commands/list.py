@@ -20,7 +20,7 @@ def _settings(obj: object) -> str:
 def command(what: str) -> None:
     """Show model families, arms, deploys, prompt sets and sweeps."""
     if what in ("all", "families"):
-        from harness.families import family_names, get_family
+        from harness.family import family_names, get_family
 
         click.echo("Model families (harness/families/; a deploy's family:, or --family):")
         for name in family_names():

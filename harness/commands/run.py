@@ -11,7 +11,7 @@ import click
 from harness.config import ArmSpec, Deploy, PromptSet, load_arms, load_deploy, load_prompts
 from harness.talkers import load_impl, resolve_arm
 from harness.errors import UserError
-from harness.families import choose_family
+from harness.family import choose_family
 from harness.cli_options import finite_seconds as _finite  # noqa: F401 - its old name
 from harness.cli_options import RunArgs, shared_run_options
 from harness.backends import DEFAULT_SIM_TALKER, RunOptions, get_backend
@@ -56,7 +56,7 @@ def _run(args: RunArgs) -> str:
 
 def resolve_arm_specs(args: RunArgs, deploys: list[Deploy], prompts: PromptSet) -> list[ArmSpec]:
     """``--arm`` resolved in the arms file, names unique, every arm of the run's model family
-    (``harness.families.choose_family``); a command-line arm takes the run's family. ``--sim-talker``
+    (``harness.family.choose_family``); a command-line arm takes the run's family. ``--sim-talker``
     is checked here too: it names a Talker of the family's sim, and only the sim has one."""
     known = load_arms(args.arms_file) if args.arms_file else load_arms()
     arm_specs = [resolve_arm(a, known, load=False) for a in args.arms]  # loaded below, in the run's family

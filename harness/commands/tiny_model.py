@@ -1,10 +1,9 @@
-"""``omni-stress tiny-model DIR [--family F]``: build a tiny checkpoint for the real backend on CPU: the speaking or
-random Qwen2.5-Omni (``harness.serve.tiny_model``) or the speaking Qwen3-TTS
-(``harness.families.qwen3_tts.tiny_model``).
+"""``omni-stress tiny-model DIR [--family F]``: build a tiny checkpoint for the real backend on CPU, by the
+family's own builder (``Family.tiny_model_argv``: the speaking or random Qwen2.5-Omni, the speaking Qwen3-TTS).
 
 Why a subprocess: the checkpoint's processor (Qwen2-VL image and video processors) needs the
 transformers and torchvision of the real environment (``.venv-omni``), not of the sim's; the
-builder is ``harness.serve.tiny_model``, run with that environment's interpreter.
+builder runs with that environment's interpreter.
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ from pathlib import Path
 import click
 
 from harness.errors import UserError
+from harness.family import DEFAULT_FAMILY, family_names, get_family
 
 BUILD_TIMEOUT_S = 900
-BUILDERS = {"qwen2.5-omni": "harness.serve.tiny_model", "qwen3-tts": "harness.families.qwen3_tts.tiny_model"}
 
 
 @click.command("tiny-model")
@@ -27,7 +26,7 @@ BUILDERS = {"qwen2.5-omni": "harness.serve.tiny_model", "qwen3-tts": "harness.fa
 @click.option("--speaking/--random", default=True, show_default=True,
               help="Speaking: Thinker and Talker weights built so the Talker says what its rows say "
                    "(docs/speaking-model.md); random: every weight random.")
-@click.option("--family", type=click.Choice(sorted(BUILDERS)), default="qwen2.5-omni", show_default=True,
+@click.option("--family", type=click.Choice(family_names()), default=DEFAULT_FAMILY, show_default=True,
               help="Which model family's tiny checkpoint (qwen3-tts: speaking only, docs/qwen3-tts.md).")
 @click.option("--python", "python", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Interpreter of the real environment (default: --serve-python's default, ./.venv-omni/bin/python).")
@@ -41,11 +40,9 @@ def command(out: Path, seed: int, speaking: bool, family: str, python: Path | No
                         "run scripts/install-real-cpu.sh or give --python")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"tiny-model: {out} exists and is not empty (give a new folder)")
-    if family == "qwen3-tts" and not speaking:
-        raise UserError("tiny-model --family qwen3-tts: only the speaking checkpoint is built (drop --random)")
-    flags = ["--speaking"] if speaking and family == "qwen2.5-omni" else []
+    argv = get_family(family).tiny_model_argv(str(out), seed, speaking)
     try:
-        proc = subprocess.run([interpreter, "-m", BUILDERS[family], str(out), "--seed", str(seed), *flags],
+        proc = subprocess.run([interpreter, *argv],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         raise UserError(f"tiny-model: the build did not finish in {BUILD_TIMEOUT_S} s") from None

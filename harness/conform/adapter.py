@@ -57,7 +57,7 @@ class Provenance:
     """Where the code under test came from (shown in every report)."""
 
     model: str
-    what: str  # e.g. "vllm-omni 0.30.0 qwen3_omni.py (sha256 d50550b0…)" or "built-in arm harness.talkers.pr"
+    what: str  # e.g. "vllm-omni 0.30.0 qwen3_omni.py (sha256 d50550b0…)" or "built-in arm harness.families.qwen2_5_omni.pr"
     files: list[dict[str, Any]] = field(default_factory=list)  # location, version, sha256, methods, stubbed
 
 

@@ -179,7 +179,7 @@ def parse_rules(data: Any, source: str = "<rules>") -> Rules:
     threshold = _number(source, "wer_threshold", data.get("wer_threshold", 0.5))
     family = data.get("family")
     if family is not None:
-        from harness.families import family_names
+        from harness.family import family_names
 
         if _string(source, "family", family) not in family_names():
             raise ConfigError(f"{source}: family: unknown model family {short_repr(family)} "
@@ -287,6 +287,6 @@ def resolve_rules_path(text: str | None) -> Path:
 def family_rules_path(family: str, where: str = "--family") -> Path:
     """The default rules of a run of ``family`` (``Family.gate_rules``: ``gates`` for Qwen2.5-Omni): what
     ``gate``, ``sweep`` and ``report`` read when no ``--rules`` is given."""
-    from harness.families import get_family
+    from harness.family import get_family
 
     return resolve_rules_path(get_family(family, where).gate_rules)

@@ -4,8 +4,8 @@ Pure functions, no I/O: ``compare`` takes two ``Side``s (a run's records and eac
 counts, read by the command) and matches their requests by (arm, deploy, repeat, prompt id);
 ``render_text`` and ``as_json`` say the result. Per request it also says whether the two sides ran the
 same spans (the schedule) and, where the codec streams differ, from which token and what each side's
-codes say, read back by the run's family's speaking rules (``Family.speaking_rules``: Qwen2.5-Omni's
-``harness.speaking``, Qwen3-TTS's ``harness.families.qwen3_tts.speaking``). With ``run --sim-talker speaking`` the sim runs the
+codes say, read back by the run's family's speaking rules (``Family.speaking_rules()``: Qwen2.5-Omni's
+``harness.families.qwen2_5_omni.speaking``, Qwen3-TTS's ``harness.families.qwen3_tts.speaking``). With ``run --sim-talker speaking`` the sim runs the
 speaking tiny model's Talker, so a difference between the two sides is the scheduler, the runner or
 timing, not the Talker (docs/fidelity.md says which differences to expect and why).
 

@@ -120,22 +120,12 @@ def oracle_origin(run: Run) -> str:
     return "; ".join(parts)
 
 
-# What the speaking Talker (harness/speaking.py) cannot hear: wrong rows there change nothing it says,
-# so only the misaligned columns count them (docs/speaking-model.md, "What only the contract check sees").
-SPEAKING_BLIND_SPOTS = (
-    "the speaking Talker hears only whether a codec-BOS row exists, the byte of the row at each sampled "
-    "position, the low 5 bits of the byte before it, and past the reply whether a row is text-EOS, text-PAD "
-    "or neither for two positions; wrong rows elsewhere (Thinker prompt rows before P-2, which speaker row, "
-    "codec ids other than BOS, the high bits of the previous byte, text-PAD where text-EOS belongs, the end "
-    "region past its first two positions, a row's scale) are counted only by the misaligned columns")
-
-
 def speaking_blind_spots(run: Run) -> str:
     """What the run's family's speaking Talker cannot hear (``Family.speaking_blind_spots``)."""
-    from harness.families import get_family
+    from harness.family import get_family
     from harness.rundir import manifest_family
 
-    return get_family(manifest_family(run.manifest)).speaking_blind_spots or SPEAKING_BLIND_SPOTS
+    return get_family(manifest_family(run.manifest)).speaking_blind_spots
 
 
 def speaks_with_the_speaking_talker(run: Run) -> bool:

@@ -11,7 +11,7 @@ embeddings, ``talker.embed_input_ids``).
 
 What is bound: for a class arm, every member (functions, properties, class and static methods,
 class attributes) the arm's classes define themselves, walking its MRO up to (not including)
-``harness.talkers.qwen2_5_omni.Qwen25OmniTalkerHelpers`` (the sim's port of upstream helpers: the
+``harness.families.qwen2_5_omni.helpers.Qwen25OmniTalkerHelpers`` (the sim's port of upstream helpers: the
 real ones stay); for a function arm, the function as ``talker_preprocess``. The model's own method
 stays reachable as ``_omni_stress_upstream_talker_preprocess``. ``describe`` says what ran, for the
 manifest. Before anything is set, the model class's members are captured for the worker's contract
@@ -51,14 +51,16 @@ def _load(spec: str) -> Any:
         raise ValueError(f"{ENV_ARM}: expected 'package.module:attr', got {spec!r}")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # a plugin arm in the folder omni-stress runs from, as the sim imports it
-    obj: Any = importlib.import_module(module_name)
+    from harness.moved import current_module
+
+    obj: Any = importlib.import_module(current_module(module_name))
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
 
 
 def _own_classes(arm: type) -> list[type]:
-    from harness.talkers.qwen2_5_omni import Qwen25OmniTalkerHelpers
+    from harness.families.qwen2_5_omni.helpers import Qwen25OmniTalkerHelpers
 
     return [k for k in arm.__mro__ if k is not object and k is not Qwen25OmniTalkerHelpers
             and not issubclass(Qwen25OmniTalkerHelpers, k)]
@@ -87,7 +89,7 @@ def _adopt(model_cls: type, arm: type, originals: dict[str, Any], redirect_helpe
     work as in the sim), installed in the model's module under the model's name, so vLLM builds it;
     with ``redirect_helpers`` (a server worker, where the sim never runs) the helper port's functions
     become the model's real helpers."""
-    from harness.talkers.qwen2_5_omni import Qwen25OmniTalkerHelpers
+    from harness.families.qwen2_5_omni.helpers import Qwen25OmniTalkerHelpers
 
     for name, value in list(vars(Qwen25OmniTalkerHelpers).items()) if redirect_helpers else ():
         real = originals.get(name)

@@ -10,10 +10,10 @@ the gate are shared. Per cell it writes, under the run directory:
 * ``serve/<arm>-<deploy>-r<repeat>/attempts.jsonl``: one line per HTTP attempt (retries, errors);
 * ``audio/<arm>-<deploy>-r<repeat>-<prompt_id>.wav``: the Code2Wav audio of each request.
 
-A family with its own serving module (``Family.serve_module``, Qwen3-TTS: ``harness.families.qwen3_tts.serve``)
-supplies the deploy translation (a whole ``--deploy-config`` YAML, written into the cell's folder), the
-request body (``/v1/audio/speech``) and the oracle read-back; its trace lines carry their text
-(``tts_text``), by which they are filed, since the speech API names its requests itself.
+Each family's serving module (``Family.serve()``) supplies the deploy translation (Qwen2.5-Omni:
+``--stage-overrides``; Qwen3-TTS: a whole ``--deploy-config`` YAML, written into the cell's folder), the
+request body (chat completions, ``/v1/audio/speech``) and the oracle read-back; a family whose API names
+its requests itself (``BY_TEXT``: Qwen3-TTS) has its trace lines filed by their text (``tts_text``).
 
 Trace lines are matched to prompts by the unique token in each request's id (``client.make_tag``):
 vLLM-Omni derives every stage's engine request id from ``chatcmpl-<X-Request-Id>`` (vLLM's
@@ -43,13 +43,12 @@ from harness.backends import CellOutcome, safe_name, wav_rel_path
 from harness.config import ArmSpec, Deploy, Prompt, PromptSet, ServeSettings
 from harness.contract import count_events
 from harness.errors import UserError
-from harness.families import get_family
+from harness.family import get_family
 from harness.records import CRASHED_ERROR as CRASHED, RequestRecord, SpanRecord, schedule_digest
 from harness.audio.scoring import wer
-from harness.speaking import decode as decode_codes
 from harness.stream_metrics import StreamMetrics
 from harness.serve import client as chat
-from harness.serve.deploy_args import DeployTranslation, detect_platform, translate_deploy
+from harness.serve.deploy_args import DeployTranslation, detect_platform
 from harness.serve.launcher import HOST, ServerLauncher, progress
 from harness.serve.trace_plugin import (DEFAULT_LEVEL, DEFAULT_TARGET, ENV_ARM, ENV_DIR, ENV_LEVEL, ENV_ROW_IDS,
                                         ENV_TARGET, IMPLEMENTATION_GLOB, TRACE_GLOB, trace_level)
@@ -83,20 +82,12 @@ class ServeOptions:
         return is_speaking_checkpoint(self.model)
 
     def translate(self, deploy: Deploy) -> DeployTranslation:
-        module = family_serve_module(deploy.family)
-        if module is not None:  # a family served with its own deploy YAML (Qwen3-TTS)
-            return module.translate(deploy, self.resolved_platform)
-        return translate_deploy(deploy, self.resolved_platform, self.speaking)
+        return family_serve_module(deploy.family).translate(deploy, self.resolved_platform, self.speaking)
 
 
 def family_serve_module(family: str) -> Any:
-    """The family's real-backend module (``Family.serve_module``), imported; None for Qwen2.5-Omni's chat path."""
-    name = get_family(family).serve_module
-    if name is None:
-        return None
-    import importlib
-
-    return importlib.import_module(name)
+    """The family's real-backend module (``Family.serve``: its deploy translation, request body, oracle)."""
+    return get_family(family).serve()
 
 
 SPEAKING_MARKER = "omni_stress_tiny_model.json"  # written by ``omni-stress tiny-model``
@@ -104,7 +95,7 @@ SPEAKING_MARKER = "omni_stress_tiny_model.json"  # written by ``omni-stress tiny
 
 def is_speaking_checkpoint(model: str) -> bool:
     """True for a local speaking tiny checkpoint: its Thinker needs the reply forcer, and its codec
-    stream decodes to text (``harness.speaking``)."""
+    stream decodes to text (``harness.families.qwen2_5_omni.speaking``)."""
     marker = Path(model).expanduser() / SPEAKING_MARKER
     try:
         return bool(json.loads(marker.read_text(encoding="utf-8")).get("speaking"))
@@ -237,9 +228,7 @@ def server_env_overrides(arm: ArmSpec, trace_dir: Path, options: ServeOptions | 
     target = get_family(arm.family).trace_target
     if target != DEFAULT_TARGET:  # the plugin's default is Qwen2.5-Omni's Talker
         env[ENV_TARGET] = target
-    module = family_serve_module(arm.family)
-    if module is not None:  # the family's hook (the arm binds it) and trace wrapper
-        env.update(module.server_env())
+    env.update(family_serve_module(arm.family).server_env())  # the family's hook (the arm binds it) and wrapper
     if options is not None and options.trace_level != DEFAULT_LEVEL:  # --trace; the default leaves the arm's env
         env[ENV_LEVEL] = options.trace_level                          # (an older OMNI_STRESS_CONTRACT=0) in force
     return env
@@ -505,7 +494,7 @@ def build_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, ru
             prompt_id=p.id, tag=tag, body=request_body(options, prompts, p, deploy, tag),
             audio_file=run_dir / audio_rel_path(arm, deploy, repeat, p.id),
         ))
-    text_to_prompt = {p.reply: p.id for p in prompts.prompts} if family_serve_module(deploy.family) else None
+    text_to_prompt = {p.reply: p.id for p in prompts.prompts} if family_serve_module(deploy.family).BY_TEXT else None
     return ServeCell(arm, deploy, repeat, run_dir, options, trace, server_log_path(run_dir, arm, deploy),
                      server_env(arm, trace, options, translation), specs,
                      TraceCollector(trace, token_to_prompt, text_to_prompt),
@@ -513,11 +502,9 @@ def build_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, ru
 
 
 def request_body(options: ServeOptions, prompts: PromptSet, prompt: Prompt, deploy: Deploy, tag: str) -> dict[str, Any]:
-    """One request's body: the family's (``/v1/audio/speech`` for Qwen3-TTS) or Qwen2.5-Omni's chat request."""
-    module = family_serve_module(deploy.family)
-    if module is not None:
-        return module.speech_body(options.model, prompt.reply, options.stream, deploy)
-    return chat.build_body(options.model, prompts, prompt, deploy, tag, options.speaking, options.stream)
+    """One request's body, the family's (Qwen2.5-Omni's chat request, Qwen3-TTS's ``/v1/audio/speech``)."""
+    return family_serve_module(deploy.family).request_body(options.model, prompts, prompt, deploy, tag,
+                                                           options.speaking, options.stream)
 
 
 # A cell's server is started at most this many times: after a crash the requests it had not been sent
@@ -746,8 +733,7 @@ def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.
                                                                      res.thinker_text)) is not None:
         record.error = problem
     elif speaking and res.error is None:  # the speaking model's oracle: its codec stream read back through the table
-        module = family_serve_module(deploy.family)
-        record.oracle_transcript = module.oracle(codes) if module is not None else decode_codes(codes).text
+        record.oracle_transcript = family_serve_module(deploy.family).oracle(codes)
         record.oracle_wer = wer(record.reference_text, record.oracle_transcript)
     return record
 

@@ -465,7 +465,7 @@ async def run_requests(
     dies, the requests still in flight are cancelled and get ``server_gone_message()``; the ones the
     load had not sent yet are marked ``not_sent`` (the caller may send them to a restarted server).
     """
-    url = base_url.rstrip("/") + path  # the family's request API (harness.families.Family.request_api)
+    url = base_url.rstrip("/") + path  # the family's request API (harness.family.Family.request_api)
     # No idle connection is kept: a request's connection closes when its response ends. httpcore 1.0's
     # pool walks every connection for each idle one whenever a response ends, so N idle connections cost
     # O(N^2) per response at the end of N streams, stalling the reads (and the stamps) of the streams still

@@ -84,7 +84,7 @@ CODE2WAV_STAGE = "2"
 DEFAULT_BLOCK_SIZE = 16
 PLATFORMS = ("gpu", "cpu")
 CPU_BLOCK_SIZE = 32
-# Per-stage KV bytes on CPU. Sized for the tiny checkpoint (harness.serve.tiny_model: 2 layers x K,V x 2 heads x
+# Per-stage KV bytes on CPU. Sized for the tiny checkpoint (harness.families.qwen2_5_omni.tiny_model: 2 layers x K,V x 2 heads x
 # 32 dims x 4 B = 1 KiB per token in float32): 256 MiB hold 256k tokens, 8x the default max_model_len of 32768,
 # so only a pinned Talker block count limits the Talker; Code2Wav caches nothing of note. A real checkpoint on CPU
 # needs more (Qwen2.5-Omni-7B's Thinker: 28 layers x 2 x 4 heads x 128 x 2 B = 56 KiB per token).

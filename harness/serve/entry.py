@@ -97,7 +97,7 @@ def check_deploys(deploy_specs: list) -> None:
     (``Family.serve_missing``), or MRV2 (``talker.model_runner: v2``: vLLM-Omni runs MRV2 on CUDA only,
     and the real backend on this machine is the CPU platform's V1 runner)."""
     from harness.errors import UserError
-    from harness.families import get_family
+    from harness.family import get_family
 
     for d in deploy_specs:
         family = get_family(d.family, f"{d.path}: family")
@@ -113,9 +113,9 @@ def check_speech_texts(deploy_specs: list, prompts: Any) -> None:
     its server names requests itself, so the trace's lines are filed by their text (``tts_text``) and two
     prompts saying the same text could not be told apart."""
     from harness.errors import UserError
-    from harness.families import get_family
+    from harness.family import get_family
 
-    if not any(get_family(d.family).serve_module for d in deploy_specs):
+    if not any(get_family(d.family).serve().BY_TEXT for d in deploy_specs):
         return
     seen: dict[str, str] = {}
     for i, p in enumerate(prompts.prompts):

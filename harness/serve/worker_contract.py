@@ -33,7 +33,7 @@ the same values counts as aligned, and in the speaking checkpoint a Thinker row 
 byte. With ``OMNI_STRESS_ROW_IDS=1`` (the launcher sets it for the speaking checkpoint) the trace
 plugin hands the arm copies of the Thinker rows (``embed.prefill``, ``hidden_states.output``) that
 carry a code in :data:`ROW_ID_DIMS`, dimensions every row of that checkpoint leaves at exactly zero
-(``harness.serve.speaking_model.ROW_ID``): which kind of row (prompt or output), which request,
+(``harness.families.qwen2_5_omni.speaking_model.ROW_ID``): which kind of row (prompt or output), which request,
 which index (:func:`tag_payload`). The codes ride along whatever the arm does with the rows (slices,
 concatenation, sums with special-token and codec embeddings, queues kept in the payload), so the
 delivered row says where it came from; the expected row is built from the same tagged payload; a

@@ -18,7 +18,7 @@ from harness.config import ArmSpec, Deploy, PromptSet, SamplingSettings
 from harness.contract import count_events
 from harness.errors import UserError
 from harness.records import RequestRecord, SpanRecord, schedule_digest
-from harness.families import get_family
+from harness.family import get_family
 from harness.sim.load import Arrivals
 from harness.sim.runner import SimRunner
 from harness.sim.scheduler import _quiet_vllm, make_scheduler
@@ -75,7 +75,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     family = get_family(deploy.family, f"{deploy.path}: family")
-    cell = family.hook_fn("sim_cell")(load_impl(arm), deploy, prompts, seed, talker_mode)
+    cell = family.sim_cell(load_impl(arm), deploy, prompts, seed, talker_mode)
     outputs, talker, token_ids = cell.requests, cell.talker, cell.token_ids
     sampling = SamplingSettings(**{**deploy.sampling.__dict__, "seed": seed})
     spec = deploy.speculative

@@ -4,7 +4,7 @@ Why a seam here: the step loop (``harness.sim.backend.run_cell``: vLLM's schedul
 copy rules, speculative decoding, arrivals, records) is every family's; which requests a prompt
 set makes, what rows they carry, how the Talker reads its KV, which row each position must get
 and how a codec stream reads back as words are the family's. A family's ``sim_cell`` hook
-(``harness.families.Family.sim_cell``) builds a ``SimCell``; ``run_cell`` only steps it.
+(``harness.family.Family.sim_cell``) builds a ``SimCell``; ``run_cell`` only steps it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 
 class SimRequest(Protocol):
-    """One request's input to the stage under test (Qwen2.5-Omni: ``harness.sim.thinker.ThinkerOutput``)."""
+    """One request's input to the stage under test (Qwen2.5-Omni: ``harness.families.qwen2_5_omni.thinker.ThinkerOutput``)."""
 
     request_id: str
     arrival_step: int  # when it reaches the stage under the seed's load (``load.mode: all``)

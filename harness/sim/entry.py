@@ -44,7 +44,7 @@ class SimEntry:
     @staticmethod
     def preflight(arm_specs: list, deploy_specs: list, options: Any, prompts: Any = None) -> None:
         """A broken plugin arm, scheduler settings vLLM refuses, a reply the sim would mis-score (the
-        prompt set's family says which: ``Family.sim_check_prompts``)."""
+        prompt set's family says which: ``Family.check_prompts``)."""
         from harness.sim.scheduler import scheduler_config_for
         from harness.talkers import load_impl
 
@@ -53,9 +53,9 @@ class SimEntry:
         for deploy in deploy_specs:
             scheduler_config_for(deploy)
         if prompts is not None:
-            from harness.families import get_family
+            from harness.family import get_family
 
-            get_family(prompts.family).hook_fn("sim_check_prompts")(prompts, options.sim_talker)
+            get_family(prompts.family).check_prompts(prompts, options.sim_talker)
 
     # ------------------------------------------------------------------ Ray (harness.executors.ray)
     @staticmethod

@@ -8,7 +8,7 @@ Thinker sequence (``thinker.max_num_seqs`` of them, first come first served), ho
 the same one.
 
 ``mode: all`` without jitter is the seed's schedule exactly: every request sent at step 0, so the
-arrivals are ``harness.sim.thinker.run_thinker``'s (records of the shipped deploys are unchanged).
+arrivals are ``harness.families.qwen2_5_omni.thinker.run_thinker``'s (records of the shipped deploys are unchanged).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from harness.config import LoadSettings
-    from harness.sim.thinker import ThinkerOutput
+    from harness.families.qwen2_5_omni.thinker import ThinkerOutput
 
 
 def arrival_rng(seed: int) -> random.Random:

@@ -22,7 +22,6 @@ from harness.contract import span_flags
 from harness.records import SpanRecord
 from harness.sim import armcall
 from harness.sim.cell import SimContract
-from harness.sim.model import _TalkerModule
 from harness.sim.rows import RowSpace
 
 
@@ -44,9 +43,11 @@ class SimRunner:
         self.kv: dict[str, Any] = {}
         self.thinker: dict[str, Any] = {}
         armcall.prepare()  # the per-call time limit's signal handler, once per cell
-        # The sim's own Talker module embeds ids as rows of the codec table: read them straight from
-        # the table (``RowSpace.embed_numpy``); any other module is called as the runner always did.
-        self._embed = space.embed_numpy if type(getattr(model, "talker", None)) is _TalkerModule else None
+        # A stand-in's Talker module that embeds ids as rows of the codec table (``EMBEDS_CODEC_TABLE``,
+        # Qwen2.5-Omni's): read them straight from the table (``RowSpace.embed_numpy``); any other module
+        # (an arm's own, a subclass) is called as the runner always did.
+        talker = type(getattr(model, "talker", None))  # its own class only: a subclass may embed otherwise
+        self._embed = space.embed_numpy if vars(talker).get("EMBEDS_CODEC_TABLE", False) else None
         self._decode_flags = span_flags(1, 1, 1, 1)  # a decode span's flags (c >= P, n == rows == 1)
 
     def add_request(self, out: Any, payload: dict[str, Any], capacity: int) -> None:

@@ -1,6 +1,6 @@
-"""The sim's ``speaking`` Talker mode: the speaking tiny model's rules (``harness.speaking``), on the sim's KV.
+"""The sim's ``speaking`` Talker mode: the speaking tiny model's rules (``harness.families.qwen2_5_omni.speaking``), on the sim's KV.
 
-The rules module is the family's (``SpeakingTalker(rules=...)``): Qwen2.5-Omni's ``harness.speaking`` by
+The rules module is the family's (``SpeakingTalker(rules=...)``): Qwen2.5-Omni's ``harness.families.qwen2_5_omni.speaking`` by
 default, Qwen3-TTS's ``harness.families.qwen3_tts.speaking`` (its codec ids, tags and end rows) for that
 family's cell (``harness.families.qwen3_tts.sim``); the KV semantics below are the same for both.
 
@@ -21,7 +21,7 @@ At each sampled position ``m = P - 1 + g`` (generated token ``g``), from the row
   byte; another request's row (cross-talk) carries that request's byte;
 * **mark**: whether a row without byte is the text-EOS row or the text-PAD row (the model's shared
   special rows), for rule 3's end region; **prev mark** the same of row ``m-1``;
-* the code is ``harness.speaking.next_code(started, byte, prev, mark, prev_mark)``: speech id, BABBLE,
+* the code is ``harness.families.qwen2_5_omni.speaking.next_code(started, byte, prev, mark, prev_mark)``: speech id, BABBLE,
   SILENCE (text-EOS, first PAD) or codec EOS.
 
 One codec token per text byte (no frames-per-token stretching) and no sampling randomness: the
@@ -31,7 +31,7 @@ A position past the KV (only the speculative-decoding drafter asks for one: the 
 position does not exist yet) has no row, so no byte: codec EOS. The drafter's proposals are then
 rejected, never wrong: verification reads the written rows.
 
-Code2Wav: the oracle transcript is ``harness.speaking.decode(codes).text``; the audio for Whisper
+Code2Wav: the oracle transcript is ``harness.families.qwen2_5_omni.speaking.decode(codes).text``; the audio for Whisper
 is that transcript spoken by the sim's TTS, an unintelligible word (``<unk>``) as one babble
 syllable; babble ids carry no words, so a babbling request's WAV is silence.
 """
@@ -42,7 +42,7 @@ from types import ModuleType
 
 import numpy as np
 
-from harness import speaking
+from harness.families.qwen2_5_omni import speaking
 from harness.sim.codec import CODEC_BOS, PAUSE, babble_unit
 from harness.sim.rows import RowSpace
 from harness.sim.talker import TalkerKV
@@ -80,7 +80,7 @@ class SpeakingKV(TalkerKV):
 class SpeakingTalker:
     """Rules 1-3 of a speaking tiny model on the rows of a ``SpeakingKV``.
 
-    ``rules``: the family's rules module (``harness.speaking`` for Qwen2.5-Omni,
+    ``rules``: the family's rules module (``harness.families.qwen2_5_omni.speaking`` for Qwen2.5-Omni,
     ``harness.families.qwen3_tts.speaking`` for Qwen3-TTS): its ``next_code``, ``CODEC_EOS`` and marks.
     ``byte_kinds``: the registered row kinds whose one-byte word is heard as that byte (Qwen3-TTS's role
     header ``\\n`` row carries its byte, as the tiny tokenizer's does)."""

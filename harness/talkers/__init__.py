@@ -1,10 +1,9 @@
-"""Talker arms: implementations of ``talker_preprocess(input_ids, input_embeds, **info)``.
+"""Arms: loading each family's hook implementations, once per process.
 
-Built-ins: ``main`` (vLLM-Omni 0.30.0, routing by span length) and ``pr`` (the fix, absolute
-positions). A plugin arm is any ``package.module:attr`` naming a class with a
-``talker_preprocess`` method or a function with the same signature plus ``self``. An upstream
-arm ``vllm-omni:<source>`` runs vLLM-Omni's own code from a file, checkout, wheel or version
-(``harness.talkers.upstream``).
+An arm names a ``package.module:attr`` (a built-in, a user's plugin) or ``vllm-omni:<source>`` (the
+release's own code, ``harness.talkers.upstream``); the run's family says how it becomes an
+implementation (``Family.load_arm``). Built-in arms whose module moved keep resolving under their old
+path (``harness.moved``), so existing ``arms.yaml`` files and recorded manifests still load.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Any
 
 from harness.config import ArmSpec, check_name
 from harness.errors import ConfigError
+from harness.moved import current_module
 
 
 _LOADED: dict[tuple[str, str, str, str], Any] = {}
@@ -41,6 +41,7 @@ def import_target(target: str, where: str) -> Any:
     """``package.module:attr`` imported (the working directory importable): a plugin arm of any family, or
     ``conform``'s. A failure is one line starting with ``where``."""
     module_name, _, attr = target.partition(":")
+    module_name = current_module(module_name)
     _importable_from_cwd()
     try:
         obj: Any = importlib.import_module(module_name)
@@ -54,24 +55,9 @@ def import_target(target: str, where: str) -> Any:
 
 
 def _load(arm: ArmSpec) -> Any:
-    from harness.families import get_family
+    from harness.family import get_family
 
-    family = get_family(arm.family, f"arm {arm.name!r} ({arm.source}): family")
-    if family.load_arm is not None:  # another family's hook (Qwen3-TTS: preprocess), loaded its own way
-        return family.hook_fn("load_arm")(arm)
-    if arm.talker.startswith("vllm-omni:"):  # the real upstream code, extracted from its source
-        from harness.talkers.upstream import load_upstream
-
-        return load_upstream(arm)
-    where = f"arm {arm.name!r} ({arm.talker}, from {arm.source})"
-    obj = import_target(arm.talker, where)
-    attr = arm.talker.partition(":")[2]
-    if isinstance(obj, type):
-        if not callable(getattr(obj, "talker_preprocess", None)):
-            raise ConfigError(f"{where}: class {attr!r} has no talker_preprocess method")
-    elif not callable(obj):
-        raise ConfigError(f"{where}: {attr!r} is not callable")
-    return obj
+    return get_family(arm.family, f"arm {arm.name!r} ({arm.source}): family").load_arm(arm)
 
 
 def resolve_arm(text: str, arms: dict[str, ArmSpec], load: bool = True) -> ArmSpec:

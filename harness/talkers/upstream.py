@@ -12,7 +12,7 @@ own top-level imports and definitions when harmless (torch, typing, math, loggin
 vLLM-only names become stubs that raise :class:`UpstreamUnavailable` if the code actually
 reaches them. ``OmniPayload`` is a dict alias and ``init_logger`` a stdlib logger.
 
-The mixin is bound onto the sim's stand-in model (``harness.sim.model``), which provides the
+The mixin is bound onto the sim's stand-in model (``harness.families.qwen2_5_omni.model``), which provides the
 environment those methods touch (``talker.embed_input_ids``, special embeddings,
 ``talker_config`` ids, ``voice_type``, ``thinker_reply_part``, ``_module_device``). Methods the
 stand-in defines itself (device utilities) are taken from the stand-in, not from upstream.
@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.config import ArmSpec
 from harness.errors import ConfigError
 
 PREFIX = "vllm-omni:"
@@ -479,22 +478,18 @@ def build_functions(source: UpstreamSource, names: tuple[str, ...], *, module_na
     return out
 
 
-def build_mixin(source: UpstreamSource, environment: type | None = None, *, class_name: str = CLASS_NAME,
+def build_mixin(source: UpstreamSource, environment: type, *, class_name: str = CLASS_NAME,
                 entries: tuple[str, ...] = (ENTRY,), module_name: str = MODULE_NAME,
                 shims: dict[tuple[str, str], Any] | None = None) -> type:
     """A class holding upstream ``talker_preprocess`` and everything it reaches, ready for ``bind_arm``.
 
-    ``environment``: the stand-in class the mixin will be bound onto (default the sim's
-    ``SimTalkerModelBase``); methods it defines are taken from it, and every other
+    ``environment``: the stand-in class the mixin will be bound onto (Qwen2.5-Omni's:
+    ``harness.families.qwen2_5_omni.model.SimTalkerModelBase``); methods it defines are taken from it, and every other
     ``self.<attr>`` the code reads must exist on an instance of it. ``class_name`` and
     ``entries`` (the hook methods, all required) default to Qwen2.5-Omni's; other models
     (``harness.conform``) name theirs. ``shims``: extra ``(module, name) -> object``
     replacements for imported names the methods call.
     """
-    if environment is None:
-        from harness.sim.model import SimTalkerModelBase
-
-        environment = SimTalkerModelBase
     CLASS_NAME = class_name  # noqa: N806 -- the module default, overridden for this build
     ENTRY = entries[0]  # noqa: N806
     tree, where = _parse(source)
@@ -593,36 +588,13 @@ _INSTANCE_ATTRS: dict[type, frozenset[str]] = {}
 
 def _instance_attrs(environment: type) -> frozenset[str]:
     if environment not in _INSTANCE_ATTRS:
-        from harness.sim.rows import RowSpace
-
-        probe = getattr(environment, "omni_stress_probe", None)  # a conform stand-in's no-argument factory
-        if probe is not None:
-            inst = probe()
-        else:
-            try:
-                inst = environment(RowSpace(0))
-            except TypeError:
-                inst = environment()
+        probe = getattr(environment, "omni_stress_probe", None)  # the stand-in's no-argument factory
+        inst = probe() if probe is not None else environment()
         _INSTANCE_ATTRS[environment] = frozenset(vars(inst))
     return _INSTANCE_ATTRS[environment]
 
 
 # ----------------------------------------------------------------------------- the arm
-
-
-def load_upstream(arm: ArmSpec, wheel_dir: Path | None = None) -> type:
-    """The mixin for an arm whose ``talker`` is ``vllm-omni:<source>``.
-
-    A relative source in an arms file resolves against that file's folder; one given with
-    ``--arm`` against the working directory.
-    """
-    spec = arm.talker[len(PREFIX):] if is_upstream_spec(arm.talker) else arm.talker
-    arms_file = Path(arm.source)
-    base = arms_file.parent if arm.source not in ("--arm", "builtin") and arms_file.is_file() else Path.cwd()
-    try:
-        return build_mixin(read_source(spec, base, wheel_dir))
-    except ConfigError as exc:
-        raise ConfigError(f"arm {arm.name!r} (from {arm.source}): {exc}") from None
 
 
 def upstream_info(impl: Any) -> UpstreamInfo | None:
@@ -633,5 +605,5 @@ def upstream_info(impl: Any) -> UpstreamInfo | None:
 
 __all__ = [
     "CLASS_NAME", "MEMBER", "PREFIX", "UpstreamInfo", "UpstreamSource", "UpstreamUnavailable", "build_mixin",
-    "build_functions", "default_wheel_dir", "is_upstream_spec", "load_upstream", "read_source", "upstream_info",
+    "build_functions", "default_wheel_dir", "is_upstream_spec", "read_source", "upstream_info",
 ]

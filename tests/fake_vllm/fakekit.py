@@ -45,7 +45,7 @@ def deploy(tmp_path: Path, text: str = STRESS_YAML, name: str = "stress") -> Dep
 def fake_arm(name: str = "main", **env: str) -> ArmSpec:
     """An arm whose ``serve.command`` is the fake vllm executable, controlled by FAKE_VLLM_* env; the fake
     is "an installed vLLM-Omni as it is" (``bind_arm: false``): its talker is not bound into it."""
-    return ArmSpec(name=name, talker="harness.talkers.main:Talker",
+    return ArmSpec(name=name, talker="harness.families.qwen2_5_omni.main:Talker",
                    serve=ServeSettings(command=(sys.executable, str(FAKE_VLLM)),
                                        env={"OMNI_STRESS_CONTRACT": "0", **env}, bind_arm=False))
 

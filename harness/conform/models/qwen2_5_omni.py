@@ -2,12 +2,12 @@
 
 * ``qwen2.5-omni``: the real upstream ``Qwen2_5OmniForConditionalGeneration.talker_preprocess``
   from ``--source`` (``vllm_omni/model_executor/models/qwen2_5_omni/qwen2_5_omni.py``).
-* ``qwen2.5-omni:main`` / ``qwen2.5-omni:pr``: the built-in arms (``harness.talkers.main``, the
-  0.30.0 behaviour; ``harness.talkers.pr``, the fix). ``main`` must fail and ``pr`` conform,
+* ``qwen2.5-omni:main`` / ``qwen2.5-omni:pr``: the built-in arms (``harness.families.qwen2_5_omni.main``, the
+  0.30.0 behaviour; ``harness.families.qwen2_5_omni.pr``, the fix). ``main`` must fail and ``pr`` conform,
   or the check itself is broken.
 
-Stand-in and payload: the sim's own (``harness.sim.model.SimTalkerModelBase`` and the sim
-Thinker's ``thinker2talker_full_payload``-shaped payload, ``harness.sim.thinker``), so these rows
+Stand-in and payload: the sim's own (``harness.families.qwen2_5_omni.model.SimTalkerModelBase`` and the sim
+Thinker's ``thinker2talker_full_payload``-shaped payload, ``harness.families.qwen2_5_omni.thinker``), so these rows
 are exactly the ones ``omni-stress run`` feeds. Hook: ``talker_preprocess``, no MTP path.
 """
 
@@ -47,7 +47,7 @@ class Qwen25OmniAdapter(Adapter):
                       "pr": "Qwen2.5-Omni, built-in arm pr", "plugin": f"Qwen2.5-Omni, plugin arm {plugin}"}[arm]
 
     def stand_in_class(self) -> type:
-        from harness.sim.model import SimTalkerModelBase
+        from harness.families.qwen2_5_omni.model import SimTalkerModelBase
 
         return SimTalkerModelBase
 
@@ -65,7 +65,7 @@ class Qwen25OmniAdapter(Adapter):
         return load_impl(arm), Provenance(self.name, f"{kind} {arm.talker}")
 
     def make_model(self, impl: Any) -> Any:
-        from harness.sim.model import bind_arm
+        from harness.families.qwen2_5_omni.model import bind_arm
         from harness.sim.rows import RowSpace
 
         model = bind_arm(impl, RowSpace(SEED))
@@ -75,7 +75,7 @@ class Qwen25OmniAdapter(Adapter):
     def requests(self, count: int, generated: int) -> list[ConformRequest]:
         from harness.config import PromptSet, load_prompts
         from harness.sim.rows import RowSpace
-        from harness.sim.thinker import run_thinker, token_id_table
+        from harness.families.qwen2_5_omni.thinker import run_thinker, token_id_table
 
         ps = load_prompts("default")
         ps = PromptSet(ps.name, ps.description, ps.system_prompt, ps.prompts[:count], ps.path)
@@ -85,7 +85,7 @@ class Qwen25OmniAdapter(Adapter):
                                fixed_tokens(o.request_id, generated + 1, self.codec_vocab)) for o in outputs]
 
     def request_tables(self, req: ConformRequest) -> dict[str, torch.Tensor]:
-        from harness.sim.model import VOICE, SimTalkerModelBase
+        from harness.families.qwen2_5_omni.model import VOICE, SimTalkerModelBase
         from harness.sim.rows import RowSpace
 
         m = SimTalkerModelBase(RowSpace(SEED))  # the same special rows as every model instance

@@ -20,10 +20,10 @@ from harness.contract import misaligned_regions
 from harness.errors import ConfigError, UserError
 from harness.sim.cell import SimCell
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, CodecVocab, collapse, oracle_transcript
-from harness.sim.model import VOICE, bind_arm
+from harness.families.qwen2_5_omni.model import VOICE, bind_arm
 from harness.sim.rows import NONE, RowSpace
 from harness.sim.talker import TalkerKV
-from harness.sim.thinker import ThinkerOutput, run_thinker, token_id_table
+from harness.families.qwen2_5_omni.thinker import ThinkerOutput, run_thinker, token_id_table
 
 
 def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_mode: str) -> SimCell:
@@ -34,7 +34,7 @@ def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_
     frames = deploy.sim.frames_per_text_token
     if talker_mode == "speaking":
         from harness.sim.speaking_talker import SpeakingKV, SpeakingTalker, speech_units, spoken_codes
-        from harness.speaking import decode as decode_codes
+        from harness.families.qwen2_5_omni.speaking import decode as decode_codes
         from harness.tokenizer import byte_tokenize
 
         outputs = run_thinker(prompts, space, deploy.sim.thinker_steps_per_token, byte_tokenize,

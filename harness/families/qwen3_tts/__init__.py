@@ -22,30 +22,64 @@ The real server (``--backend vllm-omni``, V1 runner): ``harness.families.qwen3_t
 
 from __future__ import annotations
 
-from harness.families import Family
+from types import ModuleType
+from typing import Any
 
-FAMILY = Family(
-    name="qwen3-tts",
-    stages=("talker", "code2wav"),
-    stage_under_test=0,
-    hook="preprocess",
-    trace_target="vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker:Qwen3TTSTalkerForConditionalGeneration",
-    request_api="/v1/audio/speech",
-    conform_model="qwen3-tts",
-    default_arms=("tts-0.30.0", "tts-fix"),
-    default_deploys=("qwen3-tts-reference", "qwen3-tts-stress", "qwen3-tts-mrv2-reference", "qwen3-tts-mrv2-stress"),
-    default_prompts="qwen3_tts",
-    sim_talkers=("words", "speaking"),
-    sim_cell="harness.families.qwen3_tts.sim:build_cell",
-    sim_check_prompts="harness.families.qwen3_tts.sim:check_prompts",
-    speaking_rules="harness.families.qwen3_tts.speaking",
-    speaking_blind_spots=(
+from harness.errors import UserError
+from harness.family import Family
+
+
+class Qwen3TTS(Family):
+    name = "qwen3-tts"
+    stages = ("talker", "code2wav")
+    stage_under_test = 0
+    hook = "preprocess"
+    trace_target = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker:Qwen3TTSTalkerForConditionalGeneration"
+    request_api = "/v1/audio/speech"
+    conform_model = "qwen3-tts"
+    default_arms = ("tts-0.30.0", "tts-fix")
+    default_deploys = ("qwen3-tts-reference", "qwen3-tts-stress", "qwen3-tts-mrv2-reference", "qwen3-tts-mrv2-stress")
+    default_prompts = "qwen3_tts"
+    sim_talkers = ("words", "speaking")
+    text_input = True
+    speaking_blind_spots = (
         "the speaking Talker hears only whether a codec-BOS row exists, the byte of the row at each sampled position, "
         "the low 3 bits of the byte before it, and past the text whether a row is tts_eos, tts_pad or neither for two "
         "positions; wrong rows elsewhere (the role header and tts_pad rows before P-2, codec ids other than BOS, the "
         "high bits of the previous byte, tts_pad where tts_eos belongs, the end region past its first two positions, "
-        "a row's scale) are counted only by the misaligned columns"),
-    load_arm="harness.families.qwen3_tts.arms:load_arm",
-    serve_module="harness.families.qwen3_tts.serve",
-    gate_rules="gates-qwen3-tts",
-)
+        "a row's scale) are counted only by the misaligned columns")
+    gate_rules = "gates-qwen3-tts"
+    serve_missing = None
+
+    def sim_cell(self, impl: Any, deploy: Any, prompts: Any, seed: int, talker_mode: str) -> Any:
+        from harness.families.qwen3_tts.sim import build_cell
+
+        return build_cell(impl, deploy, prompts, seed, talker_mode)
+
+    def check_prompts(self, prompts: Any, talker_mode: str) -> None:
+        from harness.families.qwen3_tts.sim import check_prompts
+
+        check_prompts(prompts, talker_mode)
+
+    def load_arm(self, arm: Any) -> Any:
+        from harness.families.qwen3_tts.arms import load_arm
+
+        return load_arm(arm)
+
+    def speaking_rules(self) -> ModuleType:
+        from harness.families.qwen3_tts import speaking
+
+        return speaking
+
+    def serve(self) -> ModuleType:
+        from harness.families.qwen3_tts import serve
+
+        return serve
+
+    def tiny_model_argv(self, out: str, seed: int, speaking: bool) -> list[str]:
+        if not speaking:
+            raise UserError("tiny-model --family qwen3-tts: only the speaking checkpoint is built (drop --random)")
+        return ["-m", "harness.families.qwen3_tts.tiny_model", out, "--seed", str(seed)]
+
+
+FAMILY = Qwen3TTS()

@@ -44,7 +44,7 @@ def release_mixin(spec: str, base_dir: Path | None = None) -> type:
 
 
 def load_arm(arm: ArmSpec) -> Any:
-    """The implementation of a Qwen3-TTS arm (``harness.families.Family.load_arm``)."""
+    """The implementation of a Qwen3-TTS arm (``harness.family.Family.load_arm``)."""
     where = f"arm {arm.name!r} ({arm.talker}, from {arm.source})"
     arms_file = Path(arm.source)
     base = arms_file.parent if arm.source not in ("--arm", "builtin") and arms_file.is_file() else None

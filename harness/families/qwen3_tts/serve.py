@@ -52,6 +52,7 @@ from harness.families.qwen3_tts.contract import flatten_payload
 TALKER, CODE2WAV = "0", "1"
 SPEECH_VOICE, SPEECH_LANGUAGE, SPEECH_TASK = "Vivian", "Auto", "CustomVoice"
 CODE2WAV_BATCHED_TOKENS = 65536  # the shipped qwen3_tts.yaml's: Q x frames exceeds 32k
+BY_TEXT = True  # the speech endpoint ignores X-Request-Id: trace lines are filed by the request's text
 WRAPPER = "harness.families.qwen3_tts.serve:wrap"  # what the trace plugin wraps the Talker class with
 HOOK = "preprocess"
 
@@ -129,9 +130,9 @@ def release_streaming() -> dict[str, Any]:
             "input_connectors": stages[1]["input_connectors"]}
 
 
-def translate(deploy: Any, platform: str) -> Any:
+def translate(deploy: Any, platform: str, speaking: bool = True) -> Any:
     """The deploy as ``vllm serve`` arguments: ``--deploy-config`` (the cell's file, written from
-    ``deploy_yaml``) and the platform's environment."""
+    ``deploy_yaml``) and the platform's environment (the same for a speaking checkpoint and any other)."""
     import yaml
 
     from harness.errors import UserError
@@ -147,6 +148,12 @@ def translate(deploy: Any, platform: str) -> Any:
     env = tuple(sorted(CPU_ENV.items())) if platform == "cpu" else ()
     return DeployTranslation(stage_overrides={}, cli_args=("--deploy-config", DEPLOY_FILE), platform=platform,
                              env=env, deploy_yaml=text)
+
+
+def request_body(model: str, prompts: Any, prompt: Any, deploy: Any, tag: str, speaking: bool,
+                 stream: bool) -> dict[str, Any]:
+    """The family's request for one prompt: its text to say (``speech_body``); the tag is not sent."""
+    return speech_body(model, prompt.reply, stream, deploy)
 
 
 def speech_body(model: str, text: str, stream: bool = False, deploy: Any = None) -> dict[str, Any]:

@@ -178,6 +178,11 @@ class Qwen3TTSSimModel:
     """What Qwen3-TTS's ``preprocess`` / ``preprocess_decode_batch`` touch, from the sim's rows; an arm's
     class (the release's methods, the fix, a plugin) is mixed in before it."""
 
+    @classmethod
+    def omni_stress_probe(cls) -> Qwen3TTSSimModel:
+        """An instance for ``build_mixin`` to read its attributes from."""
+        return cls(RowSpace(0))
+
     def __init__(self, space: RowSpace, specials: Specials | None = None, requests: list[TTSRequest] | None = None,
                  model_runner: str = "v1") -> None:
         specials = specials or Specials.make(space)

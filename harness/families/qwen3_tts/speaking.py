@@ -4,7 +4,7 @@ Pure functions, no torch: shared by the weights that implement the rules inside 
 unmodified Qwen3-TTS Talker (``harness.families.qwen3_tts.speaking_model``), the real backend's oracle
 transcript (the traced codec stream decoded back to text) and the sim's ``speaking`` Talker for this
 family, so the sim and the real server run the same Talker. Modelled on Qwen2.5-Omni's rules
-(``harness.speaking``, docs/speaking-model.md); what differs is the row layout (docs/qwen3-tts.md).
+(``harness.families.qwen2_5_omni.speaking``, docs/speaking-model.md); what differs is the row layout (docs/qwen3-tts.md).
 
 **Text is bytes.** The tiny checkpoint's tokenizer gives one token per UTF-8 byte, token id = the
 byte (:func:`text_token_ids`), plus Qwen's special tokens on their real ids and ``assistant`` as one
@@ -57,7 +57,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from harness.speaking import UNINTELLIGIBLE, Spoken, decode_table  # noqa: F401 - part of this module's API
+from harness.families.qwen2_5_omni.speaking import UNINTELLIGIBLE, Spoken, decode_table  # noqa: F401 - part of this module's API
 
 BYTES = 256
 TAGS = 8  # the previous byte's low 3 bits: 2048 speech ids, the real codebook's size
@@ -80,7 +80,7 @@ TEXT_VOCAB = 151936
 PROMPT_LEN = 9  # harness.families.qwen3_tts.contract.PROMPT_LEN
 END_POSITIONS = 2
 EOS_MARK, PAD_MARK, BOS_MARK = "eos", "pad", "bos"
-# UNINTELLIGIBLE and Spoken are harness.speaking's (the same read-back), importable from here
+# UNINTELLIGIBLE and Spoken are harness.families.qwen2_5_omni.speaking's (the same read-back), importable from here
 
 
 @dataclass(frozen=True)

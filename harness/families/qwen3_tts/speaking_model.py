@@ -2,7 +2,7 @@
 (``harness.families.qwen3_tts.speaking``), inside vLLM-Omni 0.30.0's unmodified Qwen3-TTS code.
 
 Built by hand, not trained. The pieces Qwen2.5-Omni's construction already has are reused from
-``harness.serve.speaking_model`` (the rotary "previous position" head and its pair weights, the
+``harness.families.qwen2_5_omni.speaking_model`` (the rotary "previous position" head and its pair weights, the
 logit design); what differs is where the rows come from and Qwen3's attention (q/k RMSNorm per head).
 
 **Where a Talker row comes from** (docs/qwen3-tts.md's contract table): position ``p``'s input row
@@ -40,7 +40,7 @@ import math
 from typing import Any
 
 from harness.families.qwen3_tts import speaking as sp
-from harness.serve import speaking_model as omni
+from harness.families.qwen2_5_omni import speaking_model as omni
 
 HIDDEN = 64
 TEXT_HIDDEN = 64

@@ -32,7 +32,7 @@ from typing import Any
 from harness.errors import UserError
 from harness.families.qwen3_tts import speaking as sp
 from harness.families.qwen3_tts import speaking_model as sm
-from harness.serve.speaking_model import byte_chars
+from harness.families.qwen2_5_omni.speaking_model import byte_chars
 
 LAYERS = 1
 INTERMEDIATE = 128

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from harness.talkers.qwen2_5_omni import Qwen25OmniTalkerHelpers
+from harness.families.qwen2_5_omni.helpers import Qwen25OmniTalkerHelpers
 
 
 class MainTalker(Qwen25OmniTalkerHelpers):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from harness.contract import ContractError, require_metadata
-from harness.talkers.qwen2_5_omni import Qwen25OmniTalkerHelpers
+from harness.families.qwen2_5_omni.helpers import Qwen25OmniTalkerHelpers
 
 
 class FixedTalker(Qwen25OmniTalkerHelpers):

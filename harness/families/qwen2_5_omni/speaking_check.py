@@ -1,12 +1,12 @@
 """Checks a speaking tiny checkpoint with transformers' own Qwen2.5-Omni code (no vLLM): the rules hold.
 
-``python -m harness.serve.speaking_check MODEL_DIR [--dtype bfloat16]`` (in the real environment)
+``python -m harness.families.qwen2_5_omni.speaking_check MODEL_DIR [--dtype bfloat16]`` (in the real environment)
 prints one JSON object. It builds Talker rows the way vLLM-Omni 0.30.0's ``talker_preprocess`` does
 (Thinker last hidden states of the prompt; speaker + codec-PAD at ``P-2``; ``thinker_result[0]`` +
 codec-BOS at ``P-1``; reply rows + the previous codec id's embedding after it; a text-EOS row at the
 end), runs the Thinker and the Talker forward over them, and compares the codec id each position
 picks (argmax, and its probability under temperature 0.9 / top-k 40 / top-p 0.8) with
-``harness.speaking``'s rules, in four cases:
+``harness.families.qwen2_5_omni.speaking``'s rules, in four cases:
 
 * ``correct``: the reply is said byte for byte, then the end region: SILENCE at the text-EOS row and
   at the first text-PAD row, codec EOS at the persistent PAD row; and, after a row with no text
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness import speaking
+from harness.families.qwen2_5_omni import speaking
 
 PROMPT = "<|im_start|>system\nYou are Qwen, a helpful voice assistant.<|im_end|>\n<|im_start|>user\n" \
          "How do I make a cup of green tea?<|im_end|>\n<|im_start|>assistant\n"
@@ -144,7 +144,7 @@ def run(model_dir: Path, dtype_name: str = "bfloat16") -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.serve.speaking_check")
+    parser = argparse.ArgumentParser(prog="python -m harness.families.qwen2_5_omni.speaking_check")
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = parser.parse_args(argv)

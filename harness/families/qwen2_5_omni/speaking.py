@@ -1,7 +1,7 @@
 """The speaking tiny model's rules: what its Talker says for the rows it reads, and how to read it back.
 
 Pure functions, no torch: shared by the weights that implement the rules inside vLLM-Omni's real
-model (``harness/serve/speaking_model.py``), the real backend's oracle transcript (the codec stream
+model (``harness/families/qwen2_5_omni/speaking_model.py``), the real backend's oracle transcript (the codec stream
 decoded through the table) and the sim's ``speaking`` Talker mode, so the sim and the real server
 run the same Talker (docs/speaking-model.md).
 

@@ -38,6 +38,8 @@ class TalkerHFConfig:
 
 
 class _TalkerModule:
+    EMBEDS_CODEC_TABLE = True  # the runner may read ids' rows from the table directly (harness.sim.runner)
+
     def __init__(self, space: RowSpace) -> None:
         self.config = TalkerHFConfig()
         self._space = space
@@ -48,6 +50,11 @@ class _TalkerModule:
 
 class SimTalkerModelBase:
     """Model-level state of the talker stage; arms add ``talker_preprocess``."""
+
+    @classmethod
+    def omni_stress_probe(cls) -> SimTalkerModelBase:
+        """An instance for ``build_mixin`` to read its attributes from."""
+        return cls(RowSpace(0))
 
     def __init__(self, space: RowSpace) -> None:
         self.talker = _TalkerModule(space)

@@ -1,6 +1,6 @@
-"""Weights that make the tiny Qwen2.5-Omni *speak*: its Talker says what its rows say (``harness.speaking``).
+"""Weights that make the tiny Qwen2.5-Omni *speak*: its Talker says what its rows say (``harness.families.qwen2_5_omni.speaking``).
 
-Built by hand, not trained, on top of the random tiny checkpoint (``harness.serve.tiny_model``), and
+Built by hand, not trained, on top of the random tiny checkpoint (``harness.families.qwen2_5_omni.tiny_model``), and
 run by vLLM-Omni 0.30.0's unmodified model code. Every number below is what it is for a reason
 written beside it; docs/speaking-model.md has the whole construction and what it cannot model.
 
@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from harness import speaking
+from harness.families.qwen2_5_omni import speaking
 
 HIDDEN = 64
 HEAD_DIM = 32
@@ -137,7 +137,7 @@ def write_codec_head(head: Any, rules: Any, *, tag_bits: int, text: int, prev: l
                      started_ref: float, pad_ref: float) -> None:
     """The logit design (docs/speaking-model.md's table) as ``codec_head`` rows on a checkpoint's dims: rule 2's
     speech ids ``BYTES * tag + byte`` (``tag_bits`` tag bits on ``prev``), babble, codec EOS and rule 3's
-    silence, for the codec ids of ``rules`` (``harness.speaking`` or Qwen3-TTS's); every other id
+    silence, for the codec ids of ``rules`` (``harness.families.qwen2_5_omni.speaking`` or Qwen3-TTS's); every other id
     ``OTHER_LOGIT``. ``*_ref``: what the heads write into ``prev``, ``started`` and ``prev_pad`` after the
     layer's input norm, which the weights divide by."""
     import torch

@@ -4,7 +4,7 @@ Ported from vLLM-Omni 0.30.0 (PyPI wheel ``vllm_omni-0.30.0-py3-none-any.whl``),
 ``vllm_omni/model_executor/models/qwen2_5_omni/qwen2_5_omni.py``:
 ``_get_embed_text_spk_token`` (l.672), ``_thinker_to_talker_prefill`` (l.760) and
 ``_thinker_to_talker_decode_one_step`` (l.839), unchanged apart from typing. The methods run
-on a host object that provides what the upstream class provides (``harness.sim.model``):
+on a host object that provides what the upstream class provides (``harness.families.qwen2_5_omni.model``):
 ``talker.embed_input_ids``, ``talker_config``, the special-token embeddings, ``voice_type``,
 ``model`` and ``_module_device``.
 """

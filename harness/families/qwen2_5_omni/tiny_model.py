@@ -133,7 +133,7 @@ def build_tokenizer(out: Path) -> object:
 def build(out: Path, seed: int = 0, speaking: bool = False) -> dict:
     """Writes the checkpoint into ``out`` (created; must be empty or absent); returns a summary.
 
-    ``speaking``: the Thinker and Talker weights of ``harness.serve.speaking_model`` replace the
+    ``speaking``: the Thinker and Talker weights of ``harness.families.qwen2_5_omni.speaking_model`` replace the
     random ones (the audio encoders, vision encoder and Code2Wav stay random)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -155,7 +155,7 @@ def build(out: Path, seed: int = 0, speaking: bool = False) -> dict:
     model.eval()
     tokenizer = build_tokenizer(out)
     if speaking:
-        from harness.serve import speaking_model
+        from harness.families.qwen2_5_omni import speaking_model
 
         with torch.no_grad():
             speaking_model.apply(model.state_dict(), tokenizer)
@@ -186,12 +186,12 @@ def build(out: Path, seed: int = 0, speaking: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.serve.tiny_model DIR [--seed N]``: run by ``omni-stress tiny-model`` in the
+    """``python -m harness.families.qwen2_5_omni.tiny_model DIR [--seed N]``: run by ``omni-stress tiny-model`` in the
     real environment's interpreter, whose transformers has the processors the server loads."""
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m harness.serve.tiny_model")
+    parser = argparse.ArgumentParser(prog="python -m harness.families.qwen2_5_omni.tiny_model")
     parser.add_argument("out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speaking", action="store_true")

@@ -375,7 +375,7 @@ def test_qwen3_omni_async_chunk_decode_path() -> None:
 
 
 def test_mrv2_with_async_chunk_is_not_modelled_on_the_prerelease() -> None:
-    from harness.conform.release import vendor_dir
+    from harness.talkers.release import vendor_dir
 
     r = check_model(MODELS["qwen3-omni"](), str(vendor_dir("0.32.0rc1")), (), requests=1, forced_generated=GEN,
                     async_chunk=True)

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from harness.conform.check import check_model, modes_for, runners_for
 from harness.conform.models import MODELS
 from harness.conform.reach import expand_files, load_shipped
-from harness.conform.release import DEFAULT_SOURCES, VENDORED, deploy_names, resolve, split_source, vendor_dir
+from harness.talkers.release import DEFAULT_SOURCES, VENDORED, deploy_names, resolve, split_source, vendor_dir
 from harness.errors import UserError
 
 torch.set_num_threads(1)
@@ -162,7 +162,7 @@ def no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_a_version_resolves_to_the_cache_then_the_vendored_copy_then_pip(no_cache: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    import harness.conform.release as rel
+    import harness.talkers.release as rel
 
     rel._resolve.cache_clear()
     r = resolve(f"vllm-omni=={RC}")

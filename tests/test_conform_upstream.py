@@ -14,7 +14,7 @@ from harness.conform.check import check_model
 from harness.conform.compare import Cell, restart_cell
 from harness.conform.driver import Feed
 from harness.conform.models import MODELS, UPSTREAM_MODELS
-from harness.conform.release import VENDORED
+from harness.talkers.release import VENDORED
 from harness.conform.upstream_report import ANCHORS, ISSUES, find_line, findings, model_base, schedule_text
 
 torch.set_num_threads(1)

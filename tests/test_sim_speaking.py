@@ -86,7 +86,7 @@ def rows():
     _, eos = space.make("text_eos", [None], None)
     _, pad = space.make("text_pad", [None], None)
     _, spk = space.make("spk:1", [None], None)
-    talker = SpeakingTalker(space)
+    talker = SpeakingTalker(space, speaking)
     talker.freeze()
     return talker, {"p0": p0, "a0": a0, "b0": b0, "eos": eos, "pad": pad, "spk": spk}
 
@@ -171,12 +171,12 @@ def test_memory_reads_the_previous_rows_byte_cross_talk_and_unknown(rows):
 
 
 def test_spoken_codes_and_speech_units():
-    assert spoken_codes([1, 2, CODEC_EOS]) == [1, 2]
-    assert spoken_codes([1, 2]) == [1, 2]
-    units = speech_units("Hi, you <unk> there", 19)
+    assert spoken_codes([1, 2, CODEC_EOS], CODEC_EOS) == [1, 2]
+    assert spoken_codes([1, 2], CODEC_EOS) == [1, 2]
+    units = speech_units("Hi, you <unk> there", 19, speaking.UNINTELLIGIBLE)
     assert units[:3] == ["Hi", "<pause>", "you"] and units[4] == "there"
     assert parse_babble(units[3]) == (3, 19)
-    assert speech_units("", 19) == []
+    assert speech_units("", 19, speaking.UNINTELLIGIBLE) == []
 
 
 # --------------------------------------------------------------------------- cells of the speaking sim

@@ -58,7 +58,7 @@ def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[st
     """Check each model's preprocess for schedule invariance: model x situation."""
     from harness.conform.check import DEFAULT_DEPLOYS, check_model, modes_for
     from harness.conform.models import CALIBRATION, MODELS, UPSTREAM_MODELS, resolve_model
-    from harness.conform.release import DEFAULT_SOURCES, check_release, resolve, split_source
+    from harness.talkers.release import DEFAULT_SOURCES, check_release, resolve, split_source
     from harness.conform.report import Matrix, Report, format_html, format_json, format_text
     from harness.config import load_deploy
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from harness.errors import ConfigError
+from harness.talkers.release import RELEASE_SHIMS, read_model_source  # noqa: F401 - this module's API too
 
 VENDOR_DIR = Path(__file__).parent / "vendor" / "vllm-omni-0.30.0"
 VENDORED_VERSION = "0.30.0"
@@ -199,51 +200,10 @@ class Adapter:
         return {}
 
 
-def _to_device_nonblocking(tensor: torch.Tensor, device: Any) -> torch.Tensor:
-    """``vllm_omni.utils.device_copy.to_device_nonblocking`` (0.32.0rc1) on the CPU: its own CPU branch,
-    ``tensor.to(device)`` (the pinned non-blocking copy is for CUDA/NPU targets only)."""
-    return tensor.to(torch.device(device))
-
-
-def _index_to_device(values: Any, device: Any, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """``vllm_omni.utils.device_copy.index_to_device`` (0.32.0rc1) on the CPU: its own CPU branch."""
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
-# Names newer releases import that carry no model logic (device copies): their CPU branches, for every adapter.
-RELEASE_SHIMS: dict[tuple[str, str], Any] = {
-    ("vllm_omni.utils.device_copy", "to_device_nonblocking"): _to_device_nonblocking,
-    ("vllm_omni.utils.device_copy", "index_to_device"): _index_to_device,
-}
-
-
 def _file_info(source: Any, methods: tuple[str, ...], stubbed: tuple[str, ...],
                from_stand_in: tuple[str, ...] = ()) -> dict[str, Any]:
     return {"location": source.location, "version": source.version, "sha256": source.sha256,
             "methods": list(methods), "stubbed": list(stubbed), "from_stand_in": list(from_stand_in)}
-
-
-def read_model_source(spec: str, member: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> Any:
-    """``harness.talkers.upstream.read_source`` for ``member``; a version that is neither installed nor
-    cached falls back to the vendored copy of that version (``harness/conform/vendor/vllm-omni-<version>``)."""
-    from harness.talkers.upstream import _VERSION_RE, read_source
-
-    from harness.conform.release import VENDORED, vendor_dir
-
-    try:
-        return read_source(spec, base_dir, wheel_dir, member=member)
-    except ConfigError:
-        for version in VENDORED:
-            if _VERSION_RE.match(spec) and _same(spec, version) and (vendor_dir(version) / member).is_file():
-                src = read_source(str(vendor_dir(version)), None, wheel_dir, member=member)
-                return type(src)(spec, "vendored", src.location, src.version, src.sha256, src.text)
-        raise
-
-
-def _same(a: str, b: str) -> bool:
-    from harness.talkers.upstream import _same_version
-
-    return _same_version(a, b)
 
 
 def load_plugin(target: str, model: str, hook: str) -> type:

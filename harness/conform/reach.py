@@ -319,7 +319,7 @@ def expand_files(files: tuple[str, ...], spec: str, base_dir: Path | None = None
     whose deploy folder cannot be listed keeps only the plain names."""
     import fnmatch
 
-    from harness.conform.release import deploy_names, resolve
+    from harness.talkers.release import deploy_names, resolve
 
     names: list[str] | None = None
     if any(ch in f for f in files for ch in "*?["):

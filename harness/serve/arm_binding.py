@@ -59,11 +59,17 @@ def _load(spec: str) -> Any:
     return obj
 
 
-def _own_classes(arm: type) -> list[type]:
-    from harness.families.qwen2_5_omni.helpers import Qwen25OmniTalkerHelpers
+HELPER_PORT = "OMNI_STRESS_HELPER_PORT"  # set in a class's own body: a port of the release's helpers
+                                        # (harness.families.qwen2_5_omni.helpers), not the arm's own code
 
-    return [k for k in arm.__mro__ if k is not object and k is not Qwen25OmniTalkerHelpers
-            and not issubclass(Qwen25OmniTalkerHelpers, k)]
+
+def _helper_ports(arm: type) -> list[type]:
+    return [k for k in arm.__mro__ if vars(k).get(HELPER_PORT)]
+
+
+def _own_classes(arm: type) -> list[type]:
+    ports = _helper_ports(arm)
+    return [k for k in arm.__mro__ if k is not object and not any(issubclass(port, k) for port in ports)]
 
 
 def methods_of(arm: Any) -> dict[str, Any]:
@@ -89,13 +95,12 @@ def _adopt(model_cls: type, arm: type, originals: dict[str, Any], redirect_helpe
     work as in the sim), installed in the model's module under the model's name, so vLLM builds it;
     with ``redirect_helpers`` (a server worker, where the sim never runs) the helper port's functions
     become the model's real helpers."""
-    from harness.families.qwen2_5_omni.helpers import Qwen25OmniTalkerHelpers
-
-    for name, value in list(vars(Qwen25OmniTalkerHelpers).items()) if redirect_helpers else ():
-        real = originals.get(name)
-        if real is not None and not name.startswith("__") and (
-                inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod))):
-            setattr(Qwen25OmniTalkerHelpers, name, real)
+    for port in _helper_ports(arm) if redirect_helpers else ():
+        for name, value in list(vars(port).items()):
+            real = originals.get(name)
+            if real is not None and not name.startswith("__") and (
+                    inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod))):
+                setattr(port, name, real)
     if issubclass(model_cls, arm):
         return model_cls
     bound = type(model_cls.__name__, (model_cls, arm), {

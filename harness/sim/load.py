@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from harness.config import LoadSettings
-    from harness.families.qwen2_5_omni.thinker import ThinkerOutput
+    from harness.sim.cell import SimRequest as ThinkerOutput
 
 
 def arrival_rng(seed: int) -> random.Random:

@@ -1,8 +1,8 @@
-"""The sim's ``speaking`` Talker mode: the speaking tiny model's rules (``harness.families.qwen2_5_omni.speaking``), on the sim's KV.
+"""The sim's ``speaking`` Talker mode: a speaking tiny model's rules, on the sim's KV.
 
-The rules module is the family's (``SpeakingTalker(rules=...)``): Qwen2.5-Omni's ``harness.families.qwen2_5_omni.speaking`` by
-default, Qwen3-TTS's ``harness.families.qwen3_tts.speaking`` (its codec ids, tags and end rows) for that
-family's cell (``harness.families.qwen3_tts.sim``); the KV semantics below are the same for both.
+The rules module is the family's (``SpeakingTalker(space, rules)``, ``Family.speaking_rules()``):
+Qwen2.5-Omni's ``harness.families.qwen2_5_omni.speaking``, Qwen3-TTS's ``harness.families.qwen3_tts.speaking``
+(its codec ids, tags and end rows); the KV semantics below are the same for both.
 
 ``omni-stress run --sim-talker speaking`` runs this Talker instead of the default one
 (``harness/sim/talker.py``), so the sim and the real server with the speaking tiny checkpoint run
@@ -42,7 +42,6 @@ from types import ModuleType
 
 import numpy as np
 
-from harness.families.qwen2_5_omni import speaking
 from harness.sim.codec import CODEC_BOS, PAUSE, babble_unit
 from harness.sim.rows import RowSpace
 from harness.sim.talker import TalkerKV
@@ -85,7 +84,7 @@ class SpeakingTalker:
     ``byte_kinds``: the registered row kinds whose one-byte word is heard as that byte (Qwen3-TTS's role
     header ``\\n`` row carries its byte, as the tiny tokenizer's does)."""
 
-    def __init__(self, space: RowSpace, rules: ModuleType = speaking,
+    def __init__(self, space: RowSpace, rules: ModuleType,
                  byte_kinds: tuple[str, ...] = ("prompt", "output")) -> None:
         self.space = space
         self.rules = rules
@@ -138,20 +137,20 @@ class SpeakingTalker:
                                   self.mark_of(before))
 
 
-def spoken_codes(output_token_ids: list[int], eos: int = speaking.CODEC_EOS) -> list[int]:
+def spoken_codes(output_token_ids: list[int], eos: int) -> list[int]:
     """The codec tokens a request spoke: everything before codec EOS ``eos`` (the stop token is not speech)."""
     codes = [int(c) for c in output_token_ids]
     return codes[:codes.index(eos)] if eos in codes else codes
 
 
-def speech_units(transcript: str, frames_per_word: int) -> list[str]:
+def speech_units(transcript: str, frames_per_word: int, unintelligible: str) -> list[str]:
     """What the sim's TTS speaks for an oracle transcript: its words (punctuation as pauses), each
-    unintelligible word as one babble syllable of ``frames_per_word`` codec frames."""
+    ``unintelligible`` word (the rules' mark for one) as one babble syllable of ``frames_per_word`` codec frames."""
     from harness.tokenizer import is_spoken, tokenize
 
     units: list[str] = []
     for i, word in enumerate(transcript.split()):
-        if word == speaking.UNINTELLIGIBLE:
+        if word == unintelligible:
             units.append(babble_unit(1 + i % 64, frames_per_word))
         else:
             units.extend(tok if is_spoken(tok) else PAUSE for tok in tokenize(word))  # as tts.units_from_text

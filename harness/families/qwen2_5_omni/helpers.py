@@ -17,6 +17,7 @@ import torch
 
 
 class Qwen25OmniTalkerHelpers:
+    OMNI_STRESS_HELPER_PORT = True  # the worker binds the arm's own members only (harness.serve.arm_binding)
     talker: Any
     talker_config: Any
     voice_type: str

@@ -34,19 +34,19 @@ def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_
     frames = deploy.sim.frames_per_text_token
     if talker_mode == "speaking":
         from harness.sim.speaking_talker import SpeakingKV, SpeakingTalker, speech_units, spoken_codes
-        from harness.families.qwen2_5_omni.speaking import decode as decode_codes
+        from harness.families.qwen2_5_omni import speaking
         from harness.tokenizer import byte_tokenize
 
         outputs = run_thinker(prompts, space, deploy.sim.thinker_steps_per_token, byte_tokenize,
                               deploy.thinker.max_num_seqs)
-        talker: Any = SpeakingTalker(space)
+        talker: Any = SpeakingTalker(space, speaking)
         kv_class: type[TalkerKV] = SpeakingKV
 
         def speak(codes: list[int]) -> tuple[list[int], str, list[str]]:
             # the speaking model's oracle: its codec stream read back through the table
-            codes = spoken_codes(codes)
-            transcript = decode_codes(codes).text
-            return codes, transcript, speech_units(transcript, frames)
+            codes = spoken_codes(codes, speaking.CODEC_EOS)
+            transcript = speaking.decode(codes).text
+            return codes, transcript, speech_units(transcript, frames, speaking.UNINTELLIGIBLE)
     elif talker_mode == "words":
         from harness.sim.talker import SimTalker
 

@@ -33,7 +33,7 @@ def release_mixin(spec: str, base_dir: Path | None = None) -> type:
     """The release's hooks named by ``vllm-omni:<spec>``, compiled onto the sim's stand-in (once per process)."""
     key = (spec, str(base_dir))
     if key not in _RELEASES:
-        from harness.conform.adapter import RELEASE_SHIMS, read_model_source
+        from harness.talkers.release import RELEASE_SHIMS, read_model_source
         from harness.families.qwen3_tts.sim import Qwen3TTSSimModel
         from harness.talkers.upstream import build_mixin
 

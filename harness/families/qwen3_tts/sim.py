@@ -363,7 +363,7 @@ def _speaking_cell(impl: Any, deploy: Deploy, prompts: PromptSet, space: RowSpac
     def speak(codes: list[int]) -> tuple[list[int], str, list[str]]:
         codes = spoken_codes(codes, speaking.CODEC_EOS)
         transcript = speaking.decode(codes).text
-        return codes, transcript, speech_units(transcript, frames)
+        return codes, transcript, speech_units(transcript, frames, speaking.UNINTELLIGIBLE)
 
     return SimCell(requests=requests, token_ids={}, space=space, model=model, talker=talker,
                    contract=TTSContract(specials, SpeakingKV), stop_token_ids=[speaking.CODEC_EOS], speak=speak,

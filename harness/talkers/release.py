@@ -28,10 +28,11 @@ import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
-from harness.errors import UserError
+from harness.errors import ConfigError, UserError
 
-VENDOR_ROOT = Path(__file__).parent / "vendor"
+VENDOR_ROOT = Path(__file__).parent.parent / "conform" / "vendor"  # read by conform and by the families' arms
 # The releases whose files are vendored (harness/conform/vendor/vllm-omni-<version>): the default --source.
 VENDORED = ("0.30.0", "0.32.0rc1")
 DEFAULT_SOURCES = tuple(f"vllm-omni:{v}" for v in VENDORED)
@@ -200,3 +201,47 @@ def deploy_names(release_spec: str) -> list[str] | None:
         except (zipfile.BadZipFile, OSError):
             return None
     return None
+
+
+def _to_device_nonblocking(tensor: Any, device: Any) -> Any:
+    """``vllm_omni.utils.device_copy.to_device_nonblocking`` (0.32.0rc1) on the CPU: its own CPU branch,
+    ``tensor.to(device)`` (the pinned non-blocking copy is for CUDA/NPU targets only)."""
+    import torch
+
+    return tensor.to(torch.device(device))
+
+
+def _index_to_device(values: Any, device: Any, dtype: Any = None) -> Any:
+    """``vllm_omni.utils.device_copy.index_to_device`` (0.32.0rc1) on the CPU: its own CPU branch
+    (``dtype`` defaults to ``torch.long``)."""
+    import torch
+
+    return torch.tensor(values, dtype=torch.long if dtype is None else dtype, device=device)
+
+
+# Names newer releases import that carry no model logic (device copies): their CPU branches, for every adapter.
+RELEASE_SHIMS: dict[tuple[str, str], Any] = {
+    ("vllm_omni.utils.device_copy", "to_device_nonblocking"): _to_device_nonblocking,
+    ("vllm_omni.utils.device_copy", "index_to_device"): _index_to_device,
+}
+
+
+def read_model_source(spec: str, member: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> Any:
+    """``harness.talkers.upstream.read_source`` for ``member``; a version that is neither installed nor
+    cached falls back to the vendored copy of that version (``harness/conform/vendor/vllm-omni-<version>``)."""
+    from harness.talkers.upstream import _VERSION_RE, read_source
+
+    try:
+        return read_source(spec, base_dir, wheel_dir, member=member)
+    except ConfigError:
+        for version in VENDORED:
+            if _VERSION_RE.match(spec) and _same(spec, version) and (vendor_dir(version) / member).is_file():
+                src = read_source(str(vendor_dir(version)), None, wheel_dir, member=member)
+                return type(src)(spec, "vendored", src.location, src.version, src.sha256, src.text)
+        raise
+
+
+def _same(a: str, b: str) -> bool:
+    from harness.talkers.upstream import _same_version
+
+    return _same_version(a, b)

@@ -139,7 +139,7 @@ def steady_sim(args: argparse.Namespace) -> SteadyResult:
     """The sim cells in this process, after one warm-up cell: the simulation's own throughput."""
     from harness.config import load_arms, load_deploy, load_prompts
     from harness.talkers import resolve_arm
-    from harness.sim.backend import run_cell
+    from harness.sim.steploop import run_cell
 
     known = load_arms()
     arms = [resolve_arm(a, known) for a in args.arm]

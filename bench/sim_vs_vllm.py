@@ -109,7 +109,7 @@ def _time_arm() -> dict[str, float]:
 def sim_cells(args: argparse.Namespace) -> list[dict]:
     from harness.config import load_arms, load_deploy, load_prompts
     from harness.talkers import resolve_arm
-    from harness.sim.backend import run_cell
+    from harness.sim.steploop import run_cell
 
     known = load_arms()
     arms = [resolve_arm(a, known) for a in args.arm]

@@ -43,7 +43,7 @@ CLI = [sys.executable, "-m", "harness.cli"]
 LEVELS = ("off", "spans", "contract")
 DEPLOYS = ("cpu-reference", "cpu-stress")
 TARGETS = {"spans": 0.03, "contract": 0.10}
-ARM_TALKERS = {"pr": "harness.talkers.pr:FixedTalker", "main": "harness.talkers.main:MainTalker"}
+ARM_TALKERS = {"pr": "harness.families.qwen2_5_omni.pr:FixedTalker", "main": "harness.families.qwen2_5_omni.main:MainTalker"}
 
 
 def load1() -> float:

@@ -7,6 +7,10 @@ keeps everything it measured (a torn last line is dropped on read).
 ``read_requests`` reads a complete file line by line with msgspec and can leave the codec tokens
 undecoded (``codec_tokens=False``): at 10,000 requests they were most of ``report``'s time and memory
 (issue 48); any doubt falls back to the reader before, so errors name the same line and field.
+
+A run's spans are read by ``harness.spanstore.read_spans`` (an old run's spans.jsonl, then the span
+store's files): the store builds on the span records and the file helpers here, so this module never
+imports it, not even lazily, and the imports run one way (spanstore -> records).
 """
 
 from __future__ import annotations
@@ -447,14 +451,6 @@ def _bulk_jsonl(path: Path) -> list[tuple[int, Any]] | None:
     if not isinstance(data, list) or len(data) != body.count(b"\n") + 1:
         return None
     return list(enumerate(data, 1))
-
-
-def read_spans(run_dir: Path) -> list[SpanRecord]:
-    """Every complete span of a run: an old run's spans.jsonl, then the span store's files
-    (``harness.spanstore``); one that is malformed is a ValueError naming the file and the line or row."""
-    from harness.spanstore import read_spans as read_all
-
-    return read_all(run_dir)
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:

@@ -13,6 +13,9 @@ writes each stored span through ``records.span_json``, so the export is byte for
 
 Runs written before the store keep their ``spans.jsonl``: every reader here reads it first (a run
 resumed with this version may have both), then the store's files.
+
+The store sits above ``harness.records`` (it imports the span records and file helpers from there,
+which never imports this module back): a run's spans are read with ``read_spans`` here.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from harness.records import SPANS_FILE, SpanRecord, iter_jsonl_numbered, span_from_dict, span_json
+from harness.records import (SPANS_FILE, SpanRecord, iter_jsonl_numbered, span_from_dict, span_json,
+                             write_file_atomic)
 
 SPANS_DIR = "spans"
 SPAN_SUFFIX = ".arrow"
@@ -295,8 +299,6 @@ def drop_cells(run_dir: Path, cells: set[tuple[str, str, int]]) -> None:
     """Removes every span of ``cells`` (a ``--resume`` runs those cells again): the store's files of
     those cells, and their lines of an old run's spans.jsonl."""
     import json
-
-    from harness.records import write_file_atomic
 
     legacy = Path(run_dir) / SPANS_FILE
     if legacy.exists():

@@ -126,7 +126,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def spans_by_cell(run_dir: Path) -> dict[tuple[str, str], list]:
     """A run's spans by (arm, deploy)."""
-    from harness.records import read_spans
+    from harness.spanstore import read_spans
 
     cells: dict[tuple[str, str], list] = defaultdict(list)
     for s in read_spans(run_dir):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.records import read_requests, read_spans
+from harness.records import read_requests
+from harness.spanstore import read_spans
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"

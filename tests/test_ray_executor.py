@@ -33,7 +33,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, SMALL_PROMPTS
 
-from harness.records import read_manifest, read_requests, read_spans
+from harness.records import read_manifest, read_requests
+from harness.spanstore import read_spans
 
 pytestmark = pytest.mark.slow
 

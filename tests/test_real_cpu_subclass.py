@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.records import read_requests, read_spans
+from harness.records import read_requests
+from harness.spanstore import read_spans
 
 from conftest import REAL_PY
 

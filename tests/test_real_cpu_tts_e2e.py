@@ -22,7 +22,8 @@ import pytest
 
 from harness.config import load_prompts
 from harness.families.qwen3_tts import speaking as sp
-from harness.records import read_requests, read_spans
+from harness.records import read_requests
+from harness.spanstore import read_spans
 
 from conftest import REAL_PY, require_real_env
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, SMALL_PROMPTS, invoke_cli
 
-from harness.records import read_manifest, read_requests, read_spans
+from harness.records import read_manifest, read_requests
+from harness.spanstore import read_spans
 
 TIMING_FIELDS = {"wall_s", "asr_seconds"}
 RUN_ARGS = ("run", "--asr", "none", "--quiet", "--prompts", str(SMALL_PROMPTS))

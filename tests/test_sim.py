@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness.config import SamplingSettings, load_arms, load_deploy, load_prompts
-from harness.sim.backend import run_cell
+from harness.sim.steploop import run_cell
 from harness.sim.codec import CODEC_EOS, PAUSE, WORD_BASE, CodecVocab, babble_unit, collapse, oracle_transcript
 from harness.sim.rows import NONE, TEXT_DIMS, UNKNOWN, RowSpace
 from harness.sim.scheduler import make_scheduler, resolve_talker

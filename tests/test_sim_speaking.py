@@ -185,7 +185,7 @@ def test_spoken_codes_and_speech_units():
 @pytest.fixture(scope="module")
 def cells():
     """pr and main on cpu_smoke under cpu-reference and cpu-stress, speaking mode, seed 42."""
-    from harness.sim.backend import run_cell
+    from harness.sim.steploop import run_cell
 
     arms = load_arms()
     prompts = load_prompts("cpu_smoke")
@@ -249,7 +249,7 @@ def test_main_under_cpu_reference_speaks(cells):
 def test_an_arm_dropping_the_persistent_pad_rows_is_heard_and_counted_on_the_speaking_sim():
     """Issue 32 item 1: the end region is scheduled on the speaking path, so the contract counts a
     dropped PAD row (one end position per request) and the request ends one SILENCE early."""
-    from harness.sim.backend import run_cell
+    from harness.sim.steploop import run_cell
 
     prompts = load_prompts("cpu_smoke")
     arm = resolve_arm("droppad=tests.fixtures.helper_override_arm:DropPadPr", load_arms())

@@ -15,12 +15,13 @@ from conftest import invoke_cli
 
 from harness import spanstore
 from harness.errors import UserError
-from harness.records import JsonlWriter, SpanRecord, read_spans, span_json, write_manifest
+from harness.records import JsonlWriter, SpanRecord, span_json, write_manifest
 from harness.report.summary import SpanTable, StoredSpanTable, load_run
 from harness.spanstore import (
     SpanStoreWriter,
     drop_cells,
     export_lines,
+    read_spans,
     span_cells,
     span_files,
 )

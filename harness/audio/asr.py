@@ -14,6 +14,10 @@ later runs do not hash again. Where each file comes from: docs/audio.md.
 
 Silence must transcribe to "" (Whisper otherwise hallucinates "you"), so faster-whisper runs
 with its Silero VAD filter, and openai-whisper is gated by the same VAD.
+
+The per-clip faster-whisper transcriber and the decode settings live in ``harness.audio.perclip``,
+below both this module and the batched pipeline (``harness.audio.batched``), which this module's
+``make_transcriber`` picks from: so the imports run one way (imported here again, for callers).
 """
 
 from __future__ import annotations
@@ -24,20 +28,16 @@ import pickle
 import shutil
 import threading
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from harness.audio.cache import cache_root, sha256_file
+from harness.audio.perclip import (CPU_THREADS, LANGUAGE, SAMPLE_RATE, TEMPERATURE, FasterWhisperTranscriber,
+                                   _version)
 from harness.errors import UserError
 
 BACKENDS = ("faster-whisper", "openai-whisper")
 PACKAGED_MODELS = ("tiny.en", "base")  # faster-whisper models that pip packages ship
-CPU_THREADS = 2
-LANGUAGE = "en"
-TEMPERATURE = 0.0  # no sampling fallback: the same audio always gives the same transcript
-COMPUTE_TYPE = "float32"  # CTranslate2 weights on CPU: the unquantised model, as the seed ran it
-SAMPLE_RATE = 16_000  # Whisper's input rate
 
 _BASE_FILES = ("config.json", "tokenizer.json", "vocabulary.txt")
 
@@ -49,13 +49,6 @@ class Transcriber(Protocol):
     cache_key: str
 
     def transcribe(self, wav_path: Path) -> str: ...
-
-
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "missing"
 
 
 # --------------------------------------------------------------------------- pinned model files
@@ -218,57 +211,7 @@ def _complete(folder: Path, model_size: int) -> bool:
 
 
 # --------------------------------------------------------------------------- faster-whisper
-
-
-def faster_whisper_key(model_name: str, beam_size: int) -> str:
-    """The transcript cache key of faster-whisper's options: versions, model, compute type, beam, language,
-    VAD, temperature (a transcript made under other options is another entry)."""
-    return (f"faster-whisper={_version('faster-whisper')}|ctranslate2={_version('ctranslate2')}"
-            f"|model={model_name}|compute={COMPUTE_TYPE}|beam={beam_size}|lang={LANGUAGE}|vad=1"
-            f"|temperature={TEMPERATURE}")
-
-
-@dataclass
-class FasterWhisperTranscriber:
-    """faster-whisper on CPU with VAD; the model loads on first use (cache hits never load it)."""
-
-    model_name: str
-    model_dir: Path
-    beam_size: int = 1
-    cpu_threads: int = CPU_THREADS
-    cache_key: str = ""
-    calls: int = 0
-    _model: Any = field(default=None, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def __post_init__(self) -> None:
-        if not self.cache_key:
-            self.cache_key = faster_whisper_key(self.model_name, self.beam_size)
-
-    def _load(self) -> Any:
-        if self._model is None:
-            from harness.cachedirs import import_onnxruntime_quietly
-
-            import_onnxruntime_quietly()  # the VAD's runtime, before it can print its cache warning
-            try:
-                from faster_whisper import WhisperModel
-            except ImportError:
-                raise UserError("--asr faster-whisper needs the 'faster-whisper' package (pip install faster-whisper)") from None
-            try:
-                self._model = WhisperModel(str(self.model_dir), device="cpu", compute_type=COMPUTE_TYPE,
-                                           cpu_threads=self.cpu_threads, local_files_only=True)
-            except (RuntimeError, ValueError, OSError) as exc:  # what ctranslate2 raises on a bad model folder
-                raise UserError(f"--asr-model {self.model_name}: cannot load a CTranslate2 Whisper model from "
-                                f"{self.model_dir}: {exc}") from None
-        return self._model
-
-    def transcribe(self, wav_path: Path) -> str:
-        with self._lock:  # one decode at a time: the model already uses every thread it is given
-            model = self._load()
-            self.calls += 1
-            segments, _info = model.transcribe(str(wav_path), language=LANGUAGE, beam_size=self.beam_size,
-                                               temperature=TEMPERATURE, vad_filter=True)
-            return " ".join(s.text.strip() for s in segments if s.text.strip())  # consumes the lazy generator
+# ``FasterWhisperTranscriber`` and ``faster_whisper_key``: harness.audio.perclip
 
 
 def _faster_whisper_model(model: str) -> tuple[str, Path]:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.audio.asr import CPU_THREADS, LANGUAGE, SAMPLE_RATE, TEMPERATURE, faster_whisper_key
+from harness.audio.perclip import (CPU_THREADS, LANGUAGE, SAMPLE_RATE, TEMPERATURE, FasterWhisperTranscriber,
+                                   faster_whisper_key)
 from harness.errors import UserError
 
 MAX_BATCH = 64
@@ -59,8 +60,6 @@ class BatchedWhisperTranscriber:
 
     def _load(self) -> Any:
         if self._pipeline is None:
-            from harness.audio.asr import FasterWhisperTranscriber
-
             per_clip = FasterWhisperTranscriber(self.model_name, self.model_dir, self.beam_size, self.cpu_threads)
             from faster_whisper import BatchedInferencePipeline
 

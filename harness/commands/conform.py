@@ -157,7 +157,7 @@ def _load_beside(run_dir: Path, strict: bool = False) -> tuple[str, Any, list[tu
 def _beside(report: Any, runs: list[tuple[str, Any, list[tuple[str, str, str]]]]) -> str:
     from harness.backends import is_simulated
     from harness.conform.beside import BesideRun, beside_table
-    from harness.records import read_spans
+    from harness.spanstore import read_spans
 
     model = runs[0][0]
     beside = []

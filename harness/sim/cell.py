@@ -1,6 +1,6 @@
 """What a model family hands the sim's step loop: one cell's requests, Talker, model and contract.
 
-Why a seam here: the step loop (``harness.sim.backend.run_cell``: vLLM's scheduler, the runner's
+Why a seam here: the step loop (``harness.sim.steploop.run_cell``: vLLM's scheduler, the runner's
 copy rules, speculative decoding, arrivals, records) is every family's; which requests a prompt
 set makes, what rows they carry, how the Talker reads its KV, which row each position must get
 and how a codec stream reads back as words are the family's. A family's ``sim_cell`` hook

@@ -30,7 +30,7 @@ from harness.config import ArmSpec, Deploy, PromptSet
 from harness.errors import UserError, WorkerOutOfMemory, out_of_memory
 from harness.proc import exit_with_parent
 from harness.sim import armcall
-from harness.sim.backend import CellStats, SimRequestResult, run_cell
+from harness.sim.steploop import CellStats, SimRequestResult, run_cell
 
 CELL_TIMEOUT_S = 3600.0  # a cell is bounded by sim.max_steps; this only guards a hung worker
 IDLE_S = 0.25

@@ -1,6 +1,6 @@
 """Qwen2.5-Omni on the sim: the cell its prompt set makes, and its contract over row identities.
 
-``build_cell`` is what ``harness.sim.backend.run_cell`` did before the family seam, moved here
+``build_cell`` is what ``run_cell`` (``harness.sim.steploop``) did before the family seam, moved here
 unchanged: the scripted Thinker's outputs (word tokens for the ``words`` Talker, bytes for the
 ``speaking`` Talker), the arm bound onto the Qwen2.5-Omni stand-in model, the Talker, and how a
 codec stream reads back as words. ``check_prompts`` refuses, before a run, a reply the ``words`` Talker would say so that Whisper's

@@ -222,3 +222,20 @@ def test_families_are_found_without_a_list_and_a_taken_name_is_refused(monkeypat
     with pytest.raises(UserError) as exc:
         family_names()
     assert str(exc.value) == "twin_family: family name 'qwen3-tts' is taken by another package"
+
+
+def test_arms_naming_the_old_module_paths_still_load(tmp_path):
+    """Qwen2.5-Omni's arms moved into its package; an older arms.yaml (or a recorded manifest's
+    ``talker``) naming ``harness.talkers.main`` / ``harness.talkers.pr`` loads the same classes."""
+    from harness.families.qwen2_5_omni.main import MainTalker
+    from harness.families.qwen2_5_omni.pr import FixedTalker
+    from harness.serve.arm_binding import _load as worker_load
+    from harness.talkers import load_impl
+
+    arms_file = tmp_path / "arms.yaml"
+    arms_file.write_text("arms:\n  old-main:\n    talker: harness.talkers.main:MainTalker\n    role: baseline\n"
+                         "  old-pr:\n    talker: harness.talkers.pr:FixedTalker\n")
+    arms = load_arms(arms_file)
+    assert load_impl(arms["old-main"]) is MainTalker
+    assert load_impl(arms["old-pr"]) is FixedTalker
+    assert worker_load("harness.talkers.pr:FixedTalker") is FixedTalker  # the Talker worker's own loader

@@ -119,7 +119,7 @@ def test_the_self_check_holds_with_margins(built, dtype):
     said = {case: result[case]["said"] for case in ("correct", "long", "no_bos", "v1_replay", "wrong_row", "bare")}
     assert said == {"correct": text, "long": text, "no_bos": "", "v1_replay": "",
                     "wrong_row": text.replace("the", "tqe", 1), "bare": "Heat the"}
-    # the smallest gap between the rule's id and any other allowed id (docs/qwen3-tts.md: 31.1 in both dtypes)
+    # the smallest gap between the rule's id and any other allowed id (docs/families/qwen3_tts.md: 31.1 in both dtypes)
     assert result["min_margin"] >= 30.0 and result["min_prob"] == 1.0, result
 
 

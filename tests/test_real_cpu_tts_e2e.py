@@ -1,4 +1,4 @@
-"""End to end on a real ``vllm serve --omni`` on CPU with the speaking tiny Qwen3-TTS (docs/qwen3-tts.md):
+"""End to end on a real ``vllm serve --omni`` on CPU with the speaking tiny Qwen3-TTS (docs/families/qwen3_tts.md):
 the release's ``preprocess`` (``tts-0.30.0``) and the fix (``tts-fix``, bound into the Talker worker)
 under the CPU reference and stress deploys, four texts through ``/v1/audio/speech``, streamed.
 
@@ -202,7 +202,7 @@ def test_the_sim_measured_against_the_real_server(real_run: Path) -> None:
             # the worker's check compares rows by value, and the tiny checkpoint's think-tag and speaker codec
             # embeddings are zero: a crossing replay's tts_pad rows at positions 3-6 (0.30.0 drops their codec
             # part) equal the contract's there, so the real check misses those 4 positions; the sim compares
-            # rows by identity and counts them (docs/qwen3-tts.md, "Sim and real server")
+            # rows by identity and counts them (docs/families/qwen3_tts.md, "Sim and real server")
             sim_text = m["misaligned_text"]["sim"]
             blind = 4 * m["cross_boundary_replays"]["real"] if sim_text else 0
             assert m["misaligned_text"]["real"] == sim_text - blind, req

@@ -27,7 +27,7 @@ BUILD_TIMEOUT_S = 900
               help="Speaking: Thinker and Talker weights built so the Talker says what its rows say "
                    "(docs/speaking-model.md); random: every weight random.")
 @click.option("--family", type=click.Choice(family_names()), default=DEFAULT_FAMILY, show_default=True,
-              help="Which model family's tiny checkpoint (qwen3-tts: speaking only, docs/qwen3-tts.md).")
+              help="Which model family's tiny checkpoint (qwen3-tts: speaking only, docs/families/qwen3_tts.md).")
 @click.option("--python", "python", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Interpreter of the real environment (default: --serve-python's default, ./.venv-omni/bin/python).")
 def command(out: Path, seed: int, speaking: bool, family: str, python: Path | None) -> None:

@@ -17,7 +17,7 @@ Server side (omni-stress's process):
   (``harness.serve.entry.check_deploys``).
 * **Requests** (:func:`speech_body`): ``POST /v1/audio/speech`` with the prompt's text, CustomVoice,
   the default speaker, ``language: Auto``, ``non_streaming_mode: false`` (the streaming-text layout
-  docs/qwen3-tts.md's contract is written for), WAV (or, with ``--stream``, SSE of PCM chunks); sent
+  docs/families/qwen3_tts.md's contract is written for), WAV (or, with ``--stream``, SSE of PCM chunks); sent
   and measured by ``harness.serve.speech.send_speech``.
 * **Matching trace lines**: the speech endpoint names its engine requests ``speech-<uuid>`` and
   ignores ``X-Request-Id``, so the worker writes each call's text (``tts_text``) and lines are filed

@@ -4,7 +4,7 @@ Pure functions, no torch: shared by the weights that implement the rules inside 
 unmodified Qwen3-TTS Talker (``harness.families.qwen3_tts.speaking_model``), the real backend's oracle
 transcript (the traced codec stream decoded back to text) and the sim's ``speaking`` Talker for this
 family, so the sim and the real server run the same Talker. Modelled on Qwen2.5-Omni's rules
-(``harness.families.qwen2_5_omni.speaking``, docs/speaking-model.md); what differs is the row layout (docs/qwen3-tts.md).
+(``harness.families.qwen2_5_omni.speaking``, docs/speaking-model.md); what differs is the row layout (docs/families/qwen3_tts.md).
 
 **Text is bytes.** The tiny checkpoint's tokenizer gives one token per UTF-8 byte, token id = the
 byte (:func:`text_token_ids`), plus Qwen's special tokens on their real ids and ``assistant`` as one
@@ -16,7 +16,7 @@ builder would split differently is refused (:func:`check_text`).
 (``None``: a special token or no text part), its mark (:data:`EOS_MARK` for ``tts_eos``,
 :data:`PAD_MARK` for ``tts_pad``, :data:`BOS_MARK` for ``tts_bos``, ``None`` otherwise) and whether its
 codec part is codec BOS (the only codec embedding the Talker reads). The contract's rows
-(:func:`contract_rows`, docs/qwen3-tts.md's table): ``P = 9`` prompt rows (role header, four
+(:func:`contract_rows`, docs/families/qwen3_tts.md's table): ``P = 9`` prompt rows (role header, four
 ``tts_pad`` rows on the think tags and the speaker, ``tts_bos`` on codec PAD, the first byte on
 codec BOS), then one row per decode position: the text's next byte, then ``tts_eos``, then
 ``tts_pad`` for ever.

@@ -5,7 +5,7 @@ Built by hand, not trained. The pieces Qwen2.5-Omni's construction already has a
 ``harness.families.qwen2_5_omni.speaking_model`` (the rotary "previous position" head and its pair weights, the
 logit design); what differs is where the rows come from and Qwen3's attention (q/k RMSNorm per head).
 
-**Where a Talker row comes from** (docs/qwen3-tts.md's contract table): position ``p``'s input row
+**Where a Talker row comes from** (docs/families/qwen3_tts.md's contract table): position ``p``'s input row
 is ``text_projection(text_embedding(text token))`` plus a codec embedding (``codec_embedding(id)``;
 at a decode step also the 15 residual codebooks' embeddings, which the code predictor samples).
 
@@ -31,7 +31,7 @@ at a decode step also the 15 residual codebooks' embeddings, which the code pred
   ``ONE`` = ``CODE`` into every position (attention weights sum to 1): the constant the logits'
   offsets need (Qwen3's rows have no projection bias that reaches a bare codec row).
 * ``codec_head`` (``lm_head``): Qwen2.5-Omni's logit design on these dims (speech id
-  ``256 * tag + byte``, babble, silence, EOS); margins in docs/qwen3-tts.md.
+  ``256 * tag + byte``, babble, silence, EOS); margins in docs/families/qwen3_tts.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ names a model.
 
 Every member of ``Family`` is required and has no default: a family that leaves one out would
 otherwise borrow another model's rules without a word, so registration refuses it with one line naming
-what is missing. The registry finds the packages itself (every package under ``harness.families``):
+what is missing. ``OwnModules`` is the usual way to define five of the methods: from the family's own
+package's modules (``sim``, ``arms``, ``speaking``, ``serve``), never another family's. The registry finds the packages itself (every package under ``harness.families``):
 adding a family is its package and its YAML, nothing else (docs/adding-a-family.md).
 
 This module is low (it imports only ``harness.errors``) so that ``harness.config`` can check a
@@ -90,6 +91,36 @@ class Family:
     @property
     def stage(self) -> str:
         return self.stages[self.stage_under_test]
+
+
+class OwnModules:
+    """Five of ``Family``'s methods by the usual layout of the family's own package (the package whose
+    ``__init__.py`` defines the class that names ``OwnModules`` as a base; a subclass of that family, such as
+    a test's toy, keeps that family's modules): ``sim_cell`` and ``check_prompts`` are ``<package>.sim``'s
+    ``build_cell`` and ``check_prompts``, ``load_arm`` is ``<package>.arms.load_arm``, ``speaking_rules``
+    the module ``<package>.speaking``, ``serve`` the module ``<package>.serve``; each imported when first
+    asked, so naming a family stays one small import. Put it first: ``class MyFamily(OwnModules, Family)``;
+    a family laid out otherwise defines the methods itself."""
+
+    def own(self, module: str) -> ModuleType:
+        """The family's own module ``<package>.<module>``."""
+        home = next(c for c in type(self).__mro__ if OwnModules in c.__bases__)
+        return importlib.import_module(f"{home.__module__}.{module}")
+
+    def sim_cell(self, impl: Any, deploy: Any, prompts: Any, seed: int, talker_mode: str) -> Any:
+        return self.own("sim").build_cell(impl, deploy, prompts, seed, talker_mode)
+
+    def check_prompts(self, prompts: Any, talker_mode: str) -> None:
+        self.own("sim").check_prompts(prompts, talker_mode)
+
+    def load_arm(self, arm: Any) -> Any:
+        return self.own("arms").load_arm(arm)
+
+    def speaking_rules(self) -> ModuleType:
+        return self.own("speaking")
+
+    def serve(self) -> ModuleType:
+        return self.own("serve")
 
 
 REQUIRED_ATTRIBUTES = tuple(Family.__annotations__)

@@ -17,19 +17,18 @@ No Thinker: the input is the text (plus a speaker). What is specific to this fam
 The real server (``--backend vllm-omni``, V1 runner): ``harness.families.qwen3_tts.serve`` (its deploy YAML,
 ``/v1/audio/speech`` requests, the worker's trace and contract check of ``preprocess`` and
 ``preprocess_decode_batch``); the speaking tiny checkpoint: ``speaking`` (rules), ``speaking_model``
-(weights), ``tiny_model`` (the build), ``speaking_check`` (its self-check).
+(weights), ``tiny_model`` (the build), ``speaking_check`` (its self-check), on ``harness.speaking``'s shared
+pieces. ``sim``, ``arms``, ``speaking`` and ``serve`` are found by ``harness.family.OwnModules``.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Any
-
 from harness.errors import UserError
-from harness.family import Family
+from harness.family import Family, OwnModules
+from harness.speaking.rules import blind_spots
 
 
-class Qwen3TTS(Family):
+class Qwen3TTS(OwnModules, Family):  # sim, arms, speaking, serve: this package's
     name = "qwen3-tts"
     stages = ("talker", "code2wav")
     stage_under_test = 0
@@ -42,39 +41,11 @@ class Qwen3TTS(Family):
     default_prompts = "qwen3_tts"
     sim_talkers = ("words", "speaking")
     text_input = True
-    speaking_blind_spots = (
-        "the speaking Talker hears only whether a codec-BOS row exists, the byte of the row at each sampled position, "
-        "the low 3 bits of the byte before it, and past the text whether a row is tts_eos, tts_pad or neither for two "
-        "positions; wrong rows elsewhere (the role header and tts_pad rows before P-2, codec ids other than BOS, the "
-        "high bits of the previous byte, tts_pad where tts_eos belongs, the end region past its first two positions, "
-        "a row's scale) are counted only by the misaligned columns")
+    # what the speaking Talker (``speaking``) cannot hear: only the misaligned columns count wrong rows there
+    speaking_blind_spots = blind_spots(tag_bits=3, span="text", eos="tts_eos", pad="tts_pad",
+                                       elsewhere="the role header and tts_pad rows before P-2")
     gate_rules = "gates-qwen3-tts"
     serve_missing = None
-
-    def sim_cell(self, impl: Any, deploy: Any, prompts: Any, seed: int, talker_mode: str) -> Any:
-        from harness.families.qwen3_tts.sim import build_cell
-
-        return build_cell(impl, deploy, prompts, seed, talker_mode)
-
-    def check_prompts(self, prompts: Any, talker_mode: str) -> None:
-        from harness.families.qwen3_tts.sim import check_prompts
-
-        check_prompts(prompts, talker_mode)
-
-    def load_arm(self, arm: Any) -> Any:
-        from harness.families.qwen3_tts.arms import load_arm
-
-        return load_arm(arm)
-
-    def speaking_rules(self) -> ModuleType:
-        from harness.families.qwen3_tts import speaking
-
-        return speaking
-
-    def serve(self) -> ModuleType:
-        from harness.families.qwen3_tts import serve
-
-        return serve
 
     def tiny_model_argv(self, out: str, seed: int, speaking: bool) -> list[str]:
         if not speaking:

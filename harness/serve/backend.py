@@ -50,6 +50,7 @@ from harness.stream_metrics import StreamMetrics
 from harness.serve import client as chat
 from harness.serve.deploy_args import DeployTranslation, detect_platform
 from harness.serve.launcher import HOST, ServerLauncher, progress
+from harness.speaking.checkpoint import MARKER
 from harness.serve.trace_plugin import (DEFAULT_LEVEL, DEFAULT_TARGET, ENV_ARM, ENV_DIR, ENV_LEVEL, ENV_ROW_IDS,
                                         ENV_TARGET, IMPLEMENTATION_GLOB, TRACE_GLOB, trace_level)
 
@@ -90,12 +91,12 @@ def family_serve_module(family: str) -> Any:
     return get_family(family).serve()
 
 
-SPEAKING_MARKER = "omni_stress_tiny_model.json"  # written by ``omni-stress tiny-model``
+SPEAKING_MARKER = MARKER  # written by ``omni-stress tiny-model`` (harness.speaking.checkpoint.write_marker)
 
 
 def is_speaking_checkpoint(model: str) -> bool:
     """True for a local speaking tiny checkpoint: its Thinker needs the reply forcer, and its codec
-    stream decodes to text (``harness.families.qwen2_5_omni.speaking``)."""
+    stream decodes to text (the family's ``speaking`` rules)."""
     marker = Path(model).expanduser() / SPEAKING_MARKER
     try:
         return bool(json.loads(marker.read_text(encoding="utf-8")).get("speaking"))

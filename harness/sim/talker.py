@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harness.config import SamplingSettings
+from harness.config import PromptSet, SamplingSettings
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, NOISE_CODES, SILENCE, WORD_BASE, CodecVocab
 from harness.sim.rows import NONE, UNKNOWN, RowSpace, _seed
 
@@ -258,3 +258,33 @@ class SimTalker:
         """One code from ``dist`` at the uniform of (seed, request, position) (inverse CDF)."""
         i = bisect_right(dist.cum, self.uniform(request_id, position))
         return dist.codes[min(i, len(dist.codes) - 1)]
+
+
+def check_words(prompts: PromptSet) -> None:
+    """Each reply's words as the words Talker says them (``harness.tokenizer``) must score WER 0
+    against the reply under Whisper's normaliser, else a correct arm is mis-scored (issue 24 case
+    14). ``load_prompts`` already refuses the characters known to differ, naming each; this catches
+    what only the normaliser's context shows (text in brackets it drops, ...). A reply that
+    normalises to no words is left to the run: not measurable, recorded as such."""
+    from harness.errors import ConfigError, short_repr
+    from harness.audio.scoring import spoken_mismatch
+    from harness.tokenizer import is_spoken, tokenize
+
+    for i, prompt in enumerate(prompts.prompts):
+        spoken = " ".join(t for t in tokenize(prompt.reply) if is_spoken(t))
+        if (bad := spoken_mismatch(prompt.reply, spoken)) is not None:
+            ref, said = (_around(words, _first_difference(*(b.split() for b in bad))) for words in bad)
+            raise ConfigError(f"{prompts.path}: prompts[{i}].reply: WER scoring reads {short_repr(ref)} where the sim "
+                              f"says {short_repr(said)}, so a correct arm would not score 0 (prompt {prompt.id!r}); "
+                              "rewrite the reply as plain words")
+
+
+def _first_difference(a: list[str], b: list[str]) -> int:
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _around(text: str, k: int) -> str:
+    """Words ``k - 2`` to ``k + 3`` of ``text``, with '...' where words are left out."""
+    words = text.split()
+    lo, hi = max(0, k - 2), min(len(words), k + 4)
+    return ("... " if lo else "") + " ".join(words[lo:hi]) + (" ..." if hi < len(words) else "")

@@ -12,7 +12,7 @@ Everything specific to this family lives in this package:
   plugins, and upstream arms from the vendored 0.30.0 / 0.32.0rc1 files;
 * the real server (``serve``): chat completions with text and audio out, the Talker class the trace
   wraps; the speaking tiny checkpoint: ``speaking`` (rules), ``speaking_model`` (weights),
-  ``tiny_model`` (the build), ``speaking_check`` (its self-check);
+  ``tiny_model`` (the build), ``speaking_check`` (its self-check), on ``harness.speaking``'s shared pieces;
 * deploys ``reference``, ``stress``, ``specdec``, ``cpu-reference``, ``cpu-stress``; prompt sets
   ``default``, ``cpu_smoke``, ``long_inputs``: deploys and prompt sets without a ``family:`` key
   belong to this family (the default), so their files, hashes and records are the ones they were.
@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from harness.family import Family
+from harness.speaking.rules import blind_spots
 
 
 class Qwen25Omni(Family):
@@ -41,12 +42,8 @@ class Qwen25Omni(Family):
     text_input = False
     # what the speaking Talker (``speaking``) cannot hear: wrong rows there change nothing it says, so only
     # the misaligned columns count them (docs/speaking-model.md, "What only the contract check sees")
-    speaking_blind_spots = (
-        "the speaking Talker hears only whether a codec-BOS row exists, the byte of the row at each sampled "
-        "position, the low 5 bits of the byte before it, and past the reply whether a row is text-EOS, text-PAD "
-        "or neither for two positions; wrong rows elsewhere (Thinker prompt rows before P-2, which speaker row, "
-        "codec ids other than BOS, the high bits of the previous byte, text-PAD where text-EOS belongs, the end "
-        "region past its first two positions, a row's scale) are counted only by the misaligned columns")
+    speaking_blind_spots = blind_spots(tag_bits=5, span="reply", eos="text-EOS", pad="text-PAD",
+                                       elsewhere="Thinker prompt rows before P-2, which speaker row")
     gate_rules = "gates"
     serve_missing = None
 

@@ -17,12 +17,12 @@ import numpy as np
 
 from harness.config import Deploy, PromptSet, SamplingSettings
 from harness.contract import misaligned_regions
-from harness.errors import ConfigError, UserError
+from harness.errors import UserError
 from harness.sim.cell import SimCell
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, CodecVocab, collapse, oracle_transcript
 from harness.families.qwen2_5_omni.model import VOICE, bind_arm
 from harness.sim.rows import NONE, RowSpace
-from harness.sim.talker import TalkerKV
+from harness.sim.talker import TalkerKV, check_words
 from harness.families.qwen2_5_omni.thinker import ThinkerOutput, run_thinker, token_id_table
 
 
@@ -120,33 +120,7 @@ class SimContract:
 
 
 def check_prompts(prompts: PromptSet, talker_mode: str) -> None:
-    """Each reply's words as the sim's Talker says them (``harness.tokenizer``) must score WER 0
-    against the reply under Whisper's normaliser, else a correct arm is mis-scored (issue 24 case
-    14). ``load_prompts`` already refuses the characters known to differ, naming each; this catches
-    what only the normaliser's context shows (text in brackets it drops, ...). A reply that
-    normalises to no words is left to the run: not measurable, recorded as such. The ``speaking``
-    Talker says each reply byte for byte: nothing to check."""
-    if talker_mode != "words":
-        return
-    from harness.errors import short_repr
-    from harness.audio.scoring import spoken_mismatch
-    from harness.tokenizer import is_spoken, tokenize
-
-    for i, prompt in enumerate(prompts.prompts):
-        spoken = " ".join(t for t in tokenize(prompt.reply) if is_spoken(t))
-        if (bad := spoken_mismatch(prompt.reply, spoken)) is not None:
-            ref, said = (_around(words, _first_difference(*(b.split() for b in bad))) for words in bad)
-            raise ConfigError(f"{prompts.path}: prompts[{i}].reply: WER scoring reads {short_repr(ref)} where the sim "
-                              f"says {short_repr(said)}, so a correct arm would not score 0 (prompt {prompt.id!r}); "
-                              "rewrite the reply as plain words")
-
-
-def _first_difference(a: list[str], b: list[str]) -> int:
-    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def _around(text: str, k: int) -> str:
-    """Words ``k - 2`` to ``k + 3`` of ``text``, with '...' where words are left out."""
-    words = text.split()
-    lo, hi = max(0, k - 2), min(len(words), k + 4)
-    return ("... " if lo else "") + " ".join(words[lo:hi]) + (" ..." if hi < len(words) else "")
+    """``words``: each reply as the words Talker says it must score WER 0 (``harness.sim.talker.check_words``).
+    The ``speaking`` Talker says each reply byte for byte: nothing to check."""
+    if talker_mode == "words":
+        check_words(prompts)

@@ -22,30 +22,17 @@ picks (argmax, and its probability under temperature 0.9 / top-k 40 / top-p 0.8)
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from harness.families.qwen2_5_omni import speaking
+from harness.speaking.selfcheck import check_main, top_prob
 
 PROMPT = "<|im_start|>system\nYou are Qwen, a helpful voice assistant.<|im_end|>\n<|im_start|>user\n" \
          "How do I make a cup of green tea?<|im_end|>\n<|im_start|>assistant\n"
 REPLY = "Heat the water until it is hot, then wait two minutes."
 CODEC_PAD, CODEC_BOS, SPEAKER, TEXT_EOS, TEXT_PAD = 8292, 8293, 151872, 151861, 151859
-
-
-def _filtered_top_prob(logits: Any, temperature: float = 0.9, top_k: int = 40, top_p: float = 0.8) -> float:
-    """Probability of the argmax after vLLM's temperature, top-k and top-p (the deploy's sampling)."""
-    import torch
-
-    z = logits.float() / temperature
-    vals, _ = torch.topk(z, top_k)
-    probs = torch.softmax(vals, dim=-1)
-    keep = torch.cumsum(probs, -1) - probs < top_p
-    kept = probs[keep]
-    return float(kept[0] / kept.sum())
 
 
 def run(model_dir: Path, dtype_name: str = "bfloat16") -> dict[str, Any]:
@@ -90,7 +77,7 @@ def run(model_dir: Path, dtype_name: str = "bfloat16") -> dict[str, Any]:
                                            logits[:, 8194:], torch.full_like(logits[:, 8194:], -1e9))
             logits[:, CODEC_BOS] = -1e9
             picks = logits[P - 1:].argmax(-1).tolist()
-            probs = [_filtered_top_prob(row) for row in logits[P - 1:]]
+            probs = [top_prob(row, top_k=40, top_p=0.8) for row in logits[P - 1:]]  # the deploy's sampling
             return picks, probs
 
         def rows_for(reply_rows: list[Any], start_rows: list[Any]) -> list[Any]:
@@ -144,13 +131,7 @@ def run(model_dir: Path, dtype_name: str = "bfloat16") -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.families.qwen2_5_omni.speaking_check")
-    parser.add_argument("model_dir", type=Path)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    args = parser.parse_args(argv)
-    results = run(args.model_dir, args.dtype)
-    print(json.dumps(results, sort_keys=True))
-    return 0 if results["ok"] else 1
+    return check_main(argv, "python -m harness.families.qwen2_5_omni.speaking_check", run)
 
 
 if __name__ == "__main__":

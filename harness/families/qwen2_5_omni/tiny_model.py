@@ -23,10 +23,17 @@ What it is (deterministic in ``seed``):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Any
 
-from harness.errors import UserError
+from harness.speaking.checkpoint import (
+    builder_main,
+    byte_level_tokenizer,
+    folder_bytes,
+    fresh_folder,
+    needs,
+    write_marker,
+)
 
 HIDDEN = 64
 HEAD_DIM = 32
@@ -104,41 +111,23 @@ def tiny_config() -> object:
 
 def build_tokenizer(out: Path) -> object:
     """A byte-level BPE tokenizer with Qwen's special tokens on their real ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
 
-    alphabet = ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    first_special = min(SPECIAL_TOKENS.values())
-    for i in range(len(vocab), first_special):  # unused ids up to the first special token
-        vocab[f"<|unused_{i}|>"] = i
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    from tokenizers import AddedToken
-
-    for text, want in sorted(SPECIAL_TOKENS.items(), key=lambda kv: kv[1]):
-        tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
-        got = tok.token_to_id(text)
-        if got != want:
-            raise RuntimeError(f"tiny tokenizer: {text} got id {got}, want {want}")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None, model_max_length=32768,
-                                   extra_special_tokens=EXTRA_SPECIAL_TOKENS)
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    added = [(text, want, True) for text, want in sorted(SPECIAL_TOKENS.items(), key=lambda kv: kv[1])]
+    fast = byte_level_tokenizer(vocab, added, as_special=True, model_max_length=32768,
+                                extra_special_tokens=EXTRA_SPECIAL_TOKENS)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def build(out: Path, seed: int = 0, speaking: bool = False) -> dict:
+def build(out: Path, seed: int = 0, speaking: bool = False) -> dict[str, Any]:
     """Writes the checkpoint into ``out`` (created; must be empty or absent); returns a summary.
 
     ``speaking``: the Thinker and Talker weights of ``harness.families.qwen2_5_omni.speaking_model`` replace the
     random ones (the audio encoders, vision encoder and Code2Wav stay random)."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"tiny-model: {out} exists and is not empty (give a new folder)")
-    try:
+    out = fresh_folder(out)
+    with needs("tiny-model: transformers with Qwen2.5-Omni is needed"):
         import torch
         from transformers import (
             Qwen2_5OmniForConditionalGeneration,
@@ -146,8 +135,6 @@ def build(out: Path, seed: int = 0, speaking: bool = False) -> dict:
             Qwen2VLImageProcessor,
             WhisperFeatureExtractor,
         )
-    except ImportError as exc:
-        raise UserError(f"tiny-model: transformers with Qwen2.5-Omni is needed ({exc})") from None
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     config = tiny_config()
@@ -178,31 +165,15 @@ def build(out: Path, seed: int = 0, speaking: bool = False) -> dict:
                   "ref_mel": torch.randn(1, 300, dit.mel_dim, generator=gen)} for name in ("Chelsie", "Ethan")}
     torch.save(spk, out / "spk_dict.pt")
     params = sum(p.numel() for p in model.parameters())
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    summary = {"path": str(out), "seed": seed, "parameters": params, "bytes": size, "hidden_size": HIDDEN,
-               "layers": LAYERS, "head_dim": HEAD_DIM, "vocab_size": VOCAB, "speaking": speaking}
-    (out / "omni_stress_tiny_model.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    return summary
+    return write_marker(out, {"path": str(out), "seed": seed, "parameters": params, "bytes": folder_bytes(out),
+                              "hidden_size": HIDDEN, "layers": LAYERS, "head_dim": HEAD_DIM, "vocab_size": VOCAB,
+                              "speaking": speaking})
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.families.qwen2_5_omni.tiny_model DIR [--seed N]``: run by ``omni-stress tiny-model`` in the
-    real environment's interpreter, whose transformers has the processors the server loads."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m harness.families.qwen2_5_omni.tiny_model")
-    parser.add_argument("out")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--speaking", action="store_true")
-    args = parser.parse_args(argv)
-    try:
-        summary = build(Path(args.out), args.seed, args.speaking)
-    except UserError as exc:
-        print(f"omni-stress: error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, sort_keys=True))
-    return 0
+    """``python -m harness.families.qwen2_5_omni.tiny_model DIR [--seed N] [--speaking]``: run by ``omni-stress
+    tiny-model`` in the real environment's interpreter, whose transformers has the processors the server loads."""
+    return builder_main(argv, "python -m harness.families.qwen2_5_omni.tiny_model", build, flags=("speaking",))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ No Thinker: the input is the text (plus a speaker). What is specific to this fam
 The real server (``--backend vllm-omni``, V1 runner): ``harness.families.qwen3_tts.serve`` (its deploy YAML,
 ``/v1/audio/speech`` requests, the worker's trace and contract check of ``preprocess`` and
 ``preprocess_decode_batch``); the speaking tiny checkpoint: ``speaking`` (rules), ``speaking_model``
-(weights), ``tiny_model`` (the build), ``speaking_check`` (its self-check).
+(weights), ``tiny_model`` (the build), ``speaking_check`` (its self-check), on ``harness.speaking``'s shared
+pieces.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 from harness.errors import UserError
 from harness.family import Family
+from harness.speaking.rules import blind_spots
 
 
 class Qwen3TTS(Family):
@@ -42,12 +44,9 @@ class Qwen3TTS(Family):
     default_prompts = "qwen3_tts"
     sim_talkers = ("words", "speaking")
     text_input = True
-    speaking_blind_spots = (
-        "the speaking Talker hears only whether a codec-BOS row exists, the byte of the row at each sampled position, "
-        "the low 3 bits of the byte before it, and past the text whether a row is tts_eos, tts_pad or neither for two "
-        "positions; wrong rows elsewhere (the role header and tts_pad rows before P-2, codec ids other than BOS, the "
-        "high bits of the previous byte, tts_pad where tts_eos belongs, the end region past its first two positions, "
-        "a row's scale) are counted only by the misaligned columns")
+    # what the speaking Talker (``speaking``) cannot hear: only the misaligned columns count wrong rows there
+    speaking_blind_spots = blind_spots(tag_bits=3, span="text", eos="tts_eos", pad="tts_pad",
+                                       elsewhere="the role header and tts_pad rows before P-2")
     gate_rules = "gates-qwen3-tts"
     serve_missing = None
 

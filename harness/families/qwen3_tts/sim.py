@@ -371,7 +371,7 @@ def _speaking_cell(impl: Any, deploy: Deploy, prompts: PromptSet, space: RowSpac
 
 
 def check_prompts(prompts: PromptSet, talker_mode: str) -> None:
-    """``words``: the words Talker says each text's tokens as Qwen2.5-Omni's says a reply: the same check.
+    """``words``: the words Talker says each text's tokens as it says a reply: the same check (``check_words``).
     ``speaking``: every text must be one the tiny tokenizer turns into one token per byte (``check_text``)."""
     if talker_mode == "speaking":
         from harness.families.qwen3_tts.speaking import check_text
@@ -385,6 +385,6 @@ def check_prompts(prompts: PromptSet, talker_mode: str) -> None:
         return
     if talker_mode != "words":
         raise ConfigError(f"--sim-talker {talker_mode}: unknown sim Talker for qwen3-tts (choose words or speaking)")
-    from harness.families.qwen2_5_omni.sim import check_prompts as check_words
+    from harness.sim.talker import check_words
 
-    check_words(prompts, talker_mode)
+    check_words(prompts)

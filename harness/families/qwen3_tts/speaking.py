@@ -1,10 +1,12 @@
 """The speaking tiny Qwen3-TTS's rules: what its Talker says for the rows it reads, and how to read it back.
 
-Pure functions, no torch: shared by the weights that implement the rules inside vLLM-Omni 0.30.0's
+Pure functions, no torch: this checkpoint's codec ids and rows on the table every speaking checkpoint
+follows (``harness.speaking.rules``: :func:`tag`, :func:`codec_id`, :func:`next_code`, :func:`decode`
+and :func:`encode_reply` are :data:`TABLE`'s), shared by the weights that implement the rules inside vLLM-Omni 0.30.0's
 unmodified Qwen3-TTS Talker (``harness.families.qwen3_tts.speaking_model``), the real backend's oracle
 transcript (the traced codec stream decoded back to text) and the sim's ``speaking`` Talker for this
-family, so the sim and the real server run the same Talker. Modelled on Qwen2.5-Omni's rules
-(``harness.families.qwen2_5_omni.speaking``, docs/speaking-model.md); what differs is the row layout (docs/families/qwen3_tts.md).
+family, so the sim and the real server run the same Talker. The same rules as Qwen2.5-Omni's
+(docs/speaking-model.md); what differs is the codec ids and the row layout (docs/families/qwen3_tts.md).
 
 **Text is bytes.** The tiny checkpoint's tokenizer gives one token per UTF-8 byte, token id = the
 byte (:func:`text_token_ids`), plus Qwen's special tokens on their real ids and ``assistant`` as one
@@ -54,12 +56,12 @@ above, :class:`Row`, :func:`tag`, :func:`codec_id`, :func:`next_code`, :func:`sa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from harness.families.qwen2_5_omni.speaking import UNINTELLIGIBLE, Spoken, decode_table  # noqa: F401 - part of this module's API
+from harness.speaking.rules import BYTES, END_POSITIONS, EOS_MARK, PAD_MARK  # noqa: F401 - part of this module's API
+from harness.speaking.rules import UNINTELLIGIBLE, Spoken, Table  # noqa: F401 - part of this module's API
 
-BYTES = 256
 TAGS = 8  # the previous byte's low 3 bits: 2048 speech ids, the real codebook's size
 BABBLE = 2048  # rule 1: a Talker that never saw a codec-BOS row
 SILENCE = 2049  # rule 3: said at tts_eos and at the first tts_pad
@@ -78,9 +80,12 @@ IM_START, IM_END, ASSISTANT = 151644, 151645, 151646
 TTS_PAD, TTS_BOS, TTS_EOS = 151671, 151672, 151673
 TEXT_VOCAB = 151936
 PROMPT_LEN = 9  # harness.families.qwen3_tts.contract.PROMPT_LEN
-END_POSITIONS = 2
-EOS_MARK, PAD_MARK, BOS_MARK = "eos", "pad", "bos"
-# UNINTELLIGIBLE and Spoken are harness.families.qwen2_5_omni.speaking's (the same read-back), importable from here
+BOS_MARK = "bos"  # tts_bos's row (EOS_MARK, PAD_MARK: tts_eos's and tts_pad's)
+TABLE = Table(tags=TAGS, babble=BABBLE, silence=SILENCE, eos=CODEC_EOS)
+# rule 2's speech id, rules 1-3 for one position, the oracle transcript (3-bit tags, this checkpoint's BABBLE,
+# SILENCE and codec EOS), a correct text's codec stream (its bytes, then SILENCE at tts_eos and the first tts_pad)
+tag, codec_id, next_code, decode, encode_reply = TABLE.tag, TABLE.codec_id, TABLE.next_code, TABLE.decode, \
+    TABLE.encode_reply
 
 
 @dataclass(frozen=True)
@@ -90,30 +95,6 @@ class Row:
     byte: int | None = None
     mark: str | None = None  # EOS_MARK / PAD_MARK / BOS_MARK for tts_eos / tts_pad / tts_bos; None otherwise
     bos: bool = False
-
-
-def tag(prev: int | None) -> int:
-    """The memory tag of the previous byte (``None``: the previous row had no byte)."""
-    return 0 if prev is None else prev % TAGS
-
-
-def codec_id(byte: int, prev: int | None) -> int:
-    """Rule 2: the speech id for ``byte`` said after a row carrying ``prev``."""
-    if not 0 <= byte < BYTES:
-        raise ValueError(f"byte {byte} out of range")
-    return tag(prev) * BYTES + byte
-
-
-def next_code(started: bool, byte: int | None, prev: int | None, mark: str | None = None,
-              prev_mark: str | None = None) -> int:
-    """Rules 1-3 for one sampled position: its row's ``byte``/``mark``, the previous row's ``prev``/``prev_mark``."""
-    if byte is None:
-        if mark == EOS_MARK or (mark == PAD_MARK and prev_mark != PAD_MARK):
-            return SILENCE
-        return CODEC_EOS
-    if not started:
-        return BABBLE
-    return codec_id(byte, prev)
 
 
 def say(kv: Sequence[Row], m: int) -> int:
@@ -162,20 +143,3 @@ def contract_rows(text: str, end: int = END_POSITIONS + 1) -> list[Row]:
     rows += [Row(mark=BOS_MARK), Row(byte=raw[0], bos=True)]  # tts_bos + codec PAD, first byte + codec BOS
     rows += [Row(byte=b) for b in raw[1:]] + [Row(mark=EOS_MARK)] + [Row(mark=PAD_MARK)] * end
     return rows
-
-
-def decode(codes: Iterable[int]) -> Spoken:
-    """The oracle transcript of a codec stream (stops at codec EOS): Qwen2.5-Omni's reading with this
-    checkpoint's table (3-bit tags, its BABBLE, SILENCE and codec EOS)."""
-    return decode_table(codes, tags=TAGS, silence=SILENCE, babble=BABBLE, eos=CODEC_EOS)
-
-
-def encode_reply(text: str, end: bool = True) -> list[int]:
-    """What a correctly conditioned Talker emits for ``text`` (EOS excluded): its bytes, then SILENCE at
-    ``tts_eos`` and at the first ``tts_pad``; ``end=False``: the bytes only."""
-    out: list[int] = []
-    prev: int | None = None
-    for byte in text.encode("utf-8"):
-        out.append(codec_id(byte, prev))
-        prev = byte
-    return out + [SILENCE, SILENCE] if end else out

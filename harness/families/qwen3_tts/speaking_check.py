@@ -27,7 +27,6 @@ codec EOS); ``long`` (the correct case at positions past 3900).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.families.qwen3_tts import speaking as sp
+from harness.speaking.selfcheck import check_main, top_prob
 
 TEXT = "Heat the water until it is hot, then wait two minutes."
 Tok = tuple[int | None, int | None]  # (text token id or None, codec id or None): one input row
@@ -152,13 +152,6 @@ class Talker:
         return out.masked_fill(~allowed, float("-inf"))
 
 
-def _top_prob(logits: Any, temperature: float = 0.9, top_k: int = 50) -> float:
-    import torch
-
-    vals, _ = torch.topk(logits / temperature, top_k)
-    return float(torch.softmax(vals, dim=-1)[0])
-
-
 def check_case(talker: Talker, rows: list[Tok], offset: int = 0) -> dict[str, Any]:
     """Argmax vs the rule at every sampled position; the smallest margin and probability."""
     logits = talker.logits(rows, offset)
@@ -172,7 +165,7 @@ def check_case(talker: Talker, rows: list[Tok], offset: int = 0) -> dict[str, An
         other = row.clone()
         other[want] = float("-inf")
         margins.append(float(row[want] - other.max()))
-        probs.append(_top_prob(row))
+        probs.append(top_prob(row, top_k=50))
         if got != want:
             wrong.append({"position": m, "want": want, "got": got})
         said.append(got)
@@ -211,18 +204,14 @@ def run(model_dir: Path, dtype_name: str = "bfloat16") -> dict[str, Any]:
     return results
 
 
+def _refuse(model_dir: Path) -> str | None:
+    if not (model_dir / "config.json").is_file() or not (model_dir / "model.safetensors").is_file():
+        return f"{model_dir}: not a tiny Qwen3-TTS checkpoint (no config.json and model.safetensors)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.families.qwen3_tts.speaking_check")
-    parser.add_argument("model_dir", type=Path)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    args = parser.parse_args(argv)
-    if not (args.model_dir / "config.json").is_file() or not (args.model_dir / "model.safetensors").is_file():
-        print(f"omni-stress: error: {args.model_dir}: not a tiny Qwen3-TTS checkpoint (no config.json and "
-              "model.safetensors)", file=sys.stderr)
-        return 2
-    results = run(args.model_dir, args.dtype)
-    print(json.dumps(results, sort_keys=True))
-    return 0 if results["ok"] else 1
+    return check_main(argv, "python -m harness.families.qwen3_tts.speaking_check", run, _refuse)
 
 
 if __name__ == "__main__":

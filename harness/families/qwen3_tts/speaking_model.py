@@ -1,9 +1,9 @@
 """Weights that make the tiny Qwen3-TTS *speak*: its Talker says what its rows say
 (``harness.families.qwen3_tts.speaking``), inside vLLM-Omni 0.30.0's unmodified Qwen3-TTS code.
 
-Built by hand, not trained. The pieces Qwen2.5-Omni's construction already has are reused from
-``harness.families.qwen2_5_omni.speaking_model`` (the rotary "previous position" head and its pair weights, the
-logit design); what differs is where the rows come from and Qwen3's attention (q/k RMSNorm per head).
+Built by hand, not trained. The pieces it shares with Qwen2.5-Omni's construction come from
+``harness.speaking.weights`` (the rotary "previous position" head and its pair weights, the logit
+design); what differs is where the rows come from and Qwen3's attention (q/k RMSNorm per head).
 
 **Where a Talker row comes from** (docs/families/qwen3_tts.md's contract table): position ``p``'s input row
 is ``text_projection(text_embedding(text token))`` plus a codec embedding (``codec_embedding(id)``;
@@ -22,7 +22,7 @@ at a decode step also the 15 residual codebooks' embeddings, which the code pred
 
 * head 0 reads the previous position: query and key are biases only (their projection weights
   zero), on the eight fastest rotary pairs, the key rotated one position back, as in Qwen2.5-Omni's
-  construction; Qwen3 RMS-normalises each head's query and key, so ``q_norm``/``k_norm`` weights on
+  construction (``harness.speaking.weights.write_prev_head``); Qwen3 RMS-normalises each head's query and key, so ``q_norm``/``k_norm`` weights on
   those dims equal the biases' RMS, which gives the bias back. Its value copies the previous row's
   tag bits (``BITS[0:3]``), ``TEXT`` and the ``tts_pad`` mark into ``PREV``, ``PREV_TEXT``, ``PREV_PAD``.
 * head 1 finds the codec-BOS row: query a bias, key the ``BOS`` dim, both on the slowest rotary
@@ -30,7 +30,8 @@ at a decode step also the 15 residual codebooks' embeddings, which the code pred
   without BOS has key 0. Its value copies ``BOS`` to ``STARTED``, and its value *bias* writes
   ``ONE`` = ``CODE`` into every position (attention weights sum to 1): the constant the logits'
   offsets need (Qwen3's rows have no projection bias that reaches a bare codec row).
-* ``codec_head`` (``lm_head``): Qwen2.5-Omni's logit design on these dims (speech id
+* ``codec_head`` (``lm_head``): the logit design Qwen2.5-Omni's has too
+  (``harness.speaking.weights.write_codec_head``) on these dims (speech id
   ``256 * tag + byte``, babble, silence, EOS); margins in docs/families/qwen3_tts.md.
 """
 
@@ -40,14 +41,22 @@ import math
 from typing import Any
 
 from harness.families.qwen3_tts import speaking as sp
-from harness.families.qwen2_5_omni import speaking_model as omni
+from harness.speaking.weights import (
+    CODE,
+    HEAD_DIM,
+    PREV_PAIR_WEIGHTS,
+    PREV_SCORE,
+    ROPE_THETA,  # noqa: F401 - the Talker config's (tiny_model)
+    bits,
+    check_prev_head,
+    check_row_id,
+    write_codec_head,
+    write_prev_head,
+)
 
 HIDDEN = 64
 TEXT_HIDDEN = 64
-HEAD_DIM = omni.HEAD_DIM  # 32: the pair angles of omni.thetas()
 HEADS = 2
-ROPE_THETA = omni.ROPE_THETA
-CODE = omni.CODE  # 8/3, every content dim's value in a row
 BITS = list(range(8))
 TEXT = 8
 MARKS = {sp.TTS_EOS: 9, sp.TTS_PAD: 10, sp.TTS_BOS: 11, sp.IM_START: 12, sp.ASSISTANT: 13}
@@ -65,20 +74,14 @@ PREV_REF = 8.0 / 3.0
 STARTED_REF = 8.0 / math.sqrt(10.0)  # head 1's copy of BOS at the P-1 row (first byte + codec BOS)
 PAD_REF = 8.0  # head 0's copy of a tts_pad row's mark
 BOS_QK = 12.4  # head 1: 12.4 * 12.4 / sqrt(32) = 27 nats for the BOS row over rows without it
-# the logit design's constants are Qwen2.5-Omni's (``omni.write_codec_head``, docs/speaking-model.md)
-
-
-def _bits(value: int, n: int) -> list[float]:
-    return [1.0 if (value >> i) & 1 else -1.0 for i in range(n)]
+# the logit design's constants are harness.speaking.weights's (``write_codec_head``, docs/speaking-model.md)
 
 
 def apply(state: dict[str, Any]) -> dict[str, Any]:
     """Overwrite the Talker's weights in ``state`` (HF names, ``talker.`` prefix) with the construction."""
     import torch
 
-    gap = omni.prev_head_gap()
-    if gap < 0.2:
-        raise RuntimeError(f"speaking model: head 0's score gap {gap:.3f} < 0.2")
+    check_prev_head()
     for name in list(state):  # the Talker: zero, norms 1; the code predictor's body and heads stay random
         if name.startswith("talker.") and not name.startswith("talker.code_predictor."):
             state[name].fill_(1.0 if name.endswith("norm.weight") else 0.0)
@@ -88,7 +91,7 @@ def apply(state: dict[str, Any]) -> dict[str, Any]:
     # --- text side: byte codes and marks, projected unchanged ---
     emb = state["talker.model.text_embedding.weight"]
     for b in range(sp.BYTES):
-        emb[b, BITS] = torch.tensor(_bits(b, 8)) * CODE
+        emb[b, BITS] = torch.tensor(bits(b, 8)) * CODE
         emb[b, TEXT] = CODE
     for tid, dim in MARKS.items():
         emb[tid, dim] = CODE
@@ -104,20 +107,12 @@ def apply(state: dict[str, Any]) -> dict[str, Any]:
     qb, kb, vb = state[pre + "q_proj.bias"], state[pre + "k_proj.bias"], state[pre + "v_proj.bias"]
     kw, vw, ow = state[pre + "k_proj.weight"], state[pre + "v_proj.weight"], state[pre + "o_proj.weight"]
     qn, kn = state[pre + "q_norm.weight"], state[pre + "k_norm.weight"]
-    th = omni.thetas()
     hd = HEAD_DIM // 2
-    total = sum(omni.PREV_PAIR_WEIGHTS)
-    for j, w in enumerate(omni.PREV_PAIR_WEIGHTS):  # head 0: previous position, content-free
-        a = math.sqrt(omni.PREV_SCORE * w / total)
-        qb[j] = a
-        kb[j] = a * math.cos(th[j])
-        kb[j + hd] = a * math.sin(th[j])
-    rms0 = math.sqrt(omni.PREV_SCORE / HEAD_DIM)  # the biases' RMS over the head: q_norm/k_norm give it back
-    for j in range(len(omni.PREV_PAIR_WEIGHTS)):
+    # head 0: previous position, content-free; its value copies tag bits, TEXT and the tts_pad mark -> PREV*
+    write_prev_head(qb, kb, vw, ow, BITS[:TAG_BITS] + [TEXT, MARKS[sp.TTS_PAD]], PREV + [PREV_TEXT, PREV_PAD])
+    rms0 = math.sqrt(PREV_SCORE / HEAD_DIM)  # the biases' RMS over the head: q_norm/k_norm give it back
+    for j in range(len(PREV_PAIR_WEIGHTS)):
         qn[j] = kn[j] = qn[j + hd] = kn[j + hd] = rms0
-    for k, dim in enumerate(BITS[:TAG_BITS] + [TEXT, MARKS[sp.TTS_PAD]]):  # head 0's value -> PREV*
-        vw[k, dim] = 1.0
-        ow[(PREV + [PREV_TEXT, PREV_PAD])[k], k] = 1.0
     slow = hd - 1  # head 1: the slowest rotary pair; after the norm a one-dim vector is sqrt(32) * weight
     qb[HEAD_DIM + slow] = 1.0
     qn[slow] = BOS_QK / math.sqrt(HEAD_DIM)
@@ -128,12 +123,10 @@ def apply(state: dict[str, Any]) -> dict[str, Any]:
     vb[HEAD_DIM + 1] = CODE  # head 1's value slot 1: a bias -> ONE at every position
     ow[ONE, HEAD_DIM + 1] = 1.0
 
-    # --- codec_head: one row per codec id (Qwen2.5-Omni's logit design on these dims) ---
-    omni.write_codec_head(state["talker.codec_head.weight"], sp, tag_bits=TAG_BITS, text=TEXT, prev=PREV,
-                          prev_text=PREV_TEXT, prev_pad=PREV_PAD, started=STARTED, one=ONE,
-                          eos_mark=MARKS[sp.TTS_EOS], pad_mark=MARKS[sp.TTS_PAD], prev_ref=PREV_REF,
-                          started_ref=STARTED_REF, pad_ref=PAD_REF)
-    for name in ("talker.model.text_embedding.weight", "talker.model.codec_embedding.weight"):
-        if bool(state[name][:, ROW_ID].any()):
-            raise RuntimeError(f"speaking model: {name} writes the row-identity dims {ROW_ID}")
+    # --- codec_head: one row per codec id (the shared logit design on these dims) ---
+    write_codec_head(state["talker.codec_head.weight"], sp.TABLE, tag_bits=TAG_BITS, text=TEXT, prev=PREV,
+                     prev_text=PREV_TEXT, prev_pad=PREV_PAD, started=STARTED, one=ONE,
+                     eos_mark=MARKS[sp.TTS_EOS], pad_mark=MARKS[sp.TTS_PAD], prev_ref=PREV_REF,
+                     started_ref=STARTED_REF, pad_ref=PAD_REF)
+    check_row_id(state, ("talker.model.text_embedding.weight", "talker.model.codec_embedding.weight"), ROW_ID)
     return state

@@ -25,14 +25,22 @@ What it is (deterministic in ``seed``; run in the real environment, which has vL
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from harness.errors import UserError
 from harness.families.qwen3_tts import speaking as sp
 from harness.families.qwen3_tts import speaking_model as sm
-from harness.families.qwen2_5_omni.speaking_model import byte_chars
+from harness.speaking.checkpoint import (
+    builder_main,
+    byte_level_tokenizer,
+    folder_bytes,
+    fresh_folder,
+    needs,
+    save_state,
+    write_json,
+    write_marker,
+)
+from harness.speaking.weights import byte_chars
 
 LAYERS = 1
 INTERMEDIATE = 128
@@ -143,44 +151,22 @@ def talker_state(seed: int) -> dict[str, Any]:
 
 def build_tokenizer() -> Any:
     """A byte-level BPE tokenizer (no merges: one token per byte, byte ``b`` = id ``b``) with Qwen's ids."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
 
-    alphabet = ByteLevel.alphabet()
     chars = byte_chars()
-    if set(chars.values()) != set(alphabet):
+    if set(chars.values()) != set(ByteLevel.alphabet()):
         raise RuntimeError("tiny tokenizer: the byte-level alphabet is not GPT-2's byte map")
     vocab = {chars[b]: b for b in range(sp.BYTES)}
-    first = min(SPECIAL_TOKENS.values())
-    for i in range(len(vocab), first):
-        vocab[f"<|unused_{i}|>"] = i
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     by_id = {v: k for k, v in SPECIAL_TOKENS.items()}
-    for tid in range(first, max(by_id) + 1):
-        text = by_id.get(tid, f"<|tts_unused_{tid}|>")
-        tok.add_tokens([AddedToken(text, special=text != "assistant", normalized=False)])
-        got = tok.token_to_id(text)
-        if got != tid:
-            raise RuntimeError(f"tiny tokenizer: {text} got id {got}, want {tid}")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None, model_max_length=65536)
-
-
-def _save(state: dict[str, Any], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: state[k].contiguous() for k in sorted(state)}, str(path), metadata={"format": "pt"})
+    texts = [by_id.get(tid, f"<|tts_unused_{tid}|>") for tid in range(min(by_id), max(by_id) + 1)]
+    added = [(text, tid, text != "assistant") for tid, text in enumerate(texts, start=min(by_id))]
+    return byte_level_tokenizer(vocab, added, as_special=False, model_max_length=65536)
 
 
 def build(out: Path, seed: int = 0) -> dict[str, Any]:
     """Writes the checkpoint into ``out`` (created; must be empty or absent); returns a summary."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"tiny-model: {out} exists and is not empty (give a new folder)")
-    try:
+    out = fresh_folder(out)
+    with needs("tiny-model --family qwen3-tts: vLLM-Omni 0.30.0 is needed"):
         import torch
         from transformers import EncodecFeatureExtractor
 
@@ -191,12 +177,10 @@ def build(out: Path, seed: int = 0) -> dict[str, Any]:
             Qwen3TTSTokenizerV2Decoder,
             Qwen3TTSTokenizerV2Encoder,
         )
-    except ImportError as exc:
-        raise UserError(f"tiny-model --family qwen3-tts: vLLM-Omni 0.30.0 is needed ({exc})") from None
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_json(out / "config.json", config_dict())
     state = talker_state(seed)
-    _save(state, out / "model.safetensors")
+    save_state(state, out / "model.safetensors")
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(out)
     ids = tokenizer("<|im_start|>assistant\nHi.<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
@@ -205,41 +189,25 @@ def build(out: Path, seed: int = 0) -> dict[str, Any]:
     st = out / "speech_tokenizer"
     st.mkdir()
     st_config = speech_tokenizer_config()
-    (st / "config.json").write_text(json.dumps(st_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_json(st / "config.json", st_config)
     cfg = Qwen3TTSTokenizerV2Config(**{k: v for k, v in st_config.items() if k != "model_type"})
     torch.manual_seed(seed + 1)
     encoder = Qwen3TTSTokenizerV2Encoder._from_config(cfg.encoder_config)
     decoder = Qwen3TTSTokenizerV2Decoder._from_config(cfg.decoder_config)
     codec = {f"encoder.{k}": v.detach().float() for k, v in encoder.state_dict().items()}
     codec.update({f"decoder.{k}": v.detach().float() for k, v in decoder.state_dict().items()})
-    _save(codec, st / "model.safetensors")
+    save_state(codec, st / "model.safetensors")
     EncodecFeatureExtractor(feature_size=1, sampling_rate=24000, padding_value=0.0).save_pretrained(st)
     params = sum(int(v.numel()) for v in state.values())
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    summary = {"path": str(out), "family": "qwen3-tts", "seed": seed, "parameters": params, "bytes": size,
-               "hidden_size": sm.HIDDEN, "layers": LAYERS, "head_dim": sm.HEAD_DIM, "codebook": sp.CODEBOOK,
-               "speaking": True}
-    (out / "omni_stress_tiny_model.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    return summary
+    return write_marker(out, {"path": str(out), "family": "qwen3-tts", "seed": seed, "parameters": params,
+                              "bytes": folder_bytes(out), "hidden_size": sm.HIDDEN, "layers": LAYERS,
+                              "head_dim": sm.HEAD_DIM, "codebook": sp.CODEBOOK, "speaking": True})
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m harness.families.qwen3_tts.tiny_model DIR [--seed N]`` (run by ``omni-stress tiny-model
     --family qwen3-tts`` in the real environment's interpreter)."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m harness.families.qwen3_tts.tiny_model")
-    parser.add_argument("out")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    try:
-        summary = build(Path(args.out), args.seed)
-    except UserError as exc:
-        print(f"omni-stress: error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, sort_keys=True))
-    return 0
+    return builder_main(argv, "python -m harness.families.qwen3_tts.tiny_model", build)
 
 
 if __name__ == "__main__":

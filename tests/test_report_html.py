@@ -103,10 +103,94 @@ def test_report_per_request_rows_group_cells_and_show_transcripts(audio_run: Pat
     assert groups[0] == "main (baseline), reference deploy, run 1: 16 requests, mean WER 0.017"
     assert len(groups) == 6 and requests.count("<tr>") == 96 + 1  # and the header row
     assert requests.count("<td class=\"text\">hello there</td>") == 95  # the 96th failed: its error first
-    assert "<span class=\"warn\">error: boom</span> hello there" in requests
+    # the failed request: its error in the summary, its transcript folded under it
+    assert ("<td class=\"text\"><details><summary><span class=\"warn\">error: boom</span></summary>"
+            "<p>hello there</p></details></td>") in requests
     assert requests.count("<td class=\"bad\">") == 32  # WER over 0.5: main under stress, both runs
     header = requests.split("</thead>")[0]
     assert "<th>Arm</th>" not in header and "Transcript" in header  # arm, deploy and run: in the group row
+
+
+def test_report_folds_long_transcripts_and_errors() -> None:
+    """A transcript over FOLD_AT characters is one line, its first words, the rest on a click (<details>);
+    a long error's first words are the summary, the whole error above the transcript when opened."""
+    text = "the quick brown fox jumps over the lazy dog " * 3  # 132 characters
+    assert report.FOLD_AT == 60
+    assert report._folded(text.strip(), "") == (
+        "<details><summary>the quick brown fox jumps over the lazy dog the quick brown…</summary>"
+        f"<p>{text.strip()}</p></details>")
+    assert report._folded("short & sweet", "") == "short &amp; sweet"  # short: as it is, no fold
+    assert report._folded("", "") == "<span class=\"empty\">(no words)</span>"
+    error = "server said: " + "x" * 70
+    assert report._folded("hi", error) == (
+        "<details><summary><span class=\"warn\">error: server said…</span></summary>"
+        f"<p><span class=\"warn\">error: {error}</span><br>hi</p></details>")
+
+
+def _gated(run_dir: Path):  # type: ignore[no-untyped-def]
+    """The hand-made run's verdict from the default rules (the run itself is not complete, so the
+    page's ``page_verdict`` would refuse it: this is the evaluation it makes of a complete one)."""
+    from harness.gate import DEFAULT_RULES, evaluate, load_rules
+    from harness.gate.verdict import PageVerdict, arm_lines, cell_outcomes
+
+    run, cells = _cells(run_dir)
+    result = evaluate(load_rules(DEFAULT_RULES), cells)
+    return run, cells, PageVerdict("gates.yaml", arm_lines(result, cells), outcomes=cell_outcomes(result))
+
+
+def test_run_page_opens_with_the_gate_verdict_per_arm(tmp_path: Path) -> None:
+    """main (baseline) passes, its bug detected; pr fails candidate-contract (one request of its second
+    stress run ended in an error): the failing rule named, coloured per arm, the checks as the tooltip."""
+    from harness.gate.verdict import verdict_text
+
+    run, cells, verdict = _gated(write_run(tmp_path, "spans"))
+    assert verdict_text(verdict) == (
+        "Gate (gates.yaml): main — passes 2 rules (the expected bug detected under stress) · pr — fails "
+        "candidate-contract on stress run 2 (errors 1 > 0); 2 other rules pass")
+    assert verdict.html == (
+        "<p class=\"verdict fail\"><b>Gate</b> (gates.yaml): <span class=\"arm pass\"><b>main</b> "
+        "<span class=\"role\">(baseline)</span> — passes 2 rules (the expected bug detected under stress)</span> · "
+        "<span class=\"arm fail\" title=\"candidate-contract: pr/stress run 2 [candidate]: max_errors: requests that "
+        "ended in an error = 1 &gt; 0\"><b>pr</b> <span class=\"role\">(candidate)</span> — fails candidate-contract "
+        "on stress run 2 (errors 1 &gt; 0); 2 other rules pass</span></p>")
+    page = report.html_report(run, cells, {}, verdict)
+    assert page.split("</h1>\n")[1].startswith(verdict.html)  # the first thing under the title
+    # the summary: each row's deploy role, a tint only where something is wrong (or wrong as expected)
+    summary = page.split("<table class=\"summary\">")[1].split("</table>")[0]
+    rows = re.findall(r"<tr class=\"([a-z ]+)\"", summary)
+    assert rows == ["reference", "stress expected", "reference", "stress fail"]
+    assert summary.count("<td title=\"stress deploy\">") == 2  # its bar in the role's colour
+    assert summary.count("<td class=\"bad\">") == 1  # main's stress WER, over 0.5
+    headings = " ".join(re.findall(r"<(?:h1|h2|title|nav)[^>]*>(.*?)</(?:h1|h2|title|nav)>", page, re.S))
+    assert "Summary" in headings and "seed" not in headings.lower()  # the seed experiment is history
+
+
+def test_verdict_line_names_every_failing_rule(audio_run: Path) -> None:
+    """A run without spans stressed nothing: each failing rule named with where and by how much."""
+    from harness.gate.verdict import verdict_text
+
+    assert verdict_text(_gated(audio_run)[2]) == (
+        "Gate (gates.yaml): main — fails baseline-stress-shows-bug on stress run 1, stress run 2 "
+        "(misaligned_text_positions 0 < 1); 1 other rule passes · pr — fails candidate-contract on stress run 2 "
+        "(errors 1 > 0); candidate-stress-matches-reference on stress run 1, stress run 2 (nonzero_offset_chunks "
+        "0 < 1); 1 other rule passes")
+
+
+def test_verdict_line_of_a_passing_run_and_of_a_refused_one(tmp_path: Path) -> None:
+    from harness.gate import DEFAULT_RULES, evaluate, load_rules
+    from harness.gate.verdict import PageVerdict, arm_lines, page_verdict, verdict_text
+
+    from test_report import SEED
+
+    passing = {k: v for k, v in SEED.items() if k[0] == "pr"}
+    run, cells = _cells(write_run(tmp_path, "ok", seed=passing))
+    result = evaluate(load_rules(DEFAULT_RULES), cells)
+    line = PageVerdict("gates.yaml", arm_lines(result, cells))
+    assert verdict_text(line) == "Gate (gates.yaml): pr — passes 3 rules"
+    assert line.html.startswith("<p class=\"verdict pass\">") and "<span class=\"arm pass\">" in line.html
+    refused = page_verdict(run, cells)  # the hand-made run never finished: the gate refuses it
+    assert refused.status == "error" and verdict_text(refused).startswith(
+        "Gate (gates.yaml): not evaluated (the gate refuses the run): incomplete run (2 problems): the run did not finish")
 
 
 def test_report_without_audio_says_so(tmp_path: Path) -> None:
@@ -143,6 +227,16 @@ def test_sweep_page_colours_a_baselines_bug_as_expected(tiny_sweep_page: str) ->
     colour = {m.group(1): m.group(2) for m in re.finditer(r"tr\.([a-z-]+) td\{background:(#[0-9a-f]+)", css)}
     assert colour["expected"] not in (colour["pass"], colour["fail"])
     assert "<span class='badge expected'>bug (expected)</span>" in tiny_sweep_page
+
+
+def test_sweep_page_opens_with_the_map_gates_verdict(tiny_sweep_page: str) -> None:
+    """One line under the title: the map gate per arm, coloured, before the map itself."""
+    line = tiny_sweep_page.split("</h1>\n")[1].split("\n")[0]
+    assert re.fullmatch(r"<p class='verdict (pass|fail|error)'><b>Map gate</b> \(gates\.yaml\): "
+                        r"<span class='arm (pass|fail|error)'><b>main</b> <span class='role'>\(baseline\)</span> — .+"
+                        r" · <span class='arm (pass|fail|error)'><b>pr</b> <span class='role'>\(candidate\)</span> — "
+                        r".+</span></p>", line), line
+    assert tiny_sweep_page.index("class='verdict") < tiny_sweep_page.index("<h2 id='map'>")
 
 
 def test_sweep_page_point_column_does_not_repeat_the_axes(tiny_sweep_page: str) -> None:
@@ -229,4 +323,39 @@ def test_conform_page_of_two_releases_keeps_ids_apart() -> None:
     assert len(ids) == len(set(ids)) and {"r0-matrix", "r1-matrix", "r0-m-qwen3-omni", "r1-m-qwen3-omni"} <= set(ids)
     toc = page.split("<nav class='toc'>")[1].split("</nav>")[0]
     assert set(re.findall(r"href='#([^']+)'", toc)) <= set(ids)
-    assert "<b>Overall</b>" in page and page.count("<details") == 4
+    assert page.count("<details") == 4
+    head = page.split("</h1>\n")[1].split("</p>")[0]
+    assert head == ("<p class='verdict fail'><b>Verdict</b> (overall exit 1):<br>"
+                    "<span class='arm fail'><b>vllm-omni:a</b>: 1 of 2 models do not conform; under a shipped deploy: "
+                    "qwen3-omni; conforms: glm-tts (exit 1)</span><br>"
+                    "<span class='arm fail'><b>vllm-omni:b</b>: 1 of 2 models do not conform; under a shipped deploy: "
+                    "qwen3-omni; conforms: glm-tts (exit 1)</span>")
+
+
+def test_conform_headline_counts_models_not_their_mode_rows() -> None:
+    """A model checked under two runner modes is two rows of the matrix and one model in the headline:
+    the counts add up (failing + conforming = models), the rows said beside them, the exit code once."""
+    from harness.conform.report import release_line
+    from harness.conform.reach import ModelReach
+
+    def row(model: str, status: str, reach: str | None = None) -> ModelResult:
+        r = ModelResult(model, model, None, {"chunk": Cell(status, status, status)})
+        if reach is not None:
+            r.reach = ModelReach(status=reach, text=f"fails ({reach})")
+        return r
+
+    m = Matrix("vllm-omni:0.32.0rc1 = X", (), [
+        row("qwen2.5-omni", "differs", "only"), row("qwen3-tts", "differs", "shipped"),
+        row("qwen3-tts@mrv2", "differs", "shipped"), row("minicpmo-4.5", "differs", "shipped"),
+        row("minicpmo-4.5@mrv2", "differs", "only"), row("glm-tts", "conforms")], [])
+    assert release_line(m) == ("fail", (
+        "vllm-omni:0.32.0rc1: 3 of 4 models do not conform (5 of 6 rows, one per model and runner mode); "
+        "under a shipped deploy: qwen3-tts, minicpmo-4.5; only with changed settings: qwen2.5-omni; conforms: "
+        "glm-tts (exit 1)"))
+    only = Matrix("vllm-omni:a = A", (), [row("qwen2.5-omni", "differs", "only")], [])
+    assert release_line(only) == ("pass", "vllm-omni:a: 1 of 1 models do not conform; only with changed settings: "
+                                          "qwen2.5-omni (exit 0 with --fail-on shipped; --fail-on any counts them)")
+    page = format_html(m)
+    assert page.split("</h1>\n")[1].startswith("<p class='verdict fail'><b>Verdict</b>: <span class='arm "
+                                              "fail'><b>vllm-omni:0.32.0rc1</b>: 3 of 4 models do not conform")
+    assert page.count("(exit 1)") == 1  # one release: its line is the page's headline, said once

@@ -325,6 +325,13 @@ def test_map_gate_fails_a_candidate_that_breaks_at_one_point(tiny_sweep: tuple[P
     assert [(c.point, c.status) for c in arm.cells] == [(POINTS[0], "fail"), (POINTS[1], "fail"),
                                                          (POINTS[2], "unstressed"), (POINTS[3], "unstressed")]
     assert "max_wer_delta: mean WER minus the reference deploy's mean WER = +1.000 > +0.030" in arm.cells[0].message
+    # the pages' verdict line names the failing rules and where (issue 46: pages that answer first); main's
+    # reference breaks the contract too (its end region)
+    from harness.sweep.report import _failing_rules
+
+    assert _failing_rules(arm) == (f"candidate-contract on the reference; candidate-contract at 2 of 2 stressed points ({POINTS[0]}, {POINTS[1]}); "
+                                   f"candidate-stress-matches-reference at 2 of 2 stressed points ({POINTS[0]}, "
+                                   f"{POINTS[1]})")
     # the baseline role: no stressed point left (only the unstressed ones): the harness proves nothing
     only_unstressed = [c for c in summarize_cells(run) if c.deploy in ("reference", POINTS[2], POINTS[3])]
     assert {a.status for a in evaluate_map(load_rules(DEFAULT_RULES), only_unstressed,

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from harness import gate
+from harness.gate.verdict import refusal
 from harness.report import summary
 from harness.errors import UserError
 from harness.proc import printable_streams
@@ -39,12 +40,9 @@ def command(run_dir: Path, rules_path: str | None, junit_path: Path | None, any_
         if rules is None:  # the run's family's rules (Qwen2.5-Omni's: deploy_configs/gates.yaml)
             rules = gate.load_rules(gate.family_rules_path(family, f"{run_dir}/manifest.json: family"))
         gate.check_rules_family(rules, family, f"the run {run_dir}", any_family)
-        problems = summary.run_problems(run) + summary.event_problems(run)
-        if problems:
-            raise UserError(f"{summary.problems_line(run, problems)}; not gated")
-        unmeasurable = summary.not_measurable_problem(run)
-        if unmeasurable:
-            raise UserError(f"{run.run_dir}: {unmeasurable}; not gated")
+        refused = refusal(run)  # the same reasons the pages' verdict line gives
+        if refused is not None:
+            raise UserError(refused)
         if isinstance(run.manifest.get("sweep"), dict):  # a sweep's run: the gate over its map
             _gate_map(run, rules, junit_path)
         result = gate.evaluate(rules, summary.summarize_cells(run), run_id=run.run_id)

@@ -45,14 +45,19 @@ def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_
     click.echo(text, nl=False)
     if not no_write:
         try:
-            written = report.write_reports(run, cells)
-            if isinstance(run.manifest.get("sweep"), dict):  # a sweep's run: its map too
+            if isinstance(run.manifest.get("sweep"), dict):  # a sweep's run: its map too, its verdict the map's
                 from harness.gate import family_rules_path, load_rules
                 from harness.rundir import manifest_family
-                from harness.sweep.report import build_map, write_sweep_report
+                from harness.sweep.report import build_map, map_page_verdict, write_sweep_report
 
                 rules = load_rules(family_rules_path(manifest_family(run.manifest)))  # the run's family's
-                written.update(write_sweep_report(build_map(run, rules)))
+                sweep_map = build_map(run, rules)
+                written = report.write_reports(run, cells, map_page_verdict(sweep_map))
+                written.update(write_sweep_report(sweep_map))
+            else:
+                from harness.gate.verdict import page_verdict
+
+                written = report.write_reports(run, cells, page_verdict(run, cells))
         except OSError as exc:  # a read-only run directory (a downloaded artifact), a full disk
             where = exc.filename or run_dir
             click.echo(f"omni-stress: warning: {run_dir}: could not rewrite the report files ({where}: "

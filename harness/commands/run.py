@@ -91,7 +91,9 @@ def _locked_run(run_dir: Path, resume: bool, arm_specs: list[ArmSpec], deploy_sp
 
     run = load_run(plan.run_dir, codec_tokens=False)  # read once, for the files and the printed tables
     cells = summarize_cells(run)
-    write_reports(run, cells)
+    from harness.gate.verdict import page_verdict
+
+    write_reports(run, cells, page_verdict(run, cells))  # the page opens with the gate's verdict
     return (terminal_table(run, cells)
             + f"\n\nwall time per stage: sim {times.sim_wall:.1f} s, TTS {times.tts:.1f} s, ASR {times.asr:.1f} s "
               f"({times.asr_transcribed} transcribed, {times.asr_cache_hits} cache hits)"

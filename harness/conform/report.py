@@ -9,6 +9,7 @@ from typing import Any
 
 from harness.conform.check import ModelResult, columns
 from harness.conform.models import CALIBRATION
+from harness.report.style import VERDICT_CSS
 
 EXIT_CONFORMS, EXIT_FAILS, EXIT_COULD_NOT_CHECK = 0, 1, 2
 # --fail-on: which reach statuses (harness.conform.check.ModelResult.reach_status) make the exit code 1.
@@ -95,6 +96,59 @@ class Report:
             return self.matrices[0].to_json()
         return {"releases": [m.to_json() for m in self.matrices], "verdict": self.verdict(),
                 "exit_code": self.exit_code}
+
+
+def base_model(name: str) -> str:
+    """The model a matrix row checks: a row per (runner, ``async_chunk``) mode its deploys use is named
+    ``MODEL@MODE`` (``qwen3-tts@mrv2``); the model is the name before the ``@``."""
+    return name.split("@", 1)[0]
+
+
+def _names(models: list[str]) -> str:
+    return ", ".join(models)
+
+
+def release_line(m: Matrix) -> tuple[str, str]:
+    """(status, text) of one release for the page's headline: counts of **models** (rows joined per model:
+    a model fails when any of its mode rows fails, under a shipped deploy when any failing row is reached
+    by one), the rows said beside them, the exit code once. Status: pass, fail or error (could not check)."""
+    label = m.source.split(" = ")[0]
+    problems = m.calibration_problems()
+    if problems:
+        return "error", f"{label}: could not check: the oracle failed its calibration: {'; '.join(problems)} (exit 2)"
+    errors = [f"{r.model}: {r.error}" for r in m.results if r.error]
+    if errors:
+        return "error", f"{label}: could not check {'; '.join(errors)} (exit {m.exit_code})"
+    rows: dict[str, list[ModelResult]] = {}
+    for r in m.results:
+        rows.setdefault(base_model(r.model), []).append(r)
+    shipped = [n for n, rs in rows.items() if any(r.reach_status in FAIL_ON["shipped"] for r in rs)]
+    only = [n for n, rs in rows.items() if n not in shipped and any(r.status != "conforms" for r in rs)]
+    conform = [n for n in rows if n not in shipped and n not in only]
+    failing_rows = sum(r.status != "conforms" for r in m.results)
+    text = f"{label}: {len(shipped) + len(only)} of {len(rows)} models do not conform"
+    if len(m.results) != len(rows):
+        text += f" ({failing_rows} of {len(m.results)} rows, one per model and runner mode)"
+    if shipped:
+        text += f"; under a shipped deploy: {_names(shipped)}"
+    if only:
+        text += f"; only with changed settings: {_names(only)}"
+    if conform:
+        text += f"; {'conforms' if len(conform) == 1 else 'conform'}: {_names(conform)}"
+    if m.calibration or any(r.model in CALIBRATION for r in m.results):
+        text += "; calibration ok"
+    text += f" (exit {m.exit_code}"
+    if m.fail_on == "shipped" and only and not shipped:
+        text += " with --fail-on shipped; --fail-on any counts them"
+    text += ")"
+    return {EXIT_CONFORMS: "pass", EXIT_FAILS: "fail"}.get(m.exit_code, "error"), text
+
+
+def _release_verdict(m: Matrix) -> str:
+    """A release's line of the headline, its name in bold."""
+    status, text = release_line(m)
+    label, rest = text.split(": ", 1)
+    return f"<span class='arm {status}'><b>{html.escape(label)}</b>: {html.escape(rest)}</span>"
 
 
 def _matrices(x: Matrix | Report) -> list[Matrix]:
@@ -234,17 +288,20 @@ def format_html(x: Matrix | Report) -> str:
                      f"<span class='models'>{models}</span></li>")
         label = f"<a href='#{p}release'><b>{e(m.source.split(' = ')[0])}</b></a>" if len(ms) > 1 else ""
         toc.append((f"<li>{label}<ol>" + "".join(items) + "</ol></li>") if len(ms) > 1 else "".join(items))
-    overall = (f"<p><b>Overall</b>: {e(x.verdict())} (exit {x.exit_code})</p>"
-               if isinstance(x, Report) and len(ms) > 1 else "")
+    status = {EXIT_CONFORMS: "pass", EXIT_FAILS: "fail"}.get(x.exit_code, "error")
+    # the page answers first: one line per release, coloured (conforms green, fails red, could not check purple)
+    overall = f" (overall exit {x.exit_code})" if len(ms) > 1 else ""
+    headline = (f"<p class='verdict {status}'><b>Verdict</b>{overall}:{'<br>' if len(ms) > 1 else ' '}"
+                + "<br>".join(_release_verdict(m) for m in ms) + "</p>")
     out = ["<!doctype html><html><head><meta charset='utf-8'>"
            "<meta name='viewport' content='width=device-width, initial-scale=1'><title>omni-stress conform</title>"
-           f"<style>{_CSS}</style></head><body>",
-           "<h1>omni-stress conform</h1>",
+           f"<style>{_CSS}{VERDICT_CSS}p.verdict .arm{{font-weight:normal}}</style></head><body>",
+           "<h1>omni-stress conform</h1>", headline,
            "<p>Schedule invariance of each model's preprocess. Each cell: the first position whose row differs from "
            "the unchunked reference schedule's, or that the call raised; <em>row count</em>: calls that returned a "
            "row count other than the span length. Schedule invariance is necessary, not sufficient: a model that is "
            "wrong the same way under every schedule conforms.</p>",
-           overall, f"<nav class='toc'><b>Contents</b><ol>{''.join(toc)}</ol></nav>"]
+           f"<nav class='toc'><b>Contents</b><ol>{''.join(toc)}</ol></nav>"]
     for i, m in enumerate(ms):
         if i:
             out.append("<hr>")
@@ -261,8 +318,10 @@ def _html_one(m: Matrix, p: str = "", titled: bool = False) -> str:
     if titled:
         out.append(f"<h2 id='{p}release'>{e(m.source)}</h2>")
     out.append(f"<h2 id='{p}matrix'>Matrix</h2>" if not titled else f"<h3 id='{p}matrix'>Matrix</h3>")
-    out.append(f"<p>Source <code>{e(m.source)}</code>; vLLM deploys {e(', '.join(m.deploys) or 'none')}. "
-               f"<b>Verdict</b>: {e(m.verdict())} (exit {m.exit_code}).</p>")
+    out.append(f"<p>Source <code>{e(m.source)}</code>; vLLM deploys {e(', '.join(m.deploys) or 'none')}.</p>")
+    if titled:  # one release of several: its line of the headline again, above its matrix
+        status = release_line(m)[0]
+        out.append(f"<p class='verdict {status}'><b>Verdict</b>: {_release_verdict(m)}</p>")
     out.append("<div class='scroll'><table><tr class='head'><th>model</th>"
                + "".join(f"<th>{e(h)}</th>" for h in cols.values()) + "<th>verdict</th></tr>")
     for r in rows:

@@ -13,6 +13,8 @@ Each function returns PNG bytes; ``report.write_reports`` writes them and inline
 from __future__ import annotations
 
 import io
+import os
+import re
 import zlib
 from typing import Any
 
@@ -52,9 +54,44 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
-def _cell_label(cell: CellSummary) -> str:
+LABEL_WIDTH = 14  # characters per line of a tick label: longer names wrap at their hyphens
+
+
+def _wrap(name: str, width: int = LABEL_WIDTH) -> str:
+    """``name`` on lines of at most ``width`` characters, broken after a hyphen where it can be (a part
+    longer than ``width`` keeps its own line): ``qwen3-tts-mrv2-stress`` -> ``qwen3-tts-\nmrv2-stress``."""
+    lines: list[str] = []
+    for part in re.findall(r"[^-]*-|[^-]+$", name) or [name]:
+        if lines and len(lines[-1]) + len(part) <= width:
+            lines[-1] += part
+        else:
+            lines.append(part)
+    return "\n".join(lines)
+
+
+def deploy_prefix(cells: list[CellSummary]) -> str:
+    """The hyphen-ended prefix every deploy's name shares (``qwen3-tts-``), said once under the axis
+    and left out of the tick labels so that four or more deploys' labels do not run into each other;
+    "" when there is none or one deploy."""
+    deploys = list(dict.fromkeys(c.deploy for c in cells))
+    common = os.path.commonprefix(deploys)
+    prefix = common[:common.rfind("-") + 1]
+    return prefix if len(deploys) > 1 and all(d != prefix for d in deploys) else ""
+
+
+def _cell_label(cell: CellSummary, prefix: str = "") -> str:
+    """The tick label of a cell: its arm, its deploy (without ``prefix``) and its run, each wrapped."""
     runs = getattr(cell, "pooled_runs", None)
-    return f"{cell.arm}\n{cell.deploy}\n{f'{runs} runs' if runs else f'run {cell.run_number}'}"
+    return (f"{_wrap(cell.arm)}\n{_wrap(cell.deploy[len(prefix):])}\n"
+            f"{f'{runs} runs' if runs else f'run {cell.run_number}'}")
+
+
+def _set_cell_ticks(ax: Any, cells: list[CellSummary]) -> None:
+    """One tick per cell, labelled by ``_cell_label``; the deploys' shared prefix said under the axis."""
+    prefix = deploy_prefix(cells)
+    ax.set_xticks(range(len(cells)), [_cell_label(c, prefix) for c in cells], fontsize=8)
+    if prefix:
+        ax.set_xlabel(f"deploy names after their shared prefix {prefix}", fontsize=8, color="#444")
 
 
 # Above this many cells the per-cell plots pool each arm x deploy's runs into one column: a bar per
@@ -120,7 +157,7 @@ def plot_wer(cells: list[CellSummary], threshold: float = WER_THRESHOLD) -> byte
     ax.axhline(threshold, color="#444", linestyle="--", linewidth=1, zorder=2)
     ax.annotate(f"WER {threshold}", (-0.55, threshold), xytext=(0, 2), textcoords="offset points", va="bottom",
                 ha="left", fontsize=8, color="#444")
-    ax.set_xticks(range(len(cells)), [_cell_label(c) for c in cells], fontsize=8)
+    _set_cell_ticks(ax, cells)
     ax.set_xlim(-0.6, len(cells) - 0.4)
     ax.set_ylim(-0.03 * top, top * 1.2)
     ax.set_ylabel("WER per request")
@@ -161,7 +198,7 @@ def plot_events(cells: list[CellSummary]) -> bytes:
         if not any(getattr(cell.events, n, 0) for n, _ in EVENT_METRICS) and not cell.preemptions:
             ax.annotate("no events", (x, 0), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8,
                         color="#777")
-    ax.set_xticks(range(len(cells)), [_cell_label(c) for c in cells], fontsize=8)
+    _set_cell_ticks(ax, cells)
     ax.set_ylim(0, max(1, top) * 1.15)
     ax.set_ylabel("count per cell")
     ax.grid(axis="y", alpha=0.3)
@@ -200,7 +237,7 @@ def _plot_misaligned(ax: Any, cells: list[CellSummary]) -> None:
     # mathtext, whose first parse was about a fifth of this figure's time (issue 23).
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
     ax.set_ylim(0, max(10, top) * 3)
-    ax.set_xticks(range(len(cells)), [_cell_label(c) for c in cells], fontsize=8)
+    _set_cell_ticks(ax, cells)
     ax.set_ylabel("misaligned positions")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))

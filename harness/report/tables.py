@@ -35,6 +35,7 @@ from harness.errors import UserError
 from harness.metrics import METRICS, TABLE_METRICS, Metric
 from harness.proc import fork_call
 from harness.records import EventCounts, RequestRecord, write_file_atomic
+from harness.report.style import VERDICT_CSS
 from harness.report.summary import (  # re-exported: callers and tests use report.load_run & co.
     DEFAULT_ROLE,
     ROLES,
@@ -696,10 +697,24 @@ table.paired thead th:last-child{text-align:left}
 table.requests tr.group th{background:#e8eef7;text-align:left;font-size:13px;padding:4px 6px}
 table.requests{width:100%}
 table.requests th,table.requests td{width:1px}
-table.requests td.text{white-space:normal;text-align:left;min-width:36em;color:#333}
+table.requests td.text{white-space:normal;text-align:left;min-width:24em;color:#333}
 table.requests .text{width:auto;text-align:left}
 td.text .empty{color:#999;font-style:italic}
-td.bad{color:#b00;font-weight:600}
+td.text details{margin:0}
+td.text summary{cursor:pointer;color:#333}
+td.text details[open] summary{color:#777}
+td.text details p{margin:.2em 0 .3em;white-space:normal}
+td.bad,span.bad{color:#b00;font-weight:600}
+.drole{display:inline-block;min-width:5.2em;padding:0 5px;margin-right:4px;border-radius:3px;font-size:11px;
+text-align:center;color:#fff;background:#888}
+.drole.reference{background:#4a6fa5}.drole.stress{background:#b26a00}
+table.summary tr.reference td:first-child{border-left:5px solid #4a6fa5}
+table.summary tr.stress td:first-child{border-left:5px solid #b26a00}
+table.summary tr.fail td{background:#fdecec !important}
+table.summary tr.error td{background:#f3e8f8 !important}
+table.summary tr.expected td{background:#eaf0fb !important}
+.key{display:inline-block;padding:0 5px;border:1px solid #ccc}
+.key.fail{background:#fdecec}.key.error{background:#f3e8f8}.key.expected{background:#eaf0fb}
 .note{color:#555}
 .warn{color:#a00;font-weight:bold}
 tr.worst td{background:#fff1f0 !important}
@@ -712,16 +727,20 @@ code{background:#f4f4f4;padding:1px 4px}
 """
 
 SECTIONS = {  # id -> heading, in page order (plots between the summary and the extended table)
-    "summary": "Summary (the seed's table)", "wer": "WER per request", "events": "Scheduler events per cell",
+    "summary": "Summary", "wer": "WER per request", "events": "Scheduler events per cell",
     "timeline": "Span timeline of one stressed request", "extended": "Extended table",
     "paired": "Paired per-prompt table", "requests": "Per-request rows", "streamed": "Streamed audio",
 }
 
 
-def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> str:
+def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes], verdict: Any = None) -> str:
     """One page: tables as HTML, PNG plots inlined as base64 data URIs, each request's WAV linked (relative
     to report.html, from the run directory's ``audio/``), never inlined. Wide tables scroll inside their
-    own box, so the page itself never scrolls sideways."""
+    own box, so the page itself never scrolls sideways.
+
+    ``verdict``: the gate's verdict, computed by the caller (``harness.gate.verdict.page_verdict``, or a
+    sweep's map verdict): its ``html`` is the line the page opens with, its ``outcomes`` ({cell key:
+    "fail" | "error" | "expected" | "pass"}) tint the summary's rows. None: no verdict line."""
     def table(df: pd.DataFrame, cls: str) -> str:
         return _scroll(df.to_html(index=False, escape=True, classes=cls, border=0, na_rep=NA))
 
@@ -736,12 +755,13 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> 
     parts = [
         "<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">",
-        f"<title>omni-stress {html.escape(run.run_id)}</title>", f"<style>{_CSS}</style></head><body>",
+        f"<title>omni-stress {html.escape(run.run_id)}</title>", f"<style>{_CSS}{VERDICT_CSS}</style></head><body>",
         f"<h1>omni-stress run <code>{html.escape(run.run_id)}</code></h1>",
+        verdict.html if verdict is not None else "",
         "".join(f"<p class=\"{'warn' if line.startswith('WARNING') else 'note'}\">{html.escape(line)}</p>"
                 for line in run_header(run)),
         f"<nav class=\"toc\">{toc}</nav>",
-        h2("summary"), table(seed_table(cells), "seed"),
+        h2("summary"), html_summary(cells, getattr(verdict, "outcomes", None)),
         f"<p class=\"note\">{html.escape(wer_source_note(run, cells))}</p>",
     ]
     for name, png in plots.items():
@@ -764,6 +784,41 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes]) -> 
         parts.append(f"<p class=\"note\">Command: <code>{html.escape(command)}</code></p>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+_OUTCOME_TEXT = {"fail": "a gate rule failed", "error": "a gate rule could not be evaluated",
+                 "expected": "the baseline's expected bug, detected"}
+
+
+def html_summary(cells: list[CellSummary], outcomes: dict[CellKey, str] | None = None) -> str:
+    """The summary table (one row per arm x deploy, repeats joined): a bar on the left in the deploy's
+    role colour (reference blue, stress amber); a row tinted only where something is wrong
+    (a gate rule failed: red; could not be evaluated: purple) or wrong as expected (the baseline's bug,
+    detected: blue); a mean WER over the threshold in red. A row that holds its rules is not tinted."""
+    df = seed_table(cells)
+    order = ("fail", "error", "expected")
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+    body = []
+    seen = set()
+    for group, row in zip(group_rows(cells), df.itertuples(index=False)):
+        found = {(outcomes or {}).get(c.key) for c in group}
+        outcome = next((o for o in order if o in found), "")
+        seen.add(outcome)
+        role = group[0].deploy_role
+        title = f" title=\"{html.escape(_OUTCOME_TEXT[outcome])}\"" if outcome else ""
+        tds = [f"<td title=\"{html.escape(role)} deploy\">{html.escape(str(row[0]))}</td>"]
+        for i, v in enumerate(row[1:], 1):
+            bad = i == 1 and any(c.mean_wer is not None and c.mean_wer > WER_THRESHOLD for c in group)
+            tds.append(f"<td class=\"bad\">{html.escape(str(v))}</td>" if bad else f"<td>{html.escape(str(v))}</td>")
+        body.append(f"<tr class=\"{html.escape(role)}{' ' + outcome if outcome else ''}\"{title}>{''.join(tds)}</tr>")
+    shown = [o for o in order if o in seen]
+    legend = ("<p class=\"note legend\"><span class=\"drole reference\">reference</span> "
+              "<span class=\"drole stress\">stress</span> the deploy's role (the bar left of each row)"
+              + ("; the gate's outcome: " + " ".join(f"<span class=\"key {o}\">{html.escape(_OUTCOME_TEXT[o])}</span>"
+                                                  for o in shown) if shown else "")
+              + ("; other rows: nothing wrong" if outcomes is not None else "") + ".</p>")
+    return _scroll(f"<table class=\"summary\"><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>") \
+        + legend
 
 
 _EXTENDED_SHORT = {  # the extended table's long headings, shortened in the page (the full one is the tooltip)
@@ -885,13 +940,33 @@ def html_requests(run: Run, cells: list[CellSummary]) -> str:
         src, note = audio_src(run, rec)
         tds.append(f"<td><a class=\"wav\" href=\"{html.escape(src)}\">wav</a></td>" if src
                    else f"<td class=\"note\">{'–' if note == 'no audio' else html.escape(note)}</td>")
-        text = html.escape(str(row["Transcript"])) or "<span class=\"empty\">(no words)</span>"
-        if row["Error"]:
-            text = f"<span class=\"warn\">error: {html.escape(str(row['Error']))}</span> " + text
-        tds.append(f"<td class=\"text\">{text}</td>")
+        tds.append(f"<td class=\"text\">{_folded(str(row['Transcript']), str(row['Error']))}</td>")
         body.append("<tr>" + "".join(tds) + "</tr>")
     return _scroll(f"<table class=\"requests\"><thead><tr>{head}</tr></thead><tbody>" + "".join(body)
                    + "</tbody></table>")
+
+
+FOLD_AT = 60  # a transcript (or an error) longer than this is folded: its first words, the rest on a click
+
+
+def _preview(text: str, limit: int) -> str:
+    """The first words of ``text`` that fit in ``limit`` characters, then an ellipsis."""
+    cut = text[:limit + 1].rsplit(" ", 1)[0] if " " in text[:limit + 1] else text[:limit]
+    return cut.rstrip(" ,.;:") + "…"
+
+
+def _folded(text: str, error: str) -> str:
+    """A request's transcript for its table cell, on one line: whole when short, else folded in a
+    ``<details>`` whose summary is its first words; an error comes first (its first words in the summary)."""
+    words = html.escape(text) or "<span class=\"empty\">(no words)</span>"
+    if not error and len(text) <= FOLD_AT:
+        return words
+    if error:  # the error in the summary (its first words when long: then whole above the transcript)
+        summary = f"<span class=\"warn\">error: {html.escape(error if len(error) <= FOLD_AT else _preview(error, FOLD_AT))}</span>"
+        full = words if len(error) <= FOLD_AT else f"<span class=\"warn\">error: {html.escape(error)}</span><br>{words}"
+    else:
+        summary, full = html.escape(_preview(text, FOLD_AT)), words
+    return f"<details><summary>{summary}</summary><p>{full}</p></details>"
 
 
 def _over(wer: str) -> bool:
@@ -937,11 +1012,13 @@ def _draw(run: Run, cells: list[CellSummary]) -> dict[str, bytes]:
     return plots.render_all(run, cells)
 
 
-def write_reports(run: Run | Path, cells: list[CellSummary] | None = None) -> dict[str, Path]:
+def write_reports(run: Run | Path, cells: list[CellSummary] | None = None, verdict: Any = None) -> dict[str, Path]:
     """Writes summary.csv, summary.md, summary.json, requests.csv, the plots and report.html.
 
     Takes a loaded ``Run`` (and its cells, as ``omni-stress run`` does after printing them) or a
     run directory. Returns {kind: path}. Plots are written under ``plots/`` and embedded in the HTML.
+    ``verdict``: the gate's verdict the page opens with (``html_report``), from the caller: the gate
+    sits above the report (``harness.gate.verdict.page_verdict``).
     """
     from harness.report import plotcache
 
@@ -988,5 +1065,5 @@ def write_reports(run: Run | Path, cells: list[CellSummary] | None = None) -> di
         out[f"plot_{name}"] = path
     plotcache.remember(plot_dir, key, images)
     out["html"] = run_dir / "report.html"
-    write_file_atomic(out["html"], html_report(run, cells, images))
+    write_file_atomic(out["html"], html_report(run, cells, images, verdict))
     return out

@@ -24,7 +24,8 @@ from harness.metrics import STRESSED_POINT_METRICS
 from harness.gate import Rules
 from harness.records import MANIFEST_FILE
 from harness.report.summary import CellSummary, Run, load_run, run_problems, summarize_cells
-from harness.sweep.gate import MapVerdict, evaluate_map, stressed
+from harness.report.style import VERDICT_CSS
+from harness.sweep.gate import ArmVerdict, MapVerdict, evaluate_map, stressed
 from harness.sweep.metrics import (
     PERCENTILES,
     Duration,
@@ -120,6 +121,7 @@ class SweepMap:
     verdict: MapVerdict
     schedules: Schedules
     problems: list[str] = field(default_factory=list)
+    rules_name: str = ""  # the rules file the map was gated with (its name: ``gates.yaml``)
 
     @property
     def run_dir(self) -> Path:
@@ -194,7 +196,7 @@ def build_map(run_dir: Path | Run, rules: Rules) -> SweepMap:
             status = _point_status(role, verdicts)
             rows.append(Row(arm, role, deploy, coords, group, latency(recs), dur, status,
                             knee=bool(av and av.knee == deploy)))
-    return SweepMap(run, sweep, rows, verdict, schedules(run), run_problems(run))
+    return SweepMap(run, sweep, rows, verdict, schedules(run), run_problems(run), Path(rules.source).name)
 
 
 def _point_status(role: str, verdicts: list) -> str:
@@ -428,7 +430,6 @@ tr.note td{background:#fdf6e3}tr.unstressed td{color:#777;background:#f4f4f4}
 .badge.unstressed{background:#bdbdbd;color:#222}.badge.reference{background:#fff;color:#444;border:1px solid #aaa}
 .badge.error{background:#6a1b9a;color:#fff}
 ul.legend{list-style:none;padding:0;margin:.4em 0;font-size:13px;display:flex;flex-wrap:wrap;gap:.3em 1.4em}
-ul.verdict{list-style:none;padding:0;margin:.4em 0}ul.verdict li{margin:.2em 0}
 pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f7f7f7;padding:.6em;font-size:12px;border:1px solid #e3e3e3}
 .note{color:#555}
 .warn{color:#a00}
@@ -523,6 +524,87 @@ def _png_width(data: bytes) -> int:
     return int.from_bytes(data[16:20], "big") if data[:8] == b"\x89PNG\r\n\x1a\n" else 0
 
 
+def _failing_rules(a: ArmVerdict) -> str:
+    """What makes an arm fail, naming the rule: ``candidate-stress-matches-reference at 3 of 12 stressed
+    points (s-c16, ...)``; a baseline that shows its bug nowhere says so."""
+    parts = []
+    ref_failed = list(dict.fromkeys(c.rule.name for c in a.reference if c.status == "fail"))
+    parts += [f"{name} on the reference" for name in ref_failed]
+    if a.role == "baseline":
+        stressed_cells = a.stressed_cells
+        if stressed_cells and not any(c.shows_bug for c in stressed_cells):
+            expected = list(dict.fromkeys(case.rule.name for c in stressed_cells for case in c.cases
+                                          if case.rule.expect == "fail"))
+            parts.append(f"{', '.join(expected) or 'its expected failure'}: the bug shown at none of "
+                         f"{len(stressed_cells)} stressed points")
+    else:
+        failed: dict[str, list[str]] = {}
+        for c in a.stressed_cells:
+            for case in c.cases:
+                if case.status == "fail":
+                    failed.setdefault(case.rule.name, []).append(c.point)
+        n = len(a.stressed_cells)
+        for name, points in failed.items():
+            points = list(dict.fromkeys(points))
+            shown = ", ".join(points[:3]) + (", ..." if len(points) > 3 else "")
+            parts.append(f"{name} at {len(points)} of {n} stressed points ({shown})")
+    return "; ".join(parts)
+
+
+def map_verdict_parts(m: SweepMap) -> list[tuple[str, str, str]]:
+    """(arm, status, text) per arm: the map gate's verdict, the failing rule named."""
+    out = []
+    for a in m.verdict.arms:
+        status = a.status if a.status in ("pass", "fail") else "error"
+        if status == "fail":
+            text = "fails " + (_failing_rules(a) or a.summary)
+        elif status == "error":
+            text = "could not evaluate: " + ("; ".join(a.problems) or a.summary)
+        else:
+            text = "passes: " + a.summary
+        out.append((a.arm, status, text))
+    return out
+
+
+def map_verdict_html(m: SweepMap) -> str:
+    """The map gate's verdict as the one line a page opens with: each arm coloured by its status."""
+    e = html.escape
+    overall = {0: "pass", 1: "fail"}.get(m.verdict.exit_code, "error")
+    roles = {a.arm: a.role for a in m.verdict.arms}
+    parts = [f"<span class='arm {status}'><b>{e(arm)}</b> <span class='role'>({e(roles[arm])})</span> — "
+             f"{e(text)}</span>" for arm, status, text in map_verdict_parts(m)]
+    parts += [f"<span class='arm error'>{e(p)}</span>" for p in m.verdict.problems]
+    rules = f" ({e(m.rules_name)})" if m.rules_name else ""
+    return f"<p class='verdict {overall}'><b>Map gate</b>{rules}: " + " · ".join(parts) + "</p>"
+
+
+@dataclass
+class MapPageVerdict:
+    """The map gate's verdict for a sweep's run page (``report RUN_DIR``): its line and each cell's
+    outcome (the summary's tint), as ``harness.report.tables.html_report`` reads them."""
+
+    html: str
+    outcomes: dict[tuple[str, str, int], str]
+
+
+def map_page_verdict(m: SweepMap) -> MapPageVerdict:
+    outcomes: dict[tuple[str, str, int], str] = {}
+    for a in m.verdict.arms:
+        for case in a.reference:
+            key = case.cell.key
+            if case.status in ("fail", "error") and outcomes.get(key) != "fail":
+                outcomes[key] = case.status
+            outcomes.setdefault(key, "pass")
+        for c in a.cells:
+            if not c.stressed:
+                continue
+            if a.role == "baseline":
+                outcomes[c.cell.key] = "expected" if c.shows_bug else "pass"
+            else:
+                outcomes[c.cell.key] = c.status
+    return MapPageVerdict(map_verdict_html(m), outcomes)
+
+
 def html_page(m: SweepMap, images: dict[str, bytes]) -> str:
     from harness.sweep.gate import format_map_verdict
 
@@ -531,10 +613,6 @@ def html_page(m: SweepMap, images: dict[str, bytes]) -> str:
     axes = "; ".join(f"<code>{e(str(a['key']))}</code> ({e(str(a['short']))}): {e(', '.join(map(str, a['values'])))}"
                      for a in m.axes)
     arms = list(dict.fromkeys(r.arm for r in m.rows))
-    verdict_items = "".join(
-        f"<li><span class='badge {'pass' if a.status == 'pass' else 'fail' if a.status == 'fail' else 'error'}'>"
-        f"{e(a.status)}</span> <b>{e(a.arm)}</b> [{e(a.role)}]: {e(a.summary)}</li>" for a in m.verdict.arms)
-    overall = {0: "pass", 1: "fail"}.get(m.verdict.exit_code, "error")
     legend = "".join(f"<li><span class='badge {cls}'>{e(label)}</span> {e(text)}</li>" for cls, label, text in LEGEND)
     figures = []
     for arm in arms:
@@ -554,12 +632,11 @@ def html_page(m: SweepMap, images: dict[str, bytes]) -> str:
     note = latency_note(m)
     return f"""<!doctype html><html lang='en'><head><meta charset='utf-8'>
 <meta name='viewport' content='width=device-width, initial-scale=1'><title>sweep {e(name)}</title>
-<style>{_SWEEP_CSS}</style></head><body>
+<style>{_SWEEP_CSS}{VERDICT_CSS}</style></head><body>
 <h1>Sweep {e(name)}: {e(m.run.run_id)}</h1>
+{map_verdict_html(m)}
 <p>Base deploy <code>{e(str(m.sweep.get('base')))}</code>, reference <code>{e(str(m.sweep.get('reference')))}</code>,
 {len(m.sweep.get('points', []))} points; axes: {axes}.</p>
-<p><b>Map gate:</b> <span class='badge {overall}'>{overall}</span> (exit {m.verdict.exit_code})</p>
-<ul class='verdict'>{verdict_items}</ul>
 {'<p class="warn"><b>Incomplete run:</b> ' + e('; '.join(m.problems)) + '</p>' if m.problems else ''}
 <h2 id='map'>The map</h2>
 <ul class='legend'>{legend}</ul>

@@ -237,7 +237,7 @@ def test_cli_fail_on() -> None:
     shipped = _cli("--model", "qwen3-tts", *small)
     assert shipped.exit_code == 1
     assert f"qwen3-tts: {SHIPPED_TTS} -- " in shipped.output
-    assert "verdict: 2 of 2 models do not conform; under a shipped deploy: qwen3-tts, qwen3-tts@mrv2 (exit 1)" \
+    assert "verdict: 1 of 1 models do not conform (2 of 2 rows, one per model and runner mode); under a shipped deploy: qwen3-tts (exit 1)" \
         in shipped.output
     assert _cli("--model", "qwen3-tts", *small, "--fail-on", "nope").exit_code == 2
 
@@ -322,7 +322,7 @@ def test_mrv2_rebuilds_the_buffer_on_resume_and_moves_qwen3_tts_failure_to_P() -
 def test_the_cli_checks_qwen3_tts_under_both_runners() -> None:
     out = _cli("--model", "qwen3-tts", "--deploy", "none", "--requests", "1", "--generated", "24")
     assert out.exit_code == 1
-    assert "verdict: 2 of 2 models do not conform; under a shipped deploy: qwen3-tts, qwen3-tts@mrv2 (exit 1)" \
+    assert "verdict: 1 of 1 models do not conform (2 of 2 rows, one per model and runner mode); under a shipped deploy: qwen3-tts (exit 1)" \
         in out.output
 
 

@@ -52,12 +52,11 @@ class Matrix:
         errors = [f"{r.model}: {r.error}" for r in self.results if r.error]
         if errors:
             return "could not check: " + "; ".join(errors)
-        failing = [r for r in self.results if r.status != "conforms"]
-        if not failing:
-            return f"all {len(self.results)} models conform"
-        shipped = [r.model for r in failing if r.reach_status in FAIL_ON["shipped"]]
-        only = [r.model for r in failing if r.reach_status not in FAIL_ON["shipped"]]
-        out = f"{len(failing)} of {len(self.results)} models do not conform"
+        counts = model_counts(self)
+        shipped, only = counts.shipped, counts.only
+        if not shipped and not only:
+            return f"all {counts.models} models conform"
+        out = f"{len(shipped) + len(only)} of {counts.models} models do not conform{counts.rows_note}"
         if shipped:
             out += f"; under a shipped deploy: {', '.join(shipped)}"
         if only:
@@ -108,6 +107,31 @@ def _names(models: list[str]) -> str:
     return ", ".join(models)
 
 
+@dataclass
+class ModelCounts:
+    """A matrix's rows joined per model (a row per runner mode is ``MODEL@MODE``): a model fails when any
+    of its rows fails, and fails under a shipped deploy when a shipped deploy reaches any failing row."""
+
+    models: int
+    shipped: list[str]
+    only: list[str]
+    conform: list[str]
+    rows_note: str  # " (9 of 10 rows, one per model and runner mode)" where rows and models differ
+
+
+def model_counts(m: Matrix) -> ModelCounts:
+    rows: dict[str, list[ModelResult]] = {}
+    for r in m.results:
+        rows.setdefault(base_model(r.model), []).append(r)
+    shipped = [n for n, rs in rows.items() if any(r.reach_status in FAIL_ON["shipped"] for r in rs)]
+    only = [n for n, rs in rows.items() if n not in shipped and any(r.status != "conforms" for r in rs)]
+    conform = [n for n in rows if n not in shipped and n not in only]
+    failing_rows = sum(r.status != "conforms" for r in m.results)
+    note = (f" ({failing_rows} of {len(m.results)} rows, one per model and runner mode)"
+            if len(m.results) != len(rows) else "")
+    return ModelCounts(len(rows), shipped, only, conform, note)
+
+
 def release_line(m: Matrix) -> tuple[str, str]:
     """(status, text) of one release for the page's headline: counts of **models** (rows joined per model:
     a model fails when any of its mode rows fails, under a shipped deploy when any failing row is reached
@@ -119,16 +143,9 @@ def release_line(m: Matrix) -> tuple[str, str]:
     errors = [f"{r.model}: {r.error}" for r in m.results if r.error]
     if errors:
         return "error", f"{label}: could not check {'; '.join(errors)} (exit {m.exit_code})"
-    rows: dict[str, list[ModelResult]] = {}
-    for r in m.results:
-        rows.setdefault(base_model(r.model), []).append(r)
-    shipped = [n for n, rs in rows.items() if any(r.reach_status in FAIL_ON["shipped"] for r in rs)]
-    only = [n for n, rs in rows.items() if n not in shipped and any(r.status != "conforms" for r in rs)]
-    conform = [n for n in rows if n not in shipped and n not in only]
-    failing_rows = sum(r.status != "conforms" for r in m.results)
-    text = f"{label}: {len(shipped) + len(only)} of {len(rows)} models do not conform"
-    if len(m.results) != len(rows):
-        text += f" ({failing_rows} of {len(m.results)} rows, one per model and runner mode)"
+    counts = model_counts(m)
+    shipped, only, conform = counts.shipped, counts.only, counts.conform
+    text = f"{label}: {len(shipped) + len(only)} of {counts.models} models do not conform{counts.rows_note}"
     if shipped:
         text += f"; under a shipped deploy: {_names(shipped)}"
     if only:

@@ -188,7 +188,8 @@ def format_text(x: Matrix | Report) -> str:
     if len(ms) == 1:
         return _format_one(ms[0])
     parts = [_format_one(m) for m in ms]
-    return "\n".join(parts) + f"\noverall (exit {x.exit_code}): {x.verdict()}\n"
+    lines = "".join(f"  {m.source.split(' = ')[0]}: {m.verdict()} (exit {m.exit_code})\n" for m in ms)
+    return "\n".join(parts) + f"\noverall (exit {x.exit_code}), one line per release:\n{lines}"
 
 
 def _format_one(m: Matrix) -> str:

@@ -1,4 +1,4 @@
-"""``omni-stress compare RUN_A RUN_B``: the seed table of two runs side by side, with deltas."""
+"""``omni-stress compare RUN_A RUN_B``: the summary tables of two runs side by side, with deltas."""
 
 from __future__ import annotations
 

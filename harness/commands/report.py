@@ -22,7 +22,7 @@ from harness.proc import printable_streams
               help="Also print the paired per-prompt table: WER minus the same prompt's reference-deploy WER.")
 @click.option("--no-write", is_flag=True, help="Only print; do not (re)write summary.* / report.html / plots.")
 def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_write: bool) -> None:
-    """Print the seed table and the extended table of RUN_DIR (per-request rows with --requests).
+    """Print the summary table and the extended table of RUN_DIR (per-request rows with --requests).
 
     Writes summary.csv, summary.md, summary.json, requests.csv, paired.csv, plots/*.png and a
     self-contained report.html into RUN_DIR (file list on stderr, so stdout can be piped). An

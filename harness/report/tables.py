@@ -1,4 +1,5 @@
-"""Tables for a run directory: the seed's table first, then the extended, paired and per-request tables.
+"""Tables for a run directory: the summary table first (the seed experiment's columns), then the extended,
+paired and per-request tables.
 
 Everything here is pure table building (pandas) over a loaded ``Run`` (``harness.report.summary``),
 except the entry points ``write_reports`` (writes every format) and ``terminal_table`` (reads and

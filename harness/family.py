@@ -66,6 +66,11 @@ class Family:
         """Refuse (``UserError``) prompts the sim would mis-score in ``talker_mode``."""
         raise NotImplementedError
 
+    def talker_prompt_lens(self, prompts: Any) -> list[int]:
+        """The Talker prompt length ``P`` of each prompt of ``prompts`` (a ``harness.config.PromptSet``), as the
+        sim's runner schedules it (``omni-stress list prompts``); pure and cheap: no sim, no torch."""
+        raise NotImplementedError
+
     def load_arm(self, arm: Any) -> Any:
         """The implementation of ``arm`` (a ``harness.config.ArmSpec``): a class or function the sim binds
         and the worker installs."""

@@ -216,6 +216,6 @@ def test_a_new_family_is_one_package_and_its_yaml(tmp_path: Path) -> None:
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert ("harness.families.broken_tts: family 'broken' does not declare stages, stage_under_test, hook, "
             "trace_target, request_api, conform_model, default_arms, default_deploys, default_prompts, sim_talkers, "
-            "text_input, speaking_blind_spots, gate_rules, serve_missing, sim_cell, check_prompts, load_arm, "
+            "text_input, speaking_blind_spots, gate_rules, serve_missing, sim_cell, check_prompts, talker_prompt_lens, load_arm, "
             "speaking_rules, serve, tiny_model_argv (every member of harness.family.Family is required)"
             ) in refused.stderr

@@ -33,7 +33,7 @@ def test_qwen2_5_omni_is_the_default_family_and_names_its_parts():
 def test_unknown_family_is_one_line_naming_where():
     with pytest.raises(UserError) as exc:
         get_family("qwen9", "deploy_configs/x.yaml: family")
-    assert str(exc.value) == "deploy_configs/x.yaml: family: unknown model family 'qwen9' (known: qwen2.5-omni, qwen3-tts)"
+    assert str(exc.value) == "deploy_configs/x.yaml: family: unknown model family 'qwen9' (known: qwen2.5-omni, qwen3-omni, qwen3-tts)"
 
 
 def test_shipped_configs_belong_to_the_default_family():
@@ -42,10 +42,15 @@ def test_shipped_configs_belong_to_the_default_family():
     assert load_prompts("default").family == "qwen2.5-omni"
     by_family = {a.name: a.family for a in load_arms().values()}
     assert by_family == {"main": "qwen2.5-omni", "pr": "qwen2.5-omni", "tts-0.30.0": "qwen3-tts",
-                         "tts-0.32.0rc1": "qwen3-tts", "tts-fix": "qwen3-tts"}
+                         "tts-0.32.0rc1": "qwen3-tts", "tts-fix": "qwen3-tts", "omni3-0.30.0": "qwen3-omni",
+                         "omni3-0.32.0rc1": "qwen3-omni", "omni3-fix": "qwen3-omni"}
     for name in ("qwen3-tts-reference", "qwen3-tts-stress", "qwen3-tts-mrv2-reference", "qwen3-tts-mrv2-stress"):
         assert load_deploy(name).family == "qwen3-tts"
     assert load_prompts("qwen3_tts").family == "qwen3-tts"
+    for name in ("qwen3-omni-reference", "qwen3-omni-stress", "qwen3-omni-full-reference", "qwen3-omni-full-stress",
+                 "qwen3-omni-full-mrv2-reference", "qwen3-omni-full-mrv2-stress"):
+        assert load_deploy(name).family == "qwen3-omni"
+    assert load_prompts("qwen3_omni").family == "qwen3-omni"
 
 
 def _deploy(tmp_path: Path, name: str, family: str | None):
@@ -61,7 +66,7 @@ def test_a_deploys_family_field_is_checked_against_the_registry(tmp_path):
     path = _deploy(tmp_path, "odd", "qwen9")
     with pytest.raises(ConfigError) as exc:
         load_deploy(str(path))
-    assert str(exc.value) == f"{path}: family: unknown model family 'qwen9' (known: qwen2.5-omni, qwen3-tts)"
+    assert str(exc.value) == f"{path}: family: unknown model family 'qwen9' (known: qwen2.5-omni, qwen3-omni, qwen3-tts)"
 
 
 @pytest.fixture
@@ -170,6 +175,13 @@ def test_list_families_shows_each_familys_chain_hook_and_defaults():
         "conform model qwen2.5-omni",
         "               defaults: --arm main --arm pr --deploy reference --deploy stress --prompts default; "
         "sim Talkers words, speaking",
+        "  qwen3-omni   thinker -> talker -> code2wav; talker's talker_preprocess under test",
+        "               real server: /v1/chat/completions, trace "
+        "vllm_omni.model_executor.models.qwen3_omni.qwen3_omni:Qwen3OmniMoeForConditionalGeneration; "
+        "conform model qwen3-omni (not driven by --backend vllm-omni yet)",
+        "               defaults: --arm omni3-0.30.0 --arm omni3-fix --deploy qwen3-omni-reference --deploy "
+        "qwen3-omni-stress --deploy qwen3-omni-full-reference --deploy qwen3-omni-full-stress --prompts qwen3_omni; "
+        "sim Talkers words",
         "  qwen3-tts    talker -> code2wav; talker's preprocess under test",
         "               real server: /v1/audio/speech, trace "
         "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker:Qwen3TTSTalkerForConditionalGeneration; "
@@ -207,14 +219,14 @@ def test_a_family_that_omits_a_member_is_refused_at_registration_naming_it(monke
     assert str(exc.value) == (
         "half_family: family 'half' does not declare hook, trace_target, request_api, conform_model, default_arms, "
         "default_deploys, default_prompts, sim_talkers, text_input, speaking_blind_spots, gate_rules, serve_missing, "
-        "check_prompts, load_arm, speaking_rules, serve, tiny_model_argv (every member of harness.family.Family is "
+        "check_prompts, talker_prompt_lens, load_arm, speaking_rules, serve, tiny_model_argv (every member of harness.family.Family is "
         "required)")
 
 
 def test_families_are_found_without_a_list_and_a_taken_name_is_refused(monkeypatch, tmp_path):
     from harness.family import family_names
 
-    assert family_names() == ("qwen2.5-omni", "qwen3-tts")  # the packages under harness/families/, in order
+    assert family_names() == ("qwen2.5-omni", "qwen3-omni", "qwen3-tts")  # the packages under harness/families/, in order
     (tmp_path / "twin_family.py").write_text(
         "from harness.families.qwen3_tts import Qwen3TTS\n\nFAMILY = Qwen3TTS()\n")
     monkeypatch.syspath_prepend(str(tmp_path))

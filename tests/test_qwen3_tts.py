@@ -261,9 +261,10 @@ def test_cell_evidence_classifies_spans_and_finds_the_first_wrong_one():
              _span(9, 0, 11, mis=11, cross_boundary=True), _span(10, 11, 1, mis=1), _span(11, 12, 1),
              _span(12, 13, 3, mis=3, multi_decode=True)]
     ev = cell_evidence(reversed(spans))  # any order: sorted by step per request
-    assert (ev["chunk"].spans, ev["chunk"].wrong, ev["chunk"].requests) == (1, 0, {})
+    # the chunk and the decode steps after the chunked prefill (steps 2, 3), before the replay
+    assert (ev["chunk"].spans, ev["chunk"].wrong, ev["chunk"].requests) == (3, 0, {})
     assert (ev["cross_replay"].spans, ev["cross_replay"].wrong, ev["cross_replay"].requests) == (1, 1, {"r1": (9, 0, 11)})
-    # decode steps after the replay (steps 10, 11), not the ones before it (steps 2, 3)
+    # decode steps after the replay (steps 10, 11), not the ones before it (steps 2, 3: the chunk's)
     assert (ev["restart"].spans, ev["restart"].wrong, ev["restart"].requests) == (2, 1, {"r1": (10, 11, 1)})
     assert (ev["multi_decode"].spans, ev["multi_decode"].requests) == (1, {"r1": (12, 13, 3)})
     assert ev["tail"].spans == 0

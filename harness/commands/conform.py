@@ -146,8 +146,9 @@ def _load_beside(run_dir: Path, strict: bool = False) -> tuple[str, Any, list[tu
     family = get_family(manifest_family(run.manifest), f"{run_dir}/manifest.json: family")
     cells: list[tuple[str, str, str]] = []
     for arm, deploy in dict.fromkeys((r.arm, r.deploy) for r in run.requests):
-        try:
-            runner = load_deploy(deploy).talker.model_runner  # the shipped deploy of that name
+        try:  # the shipped deploy of that name: its runner, and its Thinker-to-Talker path
+            d = load_deploy(deploy)
+            runner = d.talker.model_runner + ("+async" if d.async_chunk else "")
         except ConfigError:
             runner = "v1"  # a deploy file not at hand: vLLM-Omni's default runner off CUDA
         cells.append((arm, deploy, runner))

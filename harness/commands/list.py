@@ -50,10 +50,12 @@ def command(what: str) -> None:
                        f"  {'':<10} sim runs: {_settings(r)}\n  {'':<10} sampling: {_settings(d.sampling)}"
                        + (f"\n  {'':<10} speculative: {_settings(d.speculative)}" if d.speculative else ""))
     if what in ("all", "prompts"):
+        from harness.family import get_family
+
         click.echo("Prompt sets (prompts/):")
         for name in list_yaml(PROMPT_DIR):
             ps = load_prompts(name)
-            lens = [len(tokenize(p.thinker_prompt(ps.system_prompt))) + 2 for p in ps.prompts]
+            lens = get_family(ps.family, f"{ps.path}: family").talker_prompt_lens(ps)
             replies = [len(tokenize(p.reply)) for p in ps.prompts]
             click.echo(f"  {ps.name:<10} {len(ps.prompts)} prompts; Talker prompt length P {min(lens)}-{max(lens)}; "
                        f"reply tokens {min(replies)}-{max(replies)}\n  {'':<10} {ps.description}")

@@ -6,7 +6,9 @@ says what the scheduler actually produced under a deploy, and what the Talker th
 puts the two side by side: per situation, the conform verdict of the family's conform model on the
 deploy's runner (``qwen3-tts`` for V1, ``qwen3-tts@mrv2`` for MRV2), and for each arm x deploy of the
 run the spans of that kind, how many of them delivered misaligned rows, the requests affected and
-the worst of them (its WER and its first wrong span).
+the worst of them (its WER and its first wrong span). A chunk's evidence includes the decode steps after
+the chunked prefill (before any replay), a replay's the decode steps after it: conform's cell is the first
+position that differs anywhere in a schedule with that situation, not only inside the span itself.
 
 Pure: the conform matrix as its JSON (``harness.conform.report.Matrix.to_json``) and the run's span
 and request records as dicts in, a markdown table out.
@@ -48,7 +50,7 @@ class Evidence:
                 f"c={c} n={n})" if w is not None else f"{text}; {len(self.requests)} requests, worst {worst}")
 
 
-def _kind(span: dict[str, Any], replayed: bool) -> str | None:
+def _kind(span: dict[str, Any], replayed: bool, chunked: bool) -> str | None:
     if span.get("cross_boundary"):
         return "cross_replay"
     if span.get("multi_decode"):
@@ -57,8 +59,14 @@ def _kind(span: dict[str, Any], replayed: bool) -> str | None:
         return "tail"
     if span.get("nonzero_offset"):
         return "chunk"
-    if replayed and span["c"] >= span["P"] and span["n"] == 1:
-        return "restart"  # a decode step after the request's first replay: a restarted or shifted hook errs here
+    if span["c"] >= span["P"] and span["n"] == 1:
+        if replayed:
+            return "restart"  # a decode step after the request's first replay: a restarted or shifted hook errs here
+        if chunked:
+            # a decode step after a chunked prefill: conform's chunk schedule differs at the first position
+            # that differs, which is a decode position when the chunking shifted a counter (Qwen3-Omni's
+            # streamed rows), so its evidence counts these steps too
+            return "chunk"
     return None
 
 
@@ -70,13 +78,14 @@ def cell_evidence(spans: Iterable[dict[str, Any]]) -> dict[str, Evidence]:
         by_request.setdefault(s["request"], []).append(s)
     for rid, rows in by_request.items():
         rows.sort(key=lambda s: s["step"])
-        decoded = replayed = False
+        decoded = replayed = chunked = False
         for s in rows:
             if s["c"] >= s["P"]:
                 decoded = True
             elif decoded:  # a prefill span after a decode: a replay after a preemption
                 replayed = True
-            kind = _kind(s, replayed)
+            chunked = chunked or bool(s.get("nonzero_offset"))
+            kind = _kind(s, replayed, chunked)
             if kind is None:
                 continue
             ev = out[kind]
@@ -88,15 +97,13 @@ def cell_evidence(spans: Iterable[dict[str, Any]]) -> dict[str, Evidence]:
 
 
 def conform_rows(matrix: dict[str, Any], model: str) -> dict[str, dict[str, str]]:
-    """``{runner: {situation: summary}}`` of ``model``'s rows in one conform matrix (JSON form)."""
+    """``{mode: {situation: summary}}`` of ``model``'s rows in one conform matrix (JSON form); a mode is the
+    runner (``v1``, ``v2``), with ``+async`` for the ``async_chunk: true`` rows (``model@async``)."""
     rows: dict[str, dict[str, str]] = {}
+    modes = {model: "v1", f"{model}@mrv2": "v2", f"{model}@async": "v1+async", f"{model}@async+mrv2": "v2+async"}
     for m in matrix.get("models", []):
-        name = m.get("model", "")
-        if name == model:
-            runner = "v1"
-        elif name == f"{model}@mrv2":
-            runner = "v2"
-        else:
+        runner = modes.get(m.get("model", ""))
+        if runner is None:
             continue
         cells = m.get("cells") or {}
         rows[runner] = {key: (cells.get(key) or {}).get("summary", "not checked") for key, _ in SITUATIONS}
@@ -133,7 +140,7 @@ def beside_table(matrix: dict[str, Any], model: str, runs: list[BesideRun]) -> s
                 continue
             cell_wer = {rid: w for (aa, dd, rid), w in run.wer.items() if (aa, dd) == (a, d)}
             columns.append((f"{run.label} {a} / {d}", evidence, cell_wer))
-    label = {"v1": "V1", "v2": "MRV2"}
+    label = {"v1": "V1", "v2": "MRV2", "v1+async": "V1, async_chunk", "v2+async": "MRV2, async_chunk"}
     head = ["situation"] + [f"conform {model} ({label[r]})" for r in runners] + [name for name, _e, _w in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, name in SITUATIONS:

@@ -3,7 +3,9 @@
 A request is *sent* by the client (all at once, N in flight, or at seeded Poisson times), waits for a
 Thinker sequence (``thinker.max_num_seqs`` of them, first come first served), holds it for
 ``ceil((1 + K) * thinker_steps_per_token)`` steps, and reaches the Talker when its Thinker finishes.
-``load.jitter`` delays each send by a seeded 0..jitter steps. Every draw comes from the cell's seed
+``load.jitter`` delays each send by a seeded 0..jitter steps. A request that ``streams`` (Qwen3-Omni's
+``async_chunk: true``) reaches the Talker with its first chunk, ``ceil(2 * thinker_steps_per_token)`` steps
+after its Thinker starts (prefill and first token), while the Thinker goes on. Every draw comes from the cell's seed
 (the run's seed + repeat - 1), so repeats and seeds explore different schedules, and the same seed
 the same one.
 
@@ -82,8 +84,12 @@ class Arrivals:
             start = max(sent, heapq.heappop(self._free))
             done = start + math.ceil((1 + len(out.reply_tokens)) * self._steps_per_token)
             heapq.heappush(self._free, done)
-            out.arrival_step = done
-            heapq.heappush(self._thinking, (done, order, out))
+            arrive = done
+            if getattr(out, "streams", False):  # async_chunk: it reaches the Talker with chunk 0, the Thinker goes on
+                out.thinker_start = start
+                arrive = start + math.ceil(2 * self._steps_per_token)
+            out.arrival_step = arrive
+            heapq.heappush(self._thinking, (arrive, order, out))
         got = []
         while self._thinking and self._thinking[0][0] <= step:
             got.append(heapq.heappop(self._thinking)[2])

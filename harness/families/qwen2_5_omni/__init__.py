@@ -57,6 +57,12 @@ class Qwen25Omni(Family):
 
         check_prompts(prompts, talker_mode)
 
+    def talker_prompt_lens(self, prompts: Any) -> list[int]:
+        """``thinker2talker_token_only``'s placeholder: the Thinker prompt's tokens plus START and END."""
+        from harness.tokenizer import tokenize
+
+        return [len(tokenize(p.thinker_prompt(prompts.system_prompt))) + 2 for p in prompts.prompts]
+
     def load_arm(self, arm: Any) -> Any:
         from harness.families.qwen2_5_omni.arms import load_arm
 

@@ -60,6 +60,12 @@ class Qwen3TTS(Family):
 
         check_prompts(prompts, talker_mode)
 
+    def talker_prompt_lens(self, prompts: Any) -> list[int]:
+        """The streaming-text layout's prompt: 9 rows for every text (``harness.families.qwen3_tts.contract``)."""
+        from harness.families.qwen3_tts.contract import PROMPT_LEN
+
+        return [PROMPT_LEN] * len(prompts.prompts)
+
     def load_arm(self, arm: Any) -> Any:
         from harness.families.qwen3_tts.arms import load_arm
 

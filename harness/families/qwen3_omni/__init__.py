@@ -1,0 +1,82 @@
+"""Qwen3-Omni: Thinker -> Talker -> Code2Wav; the Talker's ``talker_preprocess`` is under test.
+
+vLLM-Omni's flagship omni model. What is specific to this family and where it lives:
+
+* the contract's rows (the user turn's and assistant header's projected Thinker rows, the Qwen3
+  assistant block, then ``r_{k+1}`` / ``tts_eos`` / ``tts_pad`` on the position's codec row):
+  ``harness.families.qwen3_omni.contract`` (pure) and ``harness.families.qwen3_omni.sim.OmniContract``;
+* the sim's cell (``sim``): the scripted Thinker and both Thinker-to-Talker paths (``async_chunk: true``,
+  chunk 0 then one streamed row per Thinker step; ``false``, the full payload), the stand-in model,
+  the runner path (``talker_mtp``'s text step), in a bf16-exact row space (``rows``);
+* arms (``arms``): the release's own hook (``omni3-0.30.0``, ``omni3-0.32.0rc1``), the fix
+  (``omni3-fix``, ``fix``), plugins over the release;
+* deploys ``qwen3-omni-{reference,stress}`` (async), ``qwen3-omni-full-{reference,stress}`` (full
+  payload), ``qwen3-omni-full-mrv2-{reference,stress}``; prompt set ``qwen3_omni``; gate rules
+  ``gates-qwen3-omni``.
+
+Not here yet: the real server (``serve_missing``) and a speaking tiny checkpoint (the ``words`` Talker
+is this family's only sim Talker).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from harness.errors import UserError
+from harness.family import Family
+
+SERVE_MISSING = ("the qwen3-omni family runs on the sim only: its real-server path (a speaking tiny "
+                 "checkpoint, the streaming deploy) is not built yet")
+
+
+class Qwen3Omni(Family):
+    name = "qwen3-omni"
+    stages = ("thinker", "talker", "code2wav")
+    stage_under_test = 1
+    hook = "talker_preprocess"
+    trace_target = "vllm_omni.model_executor.models.qwen3_omni.qwen3_omni:Qwen3OmniMoeForConditionalGeneration"
+    request_api = "/v1/chat/completions"
+    conform_model = "qwen3-omni"
+    default_arms = ("omni3-0.30.0", "omni3-fix")
+    default_deploys = ("qwen3-omni-reference", "qwen3-omni-stress", "qwen3-omni-full-reference",
+                       "qwen3-omni-full-stress")
+    default_prompts = "qwen3_omni"
+    sim_talkers = ("words",)
+    text_input = False
+    speaking_blind_spots = "no speaking Talker for qwen3-omni: its sim speaks with the words Talker only"
+    gate_rules = "gates-qwen3-omni"
+    serve_missing = SERVE_MISSING
+
+    def sim_cell(self, impl: Any, deploy: Any, prompts: Any, seed: int, talker_mode: str) -> Any:
+        from harness.families.qwen3_omni.sim import build_cell
+
+        return build_cell(impl, deploy, prompts, seed, talker_mode)
+
+    def check_prompts(self, prompts: Any, talker_mode: str) -> None:
+        from harness.families.qwen3_omni.sim import check_prompts
+
+        check_prompts(prompts, talker_mode)
+
+    def talker_prompt_lens(self, prompts: Any) -> list[int]:
+        """The user turn plus the nine assistant rows (``_compute_talker_prompt_ids_length``)."""
+        from harness.families.qwen3_omni.contract import prompt_len, user_turn_len
+
+        return [prompt_len(user_turn_len(p.user)) for p in prompts.prompts]
+
+    def load_arm(self, arm: Any) -> Any:
+        from harness.families.qwen3_omni.arms import load_arm
+
+        return load_arm(arm)
+
+    def speaking_rules(self) -> ModuleType:
+        raise UserError(f"qwen3-omni has no speaking tiny checkpoint: {SERVE_MISSING}")
+
+    def serve(self) -> ModuleType:
+        raise UserError(f"--backend vllm-omni: {SERVE_MISSING}")
+
+    def tiny_model_argv(self, out: str, seed: int, speaking: bool) -> list[str]:
+        raise UserError(f"tiny-model --family qwen3-omni: {SERVE_MISSING}")
+
+
+FAMILY = Qwen3Omni()

@@ -300,6 +300,18 @@ def test_the_gate_fails_the_release_as_a_candidate(tmp_path):
     assert gate.exit_code == 1
     assert "FAIL   candidate-contract: upstream/qwen3-omni-stress run 1 [candidate]" in gate.stdout
     assert "FAIL  max_misaligned_text_positions: misaligned positions in the text region = 1186 > 0" in gate.stdout
+    # gated in the role it plays here (issue 45: gate --role for plugin arms): the release expected to fail
+    as_baseline = run_cli("gate", str(tmp_path / "up"), "--role", "upstream=baseline")
+    assert as_baseline.exit_code == 0, as_baseline.stdout[-3000:]
+    assert ("PASS   baseline-stress-shows-bug (expected failure): upstream/qwen3-omni-stress run 1 [baseline]"
+            in as_baseline.stdout)
+    assert as_baseline.stdout.splitlines()[-1] == "gate: 2 passed, 0 failed, 0 could not be evaluated -> pass (exit 0)"
+    for bad, msg in (("nope=baseline", f"the run {tmp_path / 'up'} has no arm 'nope' (its arms: upstream)"),
+                     ("upstream=banana", "role 'banana' for arm 'upstream'; expected baseline or candidate"),
+                     ("upstream", "expected ARM=ROLE (ROLE baseline or candidate)")):
+        refused = run_cli("gate", str(tmp_path / "up"), "--role", bad)
+        assert refused.exit_code == 2
+        assert refused.stderr.strip().splitlines()[-1].endswith(msg), refused.stderr
 
 
 def test_conform_beside_a_run_puts_each_path_beside_its_own_conform_row(tmp_path):

@@ -28,7 +28,12 @@ from harness.proc import printable_streams
               help="Also write JUnit XML (one testcase per rule x cell) for CI.")
 @click.option("--any-family", is_flag=True,
               help="Apply --rules written for another model family than the run's (refused otherwise).")
-def command(run_dir: Path, rules_path: str | None, junit_path: Path | None, any_family: bool) -> None:
+@click.option("--role", "roles", multiple=True, metavar="ARM=ROLE",
+              help="Gate ARM in ROLE (baseline or candidate) instead of the role its run recorded: a plugin arm "
+                   "given as --arm NAME=... runs as a candidate; --role NAME=baseline gates it as the release "
+                   "expected to show the bug. Repeatable.")
+def command(run_dir: Path, rules_path: str | None, junit_path: Path | None, any_family: bool,
+            roles: tuple[str, ...]) -> None:
     """Check RUN_DIR against the gate rules and exit 0 (pass), 1 (a rule failed) or 2 (could not evaluate)."""
     printable_streams()
     try:
@@ -43,9 +48,10 @@ def command(run_dir: Path, rules_path: str | None, junit_path: Path | None, any_
         refused = refusal(run)  # the same reasons the pages' verdict line gives
         if refused is not None:
             raise UserError(refused)
+        cells = with_roles(summary.summarize_cells(run), roles, run_dir)
         if isinstance(run.manifest.get("sweep"), dict):  # a sweep's run: the gate over its map
-            _gate_map(run, rules, junit_path)
-        result = gate.evaluate(rules, summary.summarize_cells(run), run_id=run.run_id)
+            _gate_map(run, rules, junit_path, cells)
+        result = gate.evaluate(rules, cells, run_id=run.run_id)
     except UserError as exc:
         if junit_path is not None:  # CI still gets a report that says why
             _write(junit_path, gate.junit_error_xml(str(exc)))
@@ -57,12 +63,31 @@ def command(run_dir: Path, rules_path: str | None, junit_path: Path | None, any_
     sys.exit(result.exit_code)
 
 
-def _gate_map(run: summary.Run, rules: gate.Rules, junit_path: Path | None) -> None:
+def with_roles(cells: list[summary.CellSummary], roles: tuple[str, ...], run_dir: Path) -> list[summary.CellSummary]:
+    """``cells`` with the ``--role ARM=ROLE`` overrides applied; an unknown arm or role is one line naming it."""
+    import dataclasses
+
+    arms = list(dict.fromkeys(c.arm for c in cells))
+    chosen: dict[str, str] = {}
+    for item in roles:
+        arm, sep, role = item.partition("=")
+        if not sep or not arm:
+            raise UserError(f"--role {item!r}: expected ARM=ROLE (ROLE baseline or candidate)")
+        if arm not in arms:
+            raise UserError(f"--role {item}: the run {run_dir} has no arm {arm!r} (its arms: {', '.join(arms)})")
+        if role not in summary.ROLES:
+            raise UserError(f"--role {item}: role {role!r} for arm {arm!r}; expected {' or '.join(summary.ROLES)}")
+        chosen[arm] = role
+    return [dataclasses.replace(c, role=chosen[c.arm]) if c.arm in chosen else c for c in cells]
+
+
+def _gate_map(run: summary.Run, rules: gate.Rules, junit_path: Path | None,
+              cells: list[summary.CellSummary]) -> None:
     """A sweep's run directory (``omni-stress sweep``): each grid point gated by the rules of its base
     deploy, candidates in every stressed cell, the baseline failing in one (``harness.sweep.gate``)."""
     from harness.sweep.gate import evaluate_map, format_map_verdict, map_junit_xml
 
-    verdict = evaluate_map(rules, summary.summarize_cells(run), run.manifest["sweep"])
+    verdict = evaluate_map(rules, cells, run.manifest["sweep"])
     click.echo(format_map_verdict(verdict, verbose=True), nl=False)
     if junit_path is not None:
         _write(junit_path, map_junit_xml(verdict, run.run_id))

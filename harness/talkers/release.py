@@ -245,3 +245,31 @@ def _same(a: str, b: str) -> bool:
     from harness.talkers.upstream import _same_version
 
     return _same_version(a, b)
+
+
+def release_or_plugin(arm: Any, hook: str, family: str, release_mixin: Any, plugin_base: str) -> Any:
+    """A Qwen3 family's arm (``Family.load_arm``): ``vllm-omni:SOURCE`` is the release's own hook compiled by
+    ``release_mixin(spec, base_dir)``; ``package.module:attr`` a class (or a function taken as ``hook``) whose
+    methods replace the release's of the same name, laid over ``release_mixin(plugin_base)`` as a class bound
+    into the real server would be over the installed release."""
+    where = f"arm {arm.name!r} ({arm.talker}, from {arm.source})"
+    arms_file = Path(arm.source)
+    base = arms_file.parent if arm.source not in ("--arm", "builtin") and arms_file.is_file() else None
+    if arm.talker.startswith("vllm-omni:"):
+        try:
+            return release_mixin(arm.talker[len("vllm-omni:"):], base)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    from harness.talkers import import_target
+
+    obj = import_target(arm.talker, where)
+    attr = arm.talker.partition(":")[2]
+    if isinstance(obj, type):
+        if not callable(getattr(obj, hook, None)):
+            raise ConfigError(f"{where}: class {attr!r} has no {hook} method (the hook the {family} runner calls)")
+        cls = obj
+    elif callable(obj):
+        cls = type(f"{attr}Arm", (), {hook: obj})
+    else:
+        raise ConfigError(f"{where}: {attr!r} is neither a class nor a function")
+    return type(f"Plugin{cls.__name__}", (cls, release_mixin(plugin_base)), {})

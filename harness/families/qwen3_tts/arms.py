@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import ArmSpec
-from harness.errors import ConfigError
 
-PREFIX = "vllm-omni:"
 MEMBER = "vllm_omni/model_executor/models/qwen3_tts/qwen3_tts_talker.py"
 CLASS_NAME = "Qwen3TTSTalkerForConditionalGeneration"
 MODULE_NAME = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker"
@@ -45,24 +43,6 @@ def release_mixin(spec: str, base_dir: Path | None = None) -> type:
 
 def load_arm(arm: ArmSpec) -> Any:
     """The implementation of a Qwen3-TTS arm (``harness.family.Family.load_arm``)."""
-    where = f"arm {arm.name!r} ({arm.talker}, from {arm.source})"
-    arms_file = Path(arm.source)
-    base = arms_file.parent if arm.source not in ("--arm", "builtin") and arms_file.is_file() else None
-    if arm.talker.startswith(PREFIX):
-        try:
-            return release_mixin(arm.talker[len(PREFIX):], base)
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-    from harness.talkers import import_target
+    from harness.talkers.release import release_or_plugin
 
-    obj = import_target(arm.talker, where)
-    attr = arm.talker.partition(":")[2]
-    if isinstance(obj, type):
-        if not callable(getattr(obj, "preprocess", None)):
-            raise ConfigError(f"{where}: class {attr!r} has no preprocess method (the hook the qwen3-tts runner calls)")
-        cls = obj
-    elif callable(obj):
-        cls = type(f"{attr}Arm", (), {"preprocess": obj})
-    else:
-        raise ConfigError(f"{where}: {attr!r} is neither a class nor a function")
-    return type(f"Plugin{cls.__name__}", (cls, release_mixin(PLUGIN_BASE)), {})
+    return release_or_plugin(arm, "preprocess", "qwen3-tts", release_mixin, PLUGIN_BASE)

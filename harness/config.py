@@ -645,9 +645,10 @@ def load_prompts(name_or_path: str) -> PromptSet:
             raise f.fail("id", f"duplicate prompt id {short_repr(pid)}")
         seen.add(pid)
         n = len(tokenize(reply))
-        if n > MAX_REPLY_TOKENS:
-            raise f.fail(key, f"{n} tokens, over the limit of {MAX_REPLY_TOKENS} tokens per text" if tts
-                         else f"{n} tokens, over the Thinker limit of {MAX_REPLY_TOKENS}")
+        # a Thinker says at most MAX_REPLY_TOKENS (the seed's greedy Thinker); a text-input family has no Thinker:
+        # its texts are bounded by each deploy's max_model_len, checked before a run (text_fits)
+        if not tts and n > MAX_REPLY_TOKENS:
+            raise f.fail(key, f"{n} tokens, over the Thinker limit of {MAX_REPLY_TOKENS}")
         audio = f.float_("audio_seconds", 0.0, 0.0, 3600.0) or 0.0
         prompts.append(Prompt(id=pid, user=user, reply=reply, audio_seconds=audio))
     assert system is not None
@@ -655,6 +656,20 @@ def load_prompts(name_or_path: str) -> PromptSet:
                      description=top.str_("description", default="") or "",
                      system_prompt=system, prompts=tuple(prompts), path=path, family=family)
 
+
+
+def text_fits(prompts: PromptSet, prompt_lens: list[int], deploy: Deploy, max_model_len: int) -> None:
+    """A text-input family's texts against one deploy: every position that carries text (the ``P`` prompt rows
+    and one row per text token after them) must fit the deploy's ``max_model_len`` (its resolved value), so a
+    long text is refused before a run, naming the prompt and the deploy, not cut short in it."""
+    from harness.tokenizer import tokenize  # local: keeps config import-light
+
+    for i, (prompt, P) in enumerate(zip(prompts.prompts, prompt_lens)):
+        n = len(tokenize(prompt.reply))
+        if P + n > max_model_len:
+            raise ConfigError(f"{prompts.path}: prompts[{i}].text: {n} tokens after the {P} prompt rows need "
+                              f"{P + n} positions, over {deploy.path}: talker.max_model_len {max_model_len} "
+                              f"(prompt {prompt.id!r})")
 
 # What the sim's tokenizer (harness.tokenizer: ASCII letters and digits make words, every other
 # character is a pause) splits or drops while Whisper's normaliser (the WER reference) keeps it:

@@ -525,7 +525,9 @@ def test_measured_fail_beside_unevaluable_rules_exits_1_and_is_named_first(tmp_p
     assert lines[0].startswith("FAILED candidate-contract: main/stress run 1 [candidate]: "
                                "max_misaligned_text_positions: ")
     assert lines[-1].startswith("gate: 0 passed, 2 failed, ")
-    assert lines[-1].endswith("-> FAIL (candidate-contract, candidate-stress-matches-reference failed) (exit 1)")
+    # the verdict names the failing arm with its role (issue 45)
+    assert lines[-1].endswith("-> FAIL (candidate-contract, candidate-stress-matches-reference failed; arm main "
+                              "(candidate)) (exit 1)")
 
 
 def test_a_rule_with_a_failing_bound_and_an_unevaluable_bound_is_a_failure() -> None:

@@ -187,7 +187,7 @@ def test_the_gate_fails_the_release_as_a_candidate(tmp_path):
     assert "FAIL   candidate-contract: upstream/qwen3-tts-stress run 1 [candidate]" in gate.stdout
     assert "FAIL  max_misaligned_text_positions: misaligned positions in the text region = 1743 > 0" in gate.stdout
     assert gate.stdout.splitlines()[-1].startswith("gate: ") and gate.stdout.splitlines()[-1].endswith(
-        "-> FAIL (candidate-contract, candidate-stress-matches-reference failed) (exit 1)")
+        "-> FAIL (candidate-contract, candidate-stress-matches-reference failed; arm upstream (candidate)) (exit 1)")
 
 
 def test_a_qwen3_tts_mrv2_deploy_on_the_real_backend_is_refused_in_one_line(tmp_path):
@@ -225,14 +225,25 @@ def test_a_tts_prompt_takes_text_and_refuses_user_reply(tmp_path):
 
 def test_tts_prompt_errors_name_the_text_key_and_no_thinker(tmp_path):
     """Issue 47, case 5: the errors named ``prompts[i].reply`` (the file's key is ``text``) and "the Thinker
-    limit of 80" (the family has no Thinker)."""
+    limit of 80" (the family has no Thinker). Issue 45: a text has no 80-token cap; each deploy's
+    max_model_len bounds it, before the run."""
     from harness.errors import ConfigError
 
     path = tmp_path / "tts.yaml"
-    path.write_text("family: qwen3-tts\nprompts:\n  - id: a\n    text: " + " ".join(["word"] * 81) + "\n")
-    with pytest.raises(ConfigError) as exc:
-        load_prompts(str(path))
-    assert str(exc.value) == f"{path}: prompts[0].text: 81 tokens, over the limit of 80 tokens per text"
+    path.write_text("family: qwen3-tts\nprompts:\n  - id: a\n    text: " + " ".join(["word"] * 200) + "\n")
+    assert len(load_prompts(str(path)).prompts[0].reply.split()) == 200  # past the Thinker's 80: loads
+    deploy = tmp_path / "short.yaml"
+    deploy.write_text((REPO / "deploy_configs" / "qwen3-tts-stress.yaml").read_text()
+                      .replace("name: qwen3-tts-stress", "name: short").replace("max_model_len: 656", "max_model_len: 208")
+                      .replace("num_gpu_blocks_override: 42", "num_gpu_blocks_override: 14")
+                      .replace("max_tokens: 640", "max_tokens: 200"))
+    res = run_cli("run", "--family", "qwen3-tts", "--prompts", str(path), "--deploy", str(deploy), "--arm", "tts-fix",
+                  "--asr", "none", "--quiet", "--out", str(tmp_path / "r"))
+    assert res.exit_code == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"omni-stress: error: {path}: prompts[0].text: 200 tokens after the 9 prompt rows need 209 positions, "
+        f"over {deploy}: talker.max_model_len 208 (prompt 'a')")
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())  # refused before a run directory
     path.write_text("family: qwen3-tts\nprompts:\n  - id: a\n    text: It costs 3.5 now.\n")
     with pytest.raises(ConfigError) as exc:
         load_prompts(str(path))

@@ -247,7 +247,8 @@ def format_result(result: GateResult) -> str:
     verdict = {0: "pass", 1: "FAIL (a rule failed)", 2: "could not evaluate"}[result.exit_code]
     if result.failed:
         names = list(dict.fromkeys(c.rule.name for c in result.failed))
-        verdict = f"FAIL ({', '.join(names)} failed)"
+        arms = list(dict.fromkeys(f"{c.cell.arm} ({c.cell.role})" for c in result.failed))
+        verdict = f"FAIL ({', '.join(names)} failed; arm{'s' if len(arms) > 1 else ''} {', '.join(arms)})"
     skipped = f", {result.count('skip')} skipped" if result.count("skip") else ""
     lines.append(f"gate: {result.count('pass')} passed, {result.count('fail')} failed{skipped}, "
                  f"{result.count('error') + len(result.problems)} could not be evaluated -> {verdict} "

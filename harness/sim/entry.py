@@ -44,8 +44,8 @@ class SimEntry:
     @staticmethod
     def preflight(arm_specs: list, deploy_specs: list, options: Any, prompts: Any = None) -> None:
         """A broken plugin arm, scheduler settings vLLM refuses, a reply the sim would mis-score (the
-        prompt set's family says which: ``Family.check_prompts``)."""
-        from harness.sim.scheduler import scheduler_config_for
+        prompt set's family says which: ``Family.check_prompts``), a text longer than a deploy holds."""
+        from harness.sim.scheduler import resolve_talker, scheduler_config_for
         from harness.talkers import load_impl
 
         for arm in arm_specs:
@@ -53,9 +53,15 @@ class SimEntry:
         for deploy in deploy_specs:
             scheduler_config_for(deploy)
         if prompts is not None:
+            from harness.config import text_fits
             from harness.family import get_family
 
-            get_family(prompts.family).check_prompts(prompts, options.sim_talker)
+            family = get_family(prompts.family)
+            family.check_prompts(prompts, options.sim_talker)
+            if family.text_input:  # no Thinker cap: each text must fit each deploy's max_model_len
+                lens = family.talker_prompt_lens(prompts)
+                for deploy in deploy_specs:
+                    text_fits(prompts, lens, deploy, resolve_talker(deploy).max_model_len)
 
     # ------------------------------------------------------------------ Ray (harness.executors.ray)
     @staticmethod

@@ -657,7 +657,6 @@ def load_prompts(name_or_path: str) -> PromptSet:
                      system_prompt=system, prompts=tuple(prompts), path=path, family=family)
 
 
-
 def text_fits(prompts: PromptSet, prompt_lens: list[int], deploy: Deploy, max_model_len: int) -> None:
     """A text-input family's texts against one deploy: every position that carries text (the ``P`` prompt rows
     and one row per text token after them) must fit the deploy's ``max_model_len`` (its resolved value), so a
@@ -670,6 +669,7 @@ def text_fits(prompts: PromptSet, prompt_lens: list[int], deploy: Deploy, max_mo
             raise ConfigError(f"{prompts.path}: prompts[{i}].text: {n} tokens after the {P} prompt rows need "
                               f"{P + n} positions, over {deploy.path}: talker.max_model_len {max_model_len} "
                               f"(prompt {prompt.id!r})")
+
 
 # What the sim's tokenizer (harness.tokenizer: ASCII letters and digits make words, every other
 # character is a pause) splits or drops while Whisper's normaliser (the WER reference) keeps it:

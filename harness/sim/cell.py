@@ -21,6 +21,8 @@ class SimRequest(Protocol):
     request_id: str
     arrival_step: int  # when it reaches the stage under the seed's load (``load.mode: all``)
     reply_tokens: list[str]  # what the upstream stage produces (its length times the Thinker's pace)
+    # optional ``streams`` (True: it reaches the stage with its first chunk while the upstream stage goes on,
+    # Qwen3-Omni's async_chunk; harness.sim.load reads it with a default of False)
 
     @property
     def talker_prompt_ids(self) -> list[int]: ...

@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 import math
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,7 +52,7 @@ from harness.config import Deploy, Prompt, PromptSet, SamplingSettings
 from harness.errors import ConfigError, UserError
 from harness.families.qwen3_omni.contract import ASSISTANT_ROWS, HEADER_ROWS
 from harness.families.qwen3_omni.rows import BF16RowSpace
-from harness.families.qwen3_tts.sim import TTSContract, TTSKV
+from harness.families.qwen3_tts.sim import TTSContract, TTSKV, _decode_scalar
 from harness.sim import armcall
 from harness.sim.cell import SimCell
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, CodecVocab, collapse, oracle_transcript
@@ -115,10 +115,11 @@ class OmniRequest:
     speaker: str = DEFAULT_SPEAKER
     arrival_step: int = 0
     thinker_start: int = 0  # the Talker step the Thinker started this request
-    streams: bool = field(init=False)  # harness.sim.load: a streamed request reaches the Talker with chunk 0
 
-    def __post_init__(self) -> None:
-        self.streams = self.async_chunk
+    @property
+    def streams(self) -> bool:
+        """``harness.sim.load``: a streamed request reaches the Talker with chunk 0."""
+        return self.async_chunk
 
     @property
     def P(self) -> int:  # noqa: N802 -- the contract's name
@@ -298,12 +299,11 @@ class OmniRunner(SimRunner):
     def __init__(self, model: Any, space: RowSpace, cell: tuple[str, str, int], contract: Any) -> None:
         super().__init__(model, space, cell, contract)
         self._step = 0
-        self._calls: dict[str, int] = {}
+        self._called: set[str] = set()  # requests whose first call (chunk 0, the payload) is done
         self._next_chunk: dict[str, int] = {}
 
     def add_request(self, out: Any, payload: dict[str, Any], capacity: int) -> None:
         super().add_request(out, payload, capacity)
-        self._calls[out.request_id] = 0
         self._next_chunk[out.request_id] = 1
 
     def call(self, request: Any, c: int, n: int, step: int, drafts: list[int] | None = None) -> Any:
@@ -314,29 +314,26 @@ class OmniRunner(SimRunner):
                is_prefill: bool, n: int) -> Any:
         rid = req_infos["request_id"]
         out = self.thinker[rid]
-        calls = self._calls[rid]
-        self._calls[rid] = calls + 1
-        if out.async_chunk and calls:  # one queued chunk merged before each call after the first
+        if out.async_chunk and rid in self._called:  # one queued chunk merged before each call after the first
             j = self._next_chunk[rid]
             if j < out.T and out.chunk_step(j) <= self._step:
                 self._update_buffer(rid, out.chunk(j))
                 self._next_chunk[rid] = j + 1
-        return armcall.call(_talker_call, hook=self.model.talker_preprocess, span_ids=span_ids,
-                            inputs_embeds=inputs_embeds, req_infos=req_infos, mtp=n == 1 and not is_prefill)
+        self._called.add(rid)
+        hook = self.model.talker_preprocess
+        if n == 1 and not is_prefill:  # the talker_mtp path, as Qwen3-TTS's runner takes it without the batched hook
+            return armcall.call(_decode_scalar, hook=hook, span_ids=span_ids, inputs_embeds=inputs_embeds,
+                                req_infos=req_infos)
+        return armcall.call(_drop_mtp, hook=hook, span_ids=span_ids, inputs_embeds=inputs_embeds, req_infos=req_infos)
 
 
-def _talker_call(hook: Any, span_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_infos: dict[str, Any],
-                 mtp: bool) -> tuple[Any, Any, Any]:
-    """The runner pops ``mtp_inputs`` from the hook's update (l.1899-1905); a one-token decode span then runs
-    through ``talker_mtp`` with the text step added to its row, a longer span without it."""
+def _drop_mtp(hook: Any, span_ids: torch.Tensor, inputs_embeds: torch.Tensor,
+              req_infos: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """Any other span: the runner pops ``mtp_inputs`` from the update too (l.1899-1905) and runs the span
+    without a text step."""
     ids, rows, update = hook(input_ids=span_ids, input_embeds=inputs_embeds, **req_infos)
-    mtp_inputs = update.pop("mtp_inputs", None) if isinstance(update, dict) else None
-    if mtp:
-        if mtp_inputs is None:
-            raise KeyError("mtp_inputs: a one-token decode span's update has no (last_talker_hidden, text_step) "
-                           "for the runner's talker_mtp path")
-        _last_hidden, text_step = mtp_inputs
-        return ids, rows.reshape(1, -1) + text_step.reshape(1, -1).to(rows.dtype), update
+    if isinstance(update, dict):
+        update.pop("mtp_inputs", None)
     return ids, rows, update
 
 

@@ -331,6 +331,7 @@ class Deploy:
     # gate's ``reference_deploy: pair`` use it, for every family); see ``deploy_role``.
     role: str = "stress"
     pair: str | None = None
+    slo: StreamingSlo | None = None  # goodput's SLO for this deploy's streamed requests (``slo:``)
 
     @property
     def config_hash(self) -> str:
@@ -344,7 +345,7 @@ class Deploy:
 
 
 _DEPLOY_KEYS = {"name", "description", "talker", "thinker", "code2wav", "async_chunk", "sampling", "sim", "speculative",
-                "load", "family", "role", "pair"}
+                "load", "family", "role", "pair", "slo"}
 
 
 def _family_field(f: _Fields) -> str:
@@ -353,6 +354,43 @@ def _family_field(f: _Fields) -> str:
     if family not in family_names():
         raise f.fail("family", f"unknown model family {short_repr(family)} (known: {', '.join(family_names())})")
     return family
+
+
+@dataclass(frozen=True)
+class StreamingSlo:
+    """What a streamed request must meet to count toward goodput (``harness.streaming_figures``): its first
+    audio packet within ``ttfp_s`` seconds and no stall over ``max_stall_s`` (None: not bounded). A deploy
+    gives it as ``slo:``; ``report``/``gate --slo`` override it."""
+
+    ttfp_s: float | None = None
+    max_stall_s: float | None = 0.1
+
+    def describe(self) -> str:
+        parts = ([f"TTFP <= {self.ttfp_s:g} s"] if self.ttfp_s is not None else []) + (
+            [f"no stall over {self.max_stall_s * 1000:g} ms"] if self.max_stall_s is not None else [])
+        return " and ".join(parts) or "none (every answered stream meets it)"
+
+
+SLO_KEYS = ("ttfp_s", "max_stall_s")
+MAX_SLO_S = 3600.0
+
+
+def parse_slo(data: Any, where: str) -> StreamingSlo:
+    """``{ttfp_s: X, max_stall_s: Y}`` (either may be omitted or null: unbounded), checked; ``where`` names
+    the file and field (or the option) in the error."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: must be a mapping with {' and/or '.join(SLO_KEYS)}, got {short_repr(data)}")
+    unknown = sorted(set(map(str, data)) - set(SLO_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key (allowed: {', '.join(SLO_KEYS)})")
+    values: dict[str, float | None] = {}
+    for key in SLO_KEYS:
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 <= value <= MAX_SLO_S):
+            raise ConfigError(f"{where}.{key}: must be seconds in [0, {MAX_SLO_S:g}] or null, got {short_repr(value)}")
+        values[key] = None if value is None else float(value)
+    return StreamingSlo(ttfp_s=values["ttfp_s"], max_stall_s=values["max_stall_s"])
 
 
 def _load_settings(top: _Fields) -> LoadSettings:
@@ -484,6 +522,7 @@ def parse_deploy(path: Path, data: Any, overrides: tuple[tuple[str, Any], ...] =
         load=_load_settings(top),
         overrides=overrides,
         family=_family_field(top),
+        slo=parse_slo(top.data["slo"], f"{path}: slo") if top.has("slo") else None,
         **_role_fields(top, name),
     )
 
@@ -531,6 +570,9 @@ class ArmSpec:
     source: str = "builtin"
     role: str = "candidate"  # ARM_ROLES: which gate rules apply (baseline: expected to show the bug)
     family: str = DEFAULT_FAMILY  # the model family whose hook this arm implements (harness.families)
+    # ``module:attr`` called in place of the release's Talker -> Code2Wav window builder on a streaming
+    # deploy (``harness.serve.chunk_trace``; a plugin's own chunking, or the tests' corrupting ones)
+    chunker: str | None = None
 
 
 ARM_ROLES = ("baseline", "candidate")
@@ -549,7 +591,7 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
         f = arms_f.sub(str(name))
         if (bad := check_name(str(name))) is not None:
             raise ConfigError(f"{path}: arms.{name}: {bad}")
-        f.reject_unknown({"talker", "description", "serve", "role", "family"})
+        f.reject_unknown({"talker", "description", "serve", "role", "family", "chunker"})
         role = f.data.get("role", "candidate")
         if role not in ARM_ROLES:
             raise f.fail("role", f"must be one of {', '.join(ARM_ROLES)}, got {short_repr(role)}")
@@ -574,8 +616,12 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
                 raise s.fail("bind_arm", f"must be true or false, got {short_repr(bind_arm)}")
             serve = ServeSettings(python=s.str_("python"), command=tuple(command),
                                   env={str(k): str(v) for k, v in env.items()}, bind_arm=bind_arm)
+        chunker = f.str_("chunker")
+        if chunker is not None and ":" not in chunker:
+            raise f.fail("chunker", f"must be 'package.module:attr', got {short_repr(chunker)}")
         arms[str(name)] = ArmSpec(name=str(name), talker=talker, description=f.str_("description") or "",
-                                  serve=serve, source=str(path), role=role, family=_family_field(f))
+                                  serve=serve, source=str(path), role=role, family=_family_field(f),
+                                  chunker=chunker)
     return arms
 
 

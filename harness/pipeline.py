@@ -182,6 +182,10 @@ def manifest_for(plan: RunPlan) -> dict[str, Any]:
         "deploys": [d.name for d in plan.deploys],
         # each deploy's role and pair (config.deploy_role): the paired table and the gate's pairing
         "deploy_roles": {d.name: {"role": d.role, "pair": d.pair} for d in plan.deploys},
+        # each deploy's streaming SLO (``slo:``), only when one declares it: manifests as they were otherwise
+        **({"deploy_slos": {d.name: {"ttfp_s": d.slo.ttfp_s, "max_stall_s": d.slo.max_stall_s}
+                            for d in plan.deploys if d.slo is not None}}
+           if any(d.slo is not None for d in plan.deploys) else {}),
         "prompts": plan.prompts.name,
         "prompt_ids": [p.id for p in plan.prompts.prompts],  # the gate checks every cell has each one
         "cells": [{"arm": c.arm.name, "deploy": c.deploy.name, "repeat": c.repeat} for c in plan.cells],

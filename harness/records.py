@@ -148,6 +148,21 @@ class RequestRecord:
     stream_gaps_s: list[float] | None = None
     stream_underruns: list[list[float]] | None = None
     stream_underrun_s: float | None = None
+    # the answering attempt's send on the wall clock (``time.time()``): the cell's request window for its
+    # audio throughput (``harness.streaming_figures``)
+    stream_sent_at: float | None = None
+    # A streamed response that answered 200 but is not the audio its codec stream says (empty, shorter than
+    # its codec frames decode to): why; the request failed as a stream (goodput, the streaming table) and is
+    # still scored on what it said (``harness.stream_metrics.stream_failure``).
+    stream_failed: str | None = None
+    # The Code2Wav chunk contract (``async_chunk: true``; ``harness.chunk_contract``): the windows the
+    # Talker's connector sent with new frames, the new frames of each, the windows that broke the shipped
+    # rule (dropped, repeated, foreign frames, ...) and the first one's description. Written only when the
+    # connector was traced (real server) or modelled (sim), see ``CHUNK_FIELDS``.
+    chunk_windows: int | None = None
+    chunk_frames_sent: list[int] | None = None
+    chunk_violations: int | None = None
+    chunk_violation: str | None = None
 
     @property
     def key(self) -> tuple[str, str, int, str]:
@@ -163,8 +178,9 @@ class RequestRecord:
 # to those written before the fields existed.
 LATENCY_FIELDS = ("sent_step", "arrival_step", "first_token_step", "finish_step", "ttfa_s", "rtf", "schedule")
 STREAM_FIELDS = ("stream_ttfa_s", "stream_end_s", "stream_chunks", "stream_audio_events", "stream_sample_rate",
-                 "stream_chunk_frames", "stream_gaps_s", "stream_underruns", "stream_underrun_s")
-_OMITTED_WHEN_NONE = LATENCY_FIELDS + STREAM_FIELDS
+                 "stream_chunk_frames", "stream_gaps_s", "stream_underruns", "stream_underrun_s", "stream_sent_at")
+CHUNK_FIELDS = ("stream_failed", "chunk_windows", "chunk_frames_sent", "chunk_violations", "chunk_violation")
+_OMITTED_WHEN_NONE = LATENCY_FIELDS + STREAM_FIELDS + CHUNK_FIELDS
 
 
 def schedule_digest(spans: list[SpanRecord]) -> str:
@@ -233,7 +249,7 @@ def _request_dict(record: RequestRecord) -> dict[str, Any]:
     data = {name: getattr(record, name) for name in _REQUEST_FIELDS}
     data["events"] = dataclasses.asdict(record.events)
     data["codec_tokens"] = list(record.codec_tokens)
-    for name in ("stream_chunk_frames", "stream_gaps_s"):
+    for name in ("stream_chunk_frames", "stream_gaps_s", "chunk_frames_sent"):
         if data[name] is not None:
             data[name] = list(data[name])
     if data["stream_underruns"] is not None:

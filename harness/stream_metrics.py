@@ -128,3 +128,14 @@ def frames_of(byte_counts: Sequence[int], frame_bytes: int) -> list[int]:
         total += n
         out.append(total // frame_bytes - before)
     return out
+
+
+def stream_failure(frames: int, codec_frames: int, samples_per_frame: int) -> str | None:
+    """Why a streamed answer with audio is still a failed request: it is shorter than the codec stream
+    the Talker produced decodes to (``codec_frames`` x ``samples_per_frame``); None when it is whole.
+    (An answer with no audio at all is already an error of the client's.)"""
+    want = codec_frames * samples_per_frame
+    if frames < want:
+        return (f"truncated audio: {frames} samples, its {codec_frames} codec frames decode to {want} "
+                f"({(want - frames) / samples_per_frame:g} frames missing)")
+    return None

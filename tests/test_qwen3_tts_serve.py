@@ -19,7 +19,7 @@ DEPLOYS = Path(__file__).resolve().parents[1] / "deploy_configs"
 
 
 def test_the_stress_deploy_becomes_a_v1_deploy_yaml_with_the_cpu_profile():
-    t = serve.translate(load_deploy("qwen3-tts-cpu-stress"), "cpu")
+    t = serve.translate(load_deploy("qwen3-tts-cpu-full-stress"), "cpu")
     assert t.cli_args == ("--deploy-config", "<deploy.yaml>") and t.stage_overrides == {}
     assert dict(t.env) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -42,12 +42,10 @@ def test_the_stress_deploy_becomes_a_v1_deploy_yaml_with_the_cpu_profile():
 
 
 def test_an_async_chunk_deploy_streams_with_the_release_connectors(tmp_path: Path) -> None:
-    """Issue 42 item 1: ``async_chunk: true`` gives the release's streaming path, its connector settings read
-    from the release's own (vendored) YAML, not restated; the shipped CPU deploys stay ``false``."""
-    spec = yaml.safe_load((DEPLOYS / "qwen3-tts-cpu-stress.yaml").read_text())
-    spec.update(name="qwen3-tts-cpu-stress-async", async_chunk=True)
-    (tmp_path / "d.yaml").write_text(yaml.safe_dump(spec))
-    y = yaml.safe_load(serve.translate(load_deploy(str(tmp_path / "d.yaml")), "cpu").deploy_yaml)
+    """Issue 42 item 1: ``async_chunk: true`` (the shipped CPU deploys' default) gives the release's streaming
+    path, its connector settings read from the release's own (vendored) YAML, not restated; the ``-full-``
+    twins stay ``false`` (one audio chunk per request)."""
+    y = yaml.safe_load(serve.translate(load_deploy("qwen3-tts-cpu-stress"), "cpu").deploy_yaml)
     talker, code2wav = y["stages"]
     assert (y["model_runner"], y["async_chunk"]) == ("v1", True)
     assert talker["output_connectors"] == {"to_stage_1": "connector_of_shared_memory"}
@@ -57,9 +55,12 @@ def test_an_async_chunk_deploy_streams_with_the_release_connectors(tmp_path: Pat
     assert (extra["codec_chunk_frames"], extra["codec_left_context_frames"], extra["initial_codec_chunk_frames"],
             extra["codec_streaming"]) == (25, 72, 1, True)
     assert talker["num_gpu_blocks_override"] == 6  # the deploy's own Talker settings, as without streaming
-    shipped = yaml.safe_load((DEPLOYS / "qwen3-tts-cpu-stress.yaml").read_text())
-    plain = yaml.safe_load(serve.translate(load_deploy("qwen3-tts-cpu-stress"), "cpu").deploy_yaml)
+    shipped = yaml.safe_load((DEPLOYS / "qwen3-tts-cpu-full-stress.yaml").read_text())
+    plain = yaml.safe_load(serve.translate(load_deploy("qwen3-tts-cpu-full-stress"), "cpu").deploy_yaml)
     assert shipped["async_chunk"] is False and plain["async_chunk"] is False and "connectors" not in plain
+    full, streamed = (yaml.safe_load((DEPLOYS / f"qwen3-tts-cpu-{k}stress.yaml").read_text()) for k in ("full-", ""))
+    assert {k: v for k, v in full.items() if k not in ("name", "pair", "description", "async_chunk")} == {
+        k: v for k, v in streamed.items() if k not in ("name", "pair", "description", "async_chunk")}
     assert "output_connectors" not in plain["stages"][0] and "input_connectors" not in plain["stages"][1]
 
 

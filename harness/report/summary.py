@@ -34,6 +34,7 @@ import numpy as np
 
 from harness.backends import is_simulated
 from harness.contract import MISALIGNED_COUNTS, classify_spans, event_count_columns
+from harness.config import ConfigError, StreamingSlo, parse_slo
 from harness.errors import UserError
 from harness.roles import DEPLOY_ROLES, deploy_role
 from harness.records import (
@@ -463,6 +464,17 @@ class Run:
             return str(entry["role"]), pair if isinstance(pair, str) and entry["role"] == "stress" else None
         return deploy_role(deploy)
 
+    def deploy_slo(self, deploy: str) -> StreamingSlo | None:
+        """The streaming SLO the deploy declared (``slo:``), as the manifest's ``deploy_slos`` recorded it."""
+        recorded = self.manifest.get("deploy_slos")
+        entry = recorded.get(deploy) if isinstance(recorded, dict) else None
+        if not isinstance(entry, dict):
+            return None
+        try:
+            return parse_slo(entry, f"{self.run_dir / 'manifest.json'}: deploy_slos.{deploy}")
+        except ConfigError as exc:
+            raise UserError(str(exc)) from None
+
 
 def load_run(run_dir: Path, codec_tokens: bool = True) -> Run:
     """Reads manifest, requests and spans; any problem is one UserError naming the file.
@@ -661,6 +673,7 @@ class CellSummary:
     not_measurable: int = 0  # requests whose reference normalises to no words (no WER; the gate refuses them)
     crashed: int = 0  # requests a real server's crash took down (errors starting with records.CRASHED_ERROR)
     trace: str | None = None  # the real server's --trace level (None: the sim); "off": no span facts at all
+    slo: StreamingSlo | None = None  # goodput's SLO: the deploy's ``slo:`` or ``--slo`` (None: the default)
 
     def __post_init__(self) -> None:
         if not self.deploy_role:
@@ -768,6 +781,7 @@ def summarize_cells(run: Run) -> list[CellSummary]:
     traces = cell_trace_levels(run)
     roles = run.roles
     deploy_roles = {key[1]: run.deploy_role(key[1]) for key in order}
+    slos = {key[1]: run.deploy_slo(key[1]) for key in order}
 
     out = []
     for key in order:
@@ -801,6 +815,7 @@ def summarize_cells(run: Run) -> list[CellSummary]:
             deploy_role=deploy_roles[key[1]][0], pair=deploy_roles[key[1]][1],
             not_measurable=sum(r.not_measurable for r in recs), trace=traces.get(key),
             crashed=sum(1 for r in recs if r.error is not None and r.error.startswith(CRASHED_ERROR)),
+            slo=slos[key[1]],
         ))
     return out
 

@@ -46,13 +46,14 @@ from harness.errors import UserError
 from harness.family import get_family
 from harness.records import CRASHED_ERROR as CRASHED, RequestRecord, SpanRecord, schedule_digest
 from harness.audio.scoring import wer
-from harness.stream_metrics import StreamMetrics
+from harness.stream_metrics import StreamMetrics, stream_failure
 from harness.serve import client as chat
 from harness.serve.deploy_args import DeployTranslation, detect_platform
 from harness.serve.launcher import HOST, ServerLauncher, progress
 from harness.speaking.checkpoint import MARKER
 from harness.serve.trace_plugin import (DEFAULT_LEVEL, DEFAULT_TARGET, ENV_ARM, ENV_DIR, ENV_LEVEL, ENV_ROW_IDS,
                                         ENV_TARGET, IMPLEMENTATION_GLOB, TRACE_GLOB, trace_level)
+from harness.serve.chunk_trace import CHUNK_GLOB, ENV_CHUNKER, ENV_CHUNKER_ARM
 
 BACKEND = "vllm-omni"
 CLI_MODULE = "vllm.entrypoints.cli.main"  # `vllm serve ... --omni` delegates to vllm_omni (maybe_run_omni)
@@ -180,7 +181,11 @@ def _existing_python(arm: ArmSpec, serve: ServeSettings) -> str:
 
 
 def preflight_arm(arm: ArmSpec, options: ServeOptions | None = None) -> None:
-    """Before any run directory exists: the arm's interpreter exists and has this package's plugin."""
+    """Before any run directory exists: the arm's interpreter exists and has this package's plugin, and a
+    chunker arm is of a family whose connector windows the server traces."""
+    if arm.chunker and not getattr(family_serve_module(arm.family), "CHUNKER", None):
+        raise UserError(f"arm '{arm.name}': chunker {arm.chunker}: family {arm.family} has no Talker -> Code2Wav "
+                        "window builder to replace (only a streaming family's async_chunk connector has one)")
     serve = serve_settings(arm, options)
     if serve.command:
         server_prefix(arm, options)
@@ -351,6 +356,9 @@ class TraceCollector:
         self.text_to_prompt = text_to_prompt or {}
         self._offsets: dict[Path, int] = {}
         self.by_prompt: dict[str, list[dict[str, Any]]] = {}
+        self.rid_to_prompt: dict[str, str] = {}  # engine request id -> prompt id, from the Talker's lines
+        self.chunks_by_prompt: dict[str, list[dict[str, Any]]] = {}  # the connector's windows (chunk_trace)
+        self._pending_chunks: list[dict[str, Any]] = []
         self.unmatched = 0
         self.unusable = 0
         self.total = 0
@@ -389,10 +397,48 @@ class TraceCollector:
                 if prompt_id is None:
                     self.unmatched += 1
                     continue
+                self.rid_to_prompt[str(line.get("request_id"))] = prompt_id
                 self.by_prompt.setdefault(prompt_id, []).append(line)
+        self._poll_chunks()
+
+    def _poll_chunks(self) -> None:
+        """The connector's windows (``chunk_trace``): filed by the engine request id the Talker's lines
+        named (a window follows its request's Talker step, so its id is known by then)."""
+        for path in sorted(self.directory.glob(CHUNK_GLOB)):
+            start = self._offsets.get(path, 0)
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(start)
+                    data = fh.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n") + 1
+            if end <= 0:
+                continue
+            self._offsets[path] = start + end
+            for raw in data[:end].splitlines():
+                try:
+                    self._pending_chunks.append(json.loads(raw))
+                except json.JSONDecodeError:
+                    self.unusable += 1
+        waiting = []
+        for line in self._pending_chunks:
+            rid = str(line.get("request_id"))
+            prompt_id = self.rid_to_prompt.get(rid) or self._match(rid)
+            if prompt_id is None:
+                waiting.append(line)
+            else:
+                self.chunks_by_prompt.setdefault(prompt_id, []).append(line)
+        self._pending_chunks = waiting
 
     def take(self, prompt_id: str) -> list[dict[str, Any]]:
         lines = self.by_prompt.pop(prompt_id, [])
+        lines.sort(key=lambda ln: (ln.get("pid") or 0, ln.get("seq") or 0))
+        return lines
+
+    def take_chunks(self, prompt_id: str) -> list[dict[str, Any]]:
+        """The request's windows in sending order."""
+        lines = self.chunks_by_prompt.pop(prompt_id, [])
         lines.sort(key=lambda ln: (ln.get("pid") or 0, ln.get("seq") or 0))
         return lines
 
@@ -460,10 +506,22 @@ class ServeCell:
                 out.append(span)
         return out
 
+    @property
+    def traces_chunks(self) -> bool:
+        """The server traces its connector's windows (a streaming deploy of a family with a chunker)."""
+        return bool(self.env.get(ENV_CHUNKER)) and cell_trace_level(self.env) != "off"
+
     def record(self, res: chat.ChatResult, spans: list[SpanRecord]) -> RequestRecord:
-        return _record(self.arm, self.deploy, self.repeat, self.run_dir, res, spans,
-                       self.codecs.get(res.prompt_id, {}), self.options.speaking,
-                       self.generated_at.get(res.prompt_id, ()), self.replies.get(res.prompt_id))
+        record = _record(self.arm, self.deploy, self.repeat, self.run_dir, res, spans,
+                         self.codecs.get(res.prompt_id, {}), self.options.speaking,
+                         self.generated_at.get(res.prompt_id, ()), self.replies.get(res.prompt_id))
+        if self.traces_chunks and res.error is None:
+            self.collector.poll()  # the windows of a finished request are all written by now
+            others = {pid: [c for _, c in sorted(codes.items())] for pid, codes in self.codecs.items()
+                      if pid != res.prompt_id}
+            chunk_fields(record, self.collector.take_chunks(res.prompt_id),
+                         family_serve_module(self.deploy.family).chunk_rule(), others)
+        return record
 
 
 def build_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, run_dir: Path,
@@ -479,7 +537,8 @@ def build_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, ru
             raise UserError(f"arm '{arm.name}': {problem}")
     trace = cell_dir(run_dir, arm, deploy, repeat)
     trace.mkdir(parents=True, exist_ok=True)
-    for stale in list(trace.glob(TRACE_GLOB)) + list(trace.glob(IMPLEMENTATION_GLOB)) + [trace / "attempts.jsonl"]:
+    for stale in [*trace.glob(TRACE_GLOB), *trace.glob(CHUNK_GLOB), *trace.glob(IMPLEMENTATION_GLOB),
+                  trace / "attempts.jsonl"]:
         stale.unlink(missing_ok=True)  # a rerun of this cell must not see the previous server's spans
     (run_dir / "audio").mkdir(parents=True, exist_ok=True)
     deploy_file = None
@@ -496,8 +555,14 @@ def build_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, ru
             audio_file=run_dir / audio_rel_path(arm, deploy, repeat, p.id),
         ))
     text_to_prompt = {p.reply: p.id for p in prompts.prompts} if family_serve_module(deploy.family).BY_TEXT else None
+    env = server_env(arm, trace, options, translation)
+    chunker = getattr(family_serve_module(deploy.family), "CHUNKER", None)
+    if deploy.async_chunk and chunker:  # the connector's windows are traced (harness.serve.chunk_trace)
+        env[ENV_CHUNKER] = chunker
+    if arm.chunker:
+        env[ENV_CHUNKER_ARM] = arm.chunker
     return ServeCell(arm, deploy, repeat, run_dir, options, trace, server_log_path(run_dir, arm, deploy),
-                     server_env(arm, trace, options, translation), specs,
+                     env, specs,
                      TraceCollector(trace, token_to_prompt, text_to_prompt),
                      replies={p.id: p.reply for p in prompts.prompts}, deploy_file=deploy_file)
 
@@ -637,6 +702,19 @@ def run_cell(
     return step_cell(build_cell(arm, deploy, prompts, repeat, run_dir, options), on_request, on_spans, seed)
 
 
+def chunk_fields(record: RequestRecord, lines: list[dict[str, Any]], rule: Any,
+                 others: dict[str, list[int]]) -> None:
+    """The request's windows as the connector sent them, checked against its codec stream
+    (``harness.chunk_contract``)."""
+    from harness.chunk_contract import Window, check_windows
+
+    windows = [Window(tuple(int(f) for f in line.get("frames") or []), int(line.get("left_context") or 0),
+                      bool(line.get("finished"))) for line in lines]
+    result = check_windows(windows, record.codec_tokens, rule, others)
+    record.chunk_windows, record.chunk_frames_sent = result.windows, list(result.frames_sent)
+    record.chunk_violations, record.chunk_violation = result.count, result.first
+
+
 def _collect_codec(stream: dict[int, int], line: dict[str, Any]) -> None:
     start, ids = line.get("codec_from"), line.get("codec_ids")
     if isinstance(start, int) and isinstance(ids, list):
@@ -726,10 +804,15 @@ def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.
     record.ttfa_s = time_to_first_codec(res, generated_at)
     if res.error is None and res.stream is not None:
         stream_fields(record, res.stream, res.audio_events)
+        sent = res.answered_attempt_at if res.answered_attempt_at is not None else res.sent_at
+        record.stream_sent_at = None if sent is None else round(sent, 6)
     if spans:
         record.schedule = schedule_digest(spans)
     codes = codec_stream(stream or {}, record.talker_prompt_len)
     record.codec_tokens, record.num_codec_tokens = codes, len(codes)
+    per_frame = getattr(family_serve_module(deploy.family), "SAMPLES_PER_CODEC_FRAME", None)
+    if res.error is None and res.stream is not None and per_frame:
+        record.stream_failed = stream_failure(res.stream.frames, len(codes), per_frame)
     if speaking and res.error is None and (problem := reply_mismatch(res.prompt_id, expected_reply,
                                                                      res.thinker_text)) is not None:
         record.error = problem

@@ -75,6 +75,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from harness.serve import chunk_trace
+
 ENV_DIR = "OMNI_STRESS_TRACE"
 ENV_TARGET = "OMNI_STRESS_TRACE_TARGET"
 ENV_ARM = "OMNI_STRESS_ARM"
@@ -712,6 +714,8 @@ def register() -> None:
     if level and level not in LEVELS:
         _warn(f"{ENV_LEVEL}={level!r} is not one of {', '.join(LEVELS)}; tracing at {DEFAULT_LEVEL}")
     trace = trace_level() != "off"
+    if directory and os.path.isdir(directory) or os.environ.get(chunk_trace.ENV_CHUNKER_ARM):
+        chunk_trace.register(directory if trace and directory and os.path.isdir(directory) else None)
     if not arm and (not directory or not trace):
         return
     if directory and not os.path.isdir(directory):

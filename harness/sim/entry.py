@@ -48,7 +48,12 @@ class SimEntry:
         from harness.sim.scheduler import resolve_talker, scheduler_config_for
         from harness.talkers import load_impl
 
+        from harness.errors import UserError
+
         for arm in arm_specs:
+            if arm.chunker:
+                raise UserError(f"arm '{arm.name}': chunker {arm.chunker} runs in the real server's Talker worker "
+                                "(--backend vllm-omni); the sim models the release's connector windows")
             load_impl(arm)
         for deploy in deploy_specs:
             scheduler_config_for(deploy)

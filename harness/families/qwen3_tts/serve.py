@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.families.qwen3_tts.contract import flatten_payload
+from harness.physics import QWEN3_TTS_UPSAMPLE
 
 TALKER, CODE2WAV = "0", "1"
 SPEECH_VOICE, SPEECH_LANGUAGE, SPEECH_TASK = "Vivian", "Auto", "CustomVoice"
@@ -55,6 +56,9 @@ CODE2WAV_BATCHED_TOKENS = 65536  # the shipped qwen3_tts.yaml's: Q x frames exce
 BY_TEXT = True  # the speech endpoint ignores X-Request-Id: trace lines are filed by the request's text
 WRAPPER = "harness.families.qwen3_tts.serve:wrap"  # what the trace plugin wraps the Talker class with
 HOOK = "preprocess"
+# async_chunk: the release's Talker -> Code2Wav window builder, traced at the connector (harness.serve.chunk_trace)
+CHUNKER = "vllm_omni.model_executor.stage_input_processors.qwen3_tts:talker2code2wav_async_chunk"
+SAMPLES_PER_CODEC_FRAME = QWEN3_TTS_UPSAMPLE  # Code2Wav's samples per codec frame: a stream's audio length
 
 
 # ------------------------------------------------------------------------------------------ server side
@@ -128,6 +132,16 @@ def release_streaming() -> dict[str, Any]:
     stages = {stage["stage_id"]: stage for stage in shipped["stages"]}
     return {"connectors": shipped["connectors"], "output_connectors": stages[0]["output_connectors"],
             "input_connectors": stages[1]["input_connectors"]}
+
+
+def chunk_rule() -> Any:
+    """The window rule the release's connector settings give (``harness.chunk_contract``): its first and
+    steady window sizes from the vendored YAML; no left context is resent (CustomVoice, no ICL codes)."""
+    from harness.chunk_contract import ChunkRule
+
+    extra = release_streaming()["connectors"]["connector_of_shared_memory"]["extra"]
+    return ChunkRule(chunk_frames=int(extra["codec_chunk_frames"]),
+                     initial_frames=int(extra.get("initial_codec_chunk_frames") or 0), left_context=0)
 
 
 def translate(deploy: Any, platform: str, speaking: bool = True) -> Any:

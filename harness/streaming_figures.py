@@ -1,0 +1,167 @@
+"""The streaming figures users compare, per cell, from its request records (pure, no I/O).
+
+Why: an operator choosing a Talker concurrency asks how soon audio starts (TTFP), whether playback stalls,
+and what share of users got what they were promised (goodput), at p50/p90/p99 and worst, not as a mean.
+Every figure is measured from what the client received (``harness.stream_metrics``, the records'
+``stream_*`` fields); a request that failed (an error, or audio shorter than its codec stream:
+``stream_failed``) counts in every rate as a failure, never as a success.
+
+Definitions (docs/streaming.md):
+
+* **TTFP**: time to the first audio packet (the record's ``stream_ttfa_s``).
+* **gaps**: every inter-chunk gap of every streamed request.
+* **stall**: an underrun of a player that starts at the first packet and waits when it runs dry
+  (``stream_underruns``); a request's worst stall is its longest one, its stall total their sum.
+* **continuity at T**: the share of the cell's requests that finished streaming with no stall over T
+  seconds (T = 0.05, 0.1, 0.2; 0.1 is the rate gated, the "audible gap" threshold upstream's bench uses).
+* **RTF**: the stream's end over its audio seconds.
+* **audio throughput**: the cell's audio seconds over its request window (first send to last byte).
+* **goodput**: the share of requests that meet the SLO (``Slo``: TTFP at most ``ttfp_s``, no stall over
+  ``max_stall_s``); errors and failed streams violate it.
+* **chunk violations**: the Code2Wav windows that broke the chunk contract (``harness.chunk_contract``).
+
+``bench_fields`` names the cell's figures as ``vllm bench serve --omni`` does (``mean_audio_ttfp_ms``,
+``p99_audio_ttfp_ms``, ``mean_audio_rtf``, ``audio_throughput``, ``audio_continuity_ok_rate``, ...), so a
+result can be put beside upstream's. Upstream's ``audio_underrun_s`` is the deficit of a player that
+never pauses (``vllm_omni/benchmarks/audio_continuity.py``); ours is a player that waits, so the stall
+figures keep their own names, and ``audio_continuity_ok_rate`` here is ours at 100 ms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from harness.config import StreamingSlo
+from harness.records import RequestRecord
+
+THRESHOLDS_S = (0.05, 0.1, 0.2)
+GATED_THRESHOLD_S = 0.1
+PERCENTILES = (50, 90, 99)
+
+
+Slo = StreamingSlo  # the deploy's ``slo:`` (harness.config)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """p50/p90/p99 (linear interpolation, numpy's default) and the worst of a set of values."""
+
+    p50: float
+    p90: float
+    p99: float
+    worst: float
+    mean: float
+
+
+def spread(values: Sequence[float]) -> Spread | None:
+    if not values:
+        return None
+    xs = sorted(float(v) for v in values)
+
+    def pct(p: float) -> float:
+        k = (len(xs) - 1) * p / 100
+        lo, hi = math.floor(k), math.ceil(k)
+        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+    return Spread(pct(50), pct(90), pct(99), xs[-1], math.fsum(xs) / len(xs))
+
+
+def worst_stall(r: RequestRecord) -> float:
+    return max((u[1] for u in r.stream_underruns or []), default=0.0)
+
+
+def failed(r: RequestRecord) -> bool:
+    """An error, or a stream that answered but is not the audio its codec stream says."""
+    return r.error is not None or r.stream_failed is not None
+
+
+@dataclass(frozen=True)
+class StreamingFigures:
+    requests: int  # the cell's requests
+    streamed: int  # answered with a measured stream
+    failed: int  # errors and failed streams
+    ttfp: Spread | None
+    gaps: Spread | None
+    worst_stall_s: float | None  # the longest stall of any request
+    stall: Spread | None  # per request: its stall total
+    continuity: dict[float, float]  # threshold (s) -> share of requests
+    rtf: Spread | None
+    audio_s: float
+    window_s: float | None  # first send to last byte
+    goodput: float | None  # share of requests meeting the SLO
+    slo: Slo
+    chunk_violations: int | None  # None: the connector's windows were not traced or modelled
+    chunk_windows: Spread | None  # windows per request
+
+    @property
+    def throughput(self) -> float | None:
+        """Audio seconds per wall second over the cell's request window."""
+        return self.audio_s / self.window_s if self.window_s else None
+
+    @property
+    def continuity_rate(self) -> float | None:
+        return self.continuity.get(GATED_THRESHOLD_S)
+
+
+def figures(records: Sequence[RequestRecord], slo: Slo = Slo()) -> StreamingFigures | None:
+    """The cell's figures; None when none of its requests streamed (nothing to measure)."""
+    recs = list(records)
+    ok = [r for r in recs if not failed(r) and r.stream_ttfa_s is not None]
+    if not any(r.stream_ttfa_s is not None or r.stream_failed is not None for r in recs):
+        return None
+    n = len(recs)
+    stalls = {id(r): worst_stall(r) for r in ok}
+    continuity = {t: sum(stalls[id(r)] <= t for r in ok) / n for t in THRESHOLDS_S} if n else {}
+    good = [r for r in ok if (slo.ttfp_s is None or r.stream_ttfa_s <= slo.ttfp_s)  # type: ignore[operator]
+            and (slo.max_stall_s is None or stalls[id(r)] <= slo.max_stall_s)]
+    sent = [r for r in recs if r.stream_sent_at is not None and r.stream_end_s is not None and r.error is None]
+    window = (max(r.stream_sent_at + r.stream_end_s for r in sent) - min(r.stream_sent_at for r in sent)  # type: ignore[operator]
+              if sent else None)
+    audio = math.fsum((r.stream_chunk_frames and sum(r.stream_chunk_frames) / r.stream_sample_rate) or 0.0
+                      for r in recs if r.error is None and r.stream_sample_rate)
+    chunked = [r for r in recs if r.chunk_violations is not None]
+    return StreamingFigures(
+        requests=n, streamed=len(ok), failed=sum(failed(r) for r in recs),
+        ttfp=spread([r.stream_ttfa_s for r in ok]),  # type: ignore[misc]
+        gaps=spread([g for r in ok for g in r.stream_gaps_s or []]),
+        worst_stall_s=max(stalls.values()) if stalls else None,
+        stall=spread([r.stream_underrun_s or 0.0 for r in ok]), continuity=continuity,
+        rtf=spread([r.stream_end_s * r.stream_sample_rate / sum(r.stream_chunk_frames)  # type: ignore[operator]
+                    for r in ok if r.stream_chunk_frames and r.stream_sample_rate and r.stream_end_s is not None]),
+        audio_s=audio, window_s=window, goodput=len(good) / n if n else None, slo=slo,
+        chunk_violations=sum(r.chunk_violations or 0 for r in chunked) if chunked else None,
+        chunk_windows=spread([float(r.chunk_windows or 0) for r in chunked]),
+    )
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)
+
+
+def bench_fields(f: StreamingFigures) -> dict[str, float | int | None]:
+    """The figures under ``vllm bench serve --omni``'s result names where one exists (module docstring),
+    and the rest under ours."""
+    out: dict[str, float | int | None] = {"completed": f.requests - f.failed, "failed": f.failed}
+    if f.ttfp is not None:
+        out.update(mean_audio_ttfp_ms=_ms(f.ttfp.mean), median_audio_ttfp_ms=_ms(f.ttfp.p50),
+                   p90_audio_ttfp_ms=_ms(f.ttfp.p90), p99_audio_ttfp_ms=_ms(f.ttfp.p99),
+                   max_audio_ttfp_ms=_ms(f.ttfp.worst))
+    if f.rtf is not None:
+        out.update(mean_audio_rtf=round(f.rtf.mean, 4), median_audio_rtf=round(f.rtf.p50, 4),
+                   p90_audio_rtf=round(f.rtf.p90, 4), p99_audio_rtf=round(f.rtf.p99, 4))
+    out.update(total_audio_duration_s=round(f.audio_s, 6),
+               audio_throughput=None if f.throughput is None else round(f.throughput, 4),
+               audio_continuity_ok_rate=f.continuity.get(GATED_THRESHOLD_S),
+               request_goodput_rate=f.goodput, slo=f.slo.describe(),
+               benchmark_duration_s=None if f.window_s is None else round(f.window_s, 6))
+    if f.gaps is not None:
+        out.update(median_gap_ms=_ms(f.gaps.p50), p90_gap_ms=_ms(f.gaps.p90), p99_gap_ms=_ms(f.gaps.p99),
+                   max_gap_ms=_ms(f.gaps.worst))
+    out.update(max_stall_ms=_ms(f.worst_stall_s),
+               **{f"continuity_{round(t * 1000)}ms_rate": v for t, v in f.continuity.items()})
+    if f.stall is not None:
+        out.update(p99_stall_total_s=round(f.stall.p99, 6), total_stall_s=round(f.stall.mean * f.streamed, 6))
+    out["chunk_violations"] = f.chunk_violations
+    return out

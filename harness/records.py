@@ -163,6 +163,8 @@ class RequestRecord:
     chunk_frames_sent: list[int] | None = None
     chunk_violations: int | None = None
     chunk_violation: str | None = None
+    # sim only (modelled): the scheduler step at which each window was sent (its last new frame's step)
+    chunk_window_steps: list[int] | None = None
 
     @property
     def key(self) -> tuple[str, str, int, str]:
@@ -179,7 +181,8 @@ class RequestRecord:
 LATENCY_FIELDS = ("sent_step", "arrival_step", "first_token_step", "finish_step", "ttfa_s", "rtf", "schedule")
 STREAM_FIELDS = ("stream_ttfa_s", "stream_end_s", "stream_chunks", "stream_audio_events", "stream_sample_rate",
                  "stream_chunk_frames", "stream_gaps_s", "stream_underruns", "stream_underrun_s", "stream_sent_at")
-CHUNK_FIELDS = ("stream_failed", "chunk_windows", "chunk_frames_sent", "chunk_violations", "chunk_violation")
+CHUNK_FIELDS = ("stream_failed", "chunk_windows", "chunk_frames_sent", "chunk_violations", "chunk_violation",
+                "chunk_window_steps")
 _OMITTED_WHEN_NONE = LATENCY_FIELDS + STREAM_FIELDS + CHUNK_FIELDS
 
 
@@ -249,7 +252,7 @@ def _request_dict(record: RequestRecord) -> dict[str, Any]:
     data = {name: getattr(record, name) for name in _REQUEST_FIELDS}
     data["events"] = dataclasses.asdict(record.events)
     data["codec_tokens"] = list(record.codec_tokens)
-    for name in ("stream_chunk_frames", "stream_gaps_s", "chunk_frames_sent"):
+    for name in ("stream_chunk_frames", "stream_gaps_s", "chunk_frames_sent", "chunk_window_steps"):
         if data[name] is not None:
             data[name] = list(data[name])
     if data["stream_underruns"] is not None:

@@ -393,6 +393,20 @@ def parse_slo(data: Any, where: str) -> StreamingSlo:
     return StreamingSlo(ttfp_s=values["ttfp_s"], max_stall_s=values["max_stall_s"])
 
 
+def slo_option(text: str) -> StreamingSlo:
+    """``--slo ttfp_s=X,max_stall_s=Y`` (a key left out is unbounded, ``none`` unbounds it) as an SLO."""
+    data: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ConfigError(f"--slo {text!r}: expected KEY=SECONDS pairs ({', '.join(SLO_KEYS)}), got {part!r}")
+        try:
+            data[key.strip()] = None if value.strip().lower() in ("none", "null") else float(value)
+        except ValueError:
+            raise ConfigError(f"--slo {text!r}: {key.strip()}: not a number of seconds: {value!r}") from None
+    return parse_slo(data, "--slo")
+
+
 def _load_settings(top: _Fields) -> LoadSettings:
     if not top.has("load"):
         return DEFAULT_LOAD

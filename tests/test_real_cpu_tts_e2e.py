@@ -1,6 +1,8 @@
 """End to end on a real ``vllm serve --omni`` on CPU with the speaking tiny Qwen3-TTS (docs/families/qwen3_tts.md):
 the release's ``preprocess`` (``tts-0.30.0``) and the fix (``tts-fix``, bound into the Talker worker)
-under the CPU reference and stress deploys, four texts through ``/v1/audio/speech``, streamed.
+under the CPU reference and stress deploys, four texts through ``/v1/audio/speech``, streamed the way the
+release deploys it (``async_chunk: true``: Code2Wav decodes the connector's windows while the Talker runs,
+several audio chunks per request; docs/streaming.md), and a fix whose chunker drops a frame (one cell).
 
 One run shared by every assertion (module fixture): ``omni-stress tiny-model --family qwen3-tts``, then
 ``omni-stress run --backend vllm-omni --family qwen3-tts --stream``. What the real Talker *said* is its
@@ -32,6 +34,9 @@ CLI = [sys.executable, "-m", "harness.cli"]
 ARMS = ("tts-0.30.0", "tts-fix")
 REF, STRESS = "qwen3-tts-cpu-reference", "qwen3-tts-cpu-stress"
 PROMPTS = "qwen3_tts_cpu_smoke"
+CHUNKER_ARMS = ROOT / "tests" / "fixtures" / "arms_chunkers.yaml"
+DROPS = "tts-fix-drops-a-frame"  # tests/fixtures/chunkers.py: drops the 6th new frame of each second window
+WINDOWS = [1, 25, 25, 23]  # 74 codec frames (72 bytes, then the two end-region frames) in the release's windows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 
@@ -54,6 +59,15 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
          "--run-id", "real", "--quiet", "--health-timeout", "900", "--request-timeout", "900"],
         cwd=tmp, capture_output=True, text=True, timeout=2700)
     sys.stderr.write(f"[tts e2e] run: {time.monotonic() - t0:.1f} s\n{run.stdout}\n")
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
+    t0 = time.monotonic()  # a chunker that corrupts the windows: one cell, unpreempted (cwd: its module imports)
+    run = subprocess.run(
+        [*CLI, "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
+         "--model", str(model), "--family", "qwen3-tts", "--arms-file", str(CHUNKER_ARMS), "--arm", DROPS,
+         "--deploy", REF, "--prompts", PROMPTS, "--stream", "--asr", "none", "--out", str(tmp), "--run-id", "drops",
+         "--quiet", "--health-timeout", "900", "--request-timeout", "900"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    sys.stderr.write(f"[tts e2e] corrupting chunker run: {time.monotonic() - t0:.1f} s\n")
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
     return tmp / "real"
 
@@ -86,6 +100,79 @@ def test_every_request_answered_with_streamed_audio(real_run: Path) -> None:
             assert r.stream_ttfa_s is not None and 0 < r.stream_ttfa_s <= r.stream_end_s, (cell, pid)
             assert r.stream_chunks >= 1 and len(r.stream_gaps_s) == r.stream_chunks - 1, (cell, pid)
             assert r.stream_sample_rate == 24000 and r.stream_underrun_s >= 0.0, (cell, pid)
+            assert r.stream_sent_at is not None and r.chunk_windows is not None, (cell, pid)
+
+
+def test_every_stream_arrives_in_the_connectors_windows(real_run: Path) -> None:
+    """``async_chunk: true`` as the release ships it: the first window holds one frame, then 25 a window; each
+    window is one audio chunk of 1920 samples a frame, so a whole request streams in four chunks."""
+    for cell, recs in _records(real_run).items():
+        for pid, r in recs.items():
+            if r.stream_failed is None:  # whole: its audio is its codec stream's frames, window by window
+                assert r.chunk_frames_sent == sp_windows(len(r.codec_tokens)), (cell, pid)
+                assert [f // 1920 for f in r.stream_chunk_frames] == r.chunk_frames_sent, (cell, pid)
+            assert r.stream_chunks > 1 and r.chunk_windows == len(r.chunk_frames_sent), (cell, pid)
+        if cell[1] == REF:
+            assert all(r.chunk_frames_sent == WINDOWS for r in recs.values()), cell
+
+
+def sp_windows(frames: int) -> list[int]:
+    from harness.chunk_contract import SHIPPED
+
+    return SHIPPED.boundaries(frames)
+
+
+def test_the_chunk_contract_holds_unpreempted_and_breaks_once_per_replay(real_run: Path) -> None:
+    """Unpreempted, every window of both arms carries its request's frames in order (0 violations). A replay
+    (preemption by recompute) breaks one window of its request under 0.30.0's runner, whatever the arm: the
+    fix's window holds the recomputed frames wrong (codebook 0 reads 0 where the Talker fed its token), the
+    release's loses the request's last frames (its audio is short of its codec stream: a failed stream)."""
+    cells = _records(real_run)
+    for arm in ARMS:
+        assert [(r.chunk_violations, r.stream_failed) for r in cells[(arm, REF)].values()] == [(0, None)] * 4, arm
+        for pid, r in cells[(arm, STRESS)].items():
+            assert r.chunk_violations == (1 if r.preemptions else 0), (arm, pid, r.chunk_violation)
+    for pid, r in cells[("tts-fix", STRESS)].items():
+        assert r.stream_failed is None, pid
+        assert r.chunk_violation is None or "frames that are not its stream's" in r.chunk_violation, pid
+    for pid, r in cells[("tts-0.30.0", STRESS)].items():
+        assert (r.stream_failed is not None) == (r.preemptions > 0), (pid, r.stream_failed)
+        assert r.stream_failed is None or r.stream_failed.startswith("truncated audio: "), pid
+
+
+def test_a_chunker_that_drops_a_frame_is_caught_and_fails_the_gate(real_run: Path) -> None:
+    drops = real_run.parent / "drops"
+    recs = {r.prompt_id: r for r in read_requests(drops)}
+    assert len(recs) == 4
+    for pid, r in recs.items():
+        assert (r.chunk_violations, r.chunk_violation) == (1, "window 1: 1 frame lost inside frames 1-25"), pid
+        assert r.chunk_frames_sent == [1, 24, 25, 23] and r.codec_tokens == sp.encode_reply(r.reference_text), pid
+        assert r.stream_failed == ("truncated audio: 140160 samples, its 74 codec frames decode to 142080 "
+                                   "(1 frames missing)"), pid
+        assert r.oracle_wer == 0.0, pid  # what the Talker said is right: only what Code2Wav was sent is not
+    gate = subprocess.run([*CLI, "gate", str(drops)], cwd=drops, capture_output=True, text=True, timeout=600)
+    assert gate.returncode == 1, gate.stdout[-3000:]
+    assert (f"FAIL   candidate-chunk-contract-unpreempted: {DROPS}/{REF} run 1 [candidate]\n"
+            "         FAIL  max_chunk_violations: Code2Wav windows that broke the chunk contract = 4 > 0") in gate.stdout
+    assert f"FAIL   candidate-streams-whole: {DROPS}/{REF} run 1 [candidate]" in gate.stdout
+    assert f"FAIL   candidate-chunk-contract: {DROPS}/{REF} run 1 [candidate]" in gate.stdout
+
+
+def test_the_streaming_figures_are_reported(real_run: Path) -> None:
+    data = json.loads((real_run / "streaming.json").read_text())
+    cells = {(c["arm"], c["deploy"]): c for c in data["cells"]}
+    assert sorted(cells) == sorted((a, d) for a in ARMS for d in (REF, STRESS))
+    for key, c in cells.items():
+        assert c["slo"] == {"ttfp_s": 10.0, "max_stall_s": None}, key
+        assert 0 < c["median_audio_ttfp_ms"] <= c["p99_audio_ttfp_ms"] <= c["max_audio_ttfp_ms"], key
+        assert c["audio_throughput"] > 0 and c["benchmark_duration_s"] > 0, key
+        assert [q["chunk_windows"] for q in c["requests"]] == [len(q["chunk_frames_sent"]) for q in c["requests"]]
+    assert cells[("tts-fix", STRESS)]["failed"] == 0 and cells[("tts-fix", STRESS)]["request_goodput_rate"] == 1.0
+    release = cells[("tts-0.30.0", STRESS)]
+    assert release["failed"] == sum(r.preemptions > 0 for r in _records(real_run)[("tts-0.30.0", STRESS)].values())
+    assert release["request_goodput_rate"] == 1 - release["failed"] / 4
+    summary = (real_run / "summary.md").read_text()
+    assert "TTFP p50 / p90 / p99 / max (s)" in summary and "goodput SLO: TTFP <= 10 s" in summary
 
 
 def test_both_arms_say_every_text_unstressed(real_run: Path) -> None:
@@ -173,6 +260,10 @@ def test_the_shipped_gate_passes_the_fix_and_shows_the_bug(real_run: Path) -> No
     assert gate.returncode == 0, (gate.stdout[-3000:], gate.stderr[-2000:])
     assert f"PASS   candidate-stress-matches-reference: tts-fix/{STRESS} run 1 [candidate]" in gate.stdout
     assert f"PASS   baseline-stress-shows-bug (expected failure): tts-0.30.0/{STRESS} run 1 [baseline]" in gate.stdout
+    for rule in ("candidate-streams-whole", "candidate-chunk-contract", "candidate-stress-ttfp",
+                 "candidate-goodput-cpu"):
+        assert f"PASS   {rule}: tts-fix/{STRESS} run 1 [candidate]" in gate.stdout, rule
+    assert f"PASS   candidate-chunk-contract-unpreempted: tts-fix/{REF} run 1 [candidate]" in gate.stdout
 
 
 def test_the_sim_measured_against_the_real_server(real_run: Path) -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import click
 
+from harness.config import slo_option
+
 from harness import gate
 from harness.gate.verdict import refusal
 from harness.report import summary
@@ -32,8 +34,11 @@ from harness.proc import printable_streams
               help="Gate ARM in ROLE (baseline or candidate) instead of the role its run recorded: a plugin arm "
                    "given as --arm NAME=... runs as a candidate; --role NAME=baseline gates it as the release "
                    "expected to show the bug. Repeatable.")
+@click.option("--slo", "slo_text", default=None, metavar="ttfp_s=S,max_stall_s=S",
+              help="Goodput's streaming SLO for every cell instead of each deploy's slo: (a key left out is "
+                   "unbounded; default without either: no stall over 0.1 s).")
 def command(run_dir: Path, rules_path: str | None, junit_path: Path | None, any_family: bool,
-            roles: tuple[str, ...]) -> None:
+            roles: tuple[str, ...], slo_text: str | None) -> None:
     """Check RUN_DIR against the gate rules and exit 0 (pass), 1 (a rule failed) or 2 (could not evaluate)."""
     printable_streams()
     try:
@@ -48,7 +53,8 @@ def command(run_dir: Path, rules_path: str | None, junit_path: Path | None, any_
         refused = refusal(run)  # the same reasons the pages' verdict line gives
         if refused is not None:
             raise UserError(refused)
-        cells = with_roles(summary.summarize_cells(run), roles, run_dir)
+        slo = slo_option(slo_text) if slo_text is not None else None
+        cells = summary.with_slo(with_roles(summary.summarize_cells(run), roles, run_dir), slo)
         if isinstance(run.manifest.get("sweep"), dict):  # a sweep's run: the gate over its map
             _gate_map(run, rules, junit_path, cells)
         result = gate.evaluate(rules, cells, run_id=run.run_id)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from harness.config import slo_option
+
 from harness.report import summary
 from harness.report import tables as report
 from harness.proc import printable_streams
@@ -21,7 +23,11 @@ from harness.proc import printable_streams
 @click.option("--paired/--no-paired", "with_paired", default=False,
               help="Also print the paired per-prompt table: WER minus the same prompt's reference-deploy WER.")
 @click.option("--no-write", is_flag=True, help="Only print; do not (re)write summary.* / report.html / plots.")
-def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_write: bool) -> None:
+@click.option("--slo", "slo_text", default=None, metavar="ttfp_s=S,max_stall_s=S",
+              help="Goodput's streaming SLO for every cell instead of each deploy's slo: (a key left out is "
+                   "unbounded; default without either: no stall over 0.1 s).")
+def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_write: bool,
+            slo_text: str | None) -> None:
     """Print the summary table and the extended table of RUN_DIR (per-request rows with --requests).
 
     Writes summary.csv, summary.md, summary.json, requests.csv, paired.csv, plots/*.png and a
@@ -33,7 +39,7 @@ def command(run_dir: Path, fmt: str, with_requests: bool, with_paired: bool, no_
     problems = report.run_problems(run)
     if problems:
         click.echo(f"omni-stress: warning: {summary.problems_line(run, problems)}; the gate refuses it", err=True)
-    cells = report.summarize_cells(run)
+    cells = summary.with_slo(report.summarize_cells(run), slo_option(slo_text) if slo_text is not None else None)
     if fmt == "terminal":
         text = report.terminal_text(run, cells, with_requests=with_requests, with_paired=with_paired)
     elif fmt == "markdown":

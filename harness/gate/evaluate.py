@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from harness.config import StreamingSlo
+from harness.streaming_figures import RATIO_METRICS, STREAM_METRICS
+from harness.streaming_figures import metric as stream_metric
 from harness.report.summary import (
     CellKey,
     CellSummary,
@@ -90,10 +93,15 @@ class GateResult:
 # Bounds a cell run with ``--trace off`` can still be checked on: WER (from Whisper; the speaking
 # model's oracle needs the traced codec stream, so it is unknown there) and errors. Every other metric
 # counts span facts (events, row counts, misaligned positions, preemptions), which were never traced.
-SPAN_FREE_METRICS = (*WER_METRICS, "requests_over", "worst_of_repeats_requests_over", "errors")
+SPAN_FREE_METRICS = (*WER_METRICS, "requests_over", "worst_of_repeats_requests_over", "errors",
+                     *(m for m in STREAM_METRICS if m != "chunk_violations_beyond_replays"), *RATIO_METRICS)
 
 
 def _fmt(metric: str, value: float) -> str:
+    if metric in ("continuity_rate", "goodput"):
+        return f"{value:.0%}"
+    if metric in ("ttfp_p99_s", *RATIO_METRICS):
+        return f"{value:.3f}"
     if metric in WER_METRICS:
         return f"{value:+.3f}" if metric in REFERENCE_METRICS else f"{value:.3f}"
     return f"{value:g}"
@@ -114,6 +122,9 @@ def _metric_value(cell: CellSummary, metric: str, cells: list[CellSummary], thre
         return float(sum(v > threshold for v in worst.values()))
     if metric in ("preemptions", "errors", "crashed"):
         return float(getattr(cell, metric))
+    if metric in STREAM_METRICS:  # NaN: the cell streamed nothing (or its connector was not traced)
+        value = stream_metric(cell.records, metric, cell.slo or StreamingSlo())
+        return math.nan if value is None else value
     if metric in MISALIGNED_METRICS and not cell.misaligned_known:
         return math.nan  # the backend does not measure it
     return float(getattr(cell.events, metric))
@@ -141,7 +152,12 @@ def check(rule: Rule, bound: Bound, cell: CellSummary, cells: list[CellSummary],
             wanted = target or cell.pair or f"(none: {cell.deploy} is a {cell.deploy_role} deploy with no pair)"
             return CheckResult(bound, None, "error", f"{bound.key}: no {cell.arm}/{wanted} cell "
                                                      f"for run {cell.run_number} in this run")
-        if bound.metric == "wer_delta":
+        if bound.metric in RATIO_METRICS:
+            mine, theirs = (stream_metric(c.records, "ttfp_p99_s") for c in (cell, ref))
+            value = math.nan if mine is None or theirs is None else mine / theirs if theirs > 0 else None
+            if theirs is not None and mine is not None:
+                ref_note = f" (p99 {mine:.3f} s vs {theirs:.3f} s in {ref.arm}/{ref.deploy} run {ref.run_number})"
+        elif bound.metric == "wer_delta":
             value = None if cell.mean_wer is None or ref.mean_wer is None else cell.mean_wer - ref.mean_wer
             if value is not None:
                 ref_note = f" (vs {ref.arm}/{ref.deploy} run {ref.run_number}: {ref.mean_wer:.3f})"
@@ -153,6 +169,9 @@ def check(rule: Rule, bound: Bound, cell: CellSummary, cells: list[CellSummary],
     if value is None:
         return CheckResult(bound, None, "error", f"{bound.key}: {what} unknown (no scored requests or no data)")
     if math.isnan(value):
+        if bound.metric in STREAM_METRICS or bound.metric in RATIO_METRICS:
+            return CheckResult(bound, None, "skip", f"{bound.key}: {what} not measured: nothing streamed in this cell "
+                                                    "or its connector's windows were not traced (skipped)")
         return CheckResult(bound, None, "skip", f"{bound.key}: {what} not measured by this backend (skipped)")
     ok = value <= bound.limit if bound.op == "max" else value >= bound.limit
     sign = ("<=" if ok else ">") if bound.op == "max" else (">=" if ok else "<")

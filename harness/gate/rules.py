@@ -46,6 +46,7 @@ from harness.errors import ConfigError, UserError, short_repr
 from harness.metrics import METRICS as COUNT_METRICS
 from harness.metrics import MISALIGNED_COUNTS, STRESS_METRICS
 from harness.roles import DEPLOY_ROLES
+from harness.streaming_figures import RATIO_METRICS, STREAM_METRICS
 from harness.report.summary import (
     ROLES,
     CellSummary,
@@ -66,9 +67,11 @@ METRICS: dict[str, str] = {
     "preemptions": "preemptions",
     "errors": "requests that ended in an error",
     "crashed": "requests a server crash took down",
+    **STREAM_METRICS,  # streamed cells only (harness.streaming_figures); skipped where nothing streamed
+    **RATIO_METRICS,
 }
 WER_METRICS = ("mean_wer", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer")
-REFERENCE_METRICS = ("wer_delta", "worst_paired_delta")  # need reference_deploy
+REFERENCE_METRICS = ("wer_delta", "worst_paired_delta", *RATIO_METRICS)  # need reference_deploy
 MISALIGNED_METRICS = tuple(MISALIGNED_COUNTS)
 # Bounds that show the bug is detected (an expect: fail rule needs one, and no max_ on a WER metric).
 DETECTION_METRICS = ("mean_wer", "requests_over", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer",
@@ -233,7 +236,7 @@ def _parse_rule(item: Any, where: str, source: str, default_ref: str | None) -> 
             raise ConfigError(f"{source}: {where}.{key}: unknown key (allowed: {allowed}; metrics: "
                               f"{', '.join(METRICS)})")
         op, metric = key.split("_", 1)
-        lo = -1.0 if metric in REFERENCE_METRICS else 0.0
+        lo = -1.0 if metric in REFERENCE_METRICS and metric not in RATIO_METRICS else 0.0
         bounds.append(Bound(metric, op, _number(source, f"{where}.{key}", value, lo)))
     expect = item.get("expect", "pass")
     if expect not in ("pass", "fail"):

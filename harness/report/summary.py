@@ -820,6 +820,13 @@ def summarize_cells(run: Run) -> list[CellSummary]:
     return out
 
 
+def with_slo(cells: list[CellSummary], slo: StreamingSlo | None) -> list[CellSummary]:
+    """``cells`` measured against ``slo`` (``--slo``) instead of their deploys' own; None keeps theirs."""
+    import dataclasses
+
+    return cells if slo is None else [dataclasses.replace(c, slo=slo) for c in cells]
+
+
 def cell_trace_levels(run: Run) -> dict[CellKey, str | None]:
     """Each cell's ``--trace`` level: what the manifest's cell says its server ran, else the run's
     (``harness.rundir.manifest_trace``: None on the sim)."""

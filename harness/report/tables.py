@@ -32,11 +32,13 @@ from typing import Any
 import pandas as pd
 
 from harness.backends import is_simulated
+from harness.config import StreamingSlo
 from harness.errors import UserError
 from harness.metrics import METRICS, TABLE_METRICS, Metric
 from harness.proc import fork_call
 from harness.records import EventCounts, RequestRecord, write_file_atomic
 from harness.report.style import VERDICT_CSS
+from harness.streaming_figures import THRESHOLDS_S, bench_fields, figures
 from harness.report.summary import (  # re-exported: callers and tests use report.load_run & co.
     DEFAULT_ROLE,
     ROLES,
@@ -251,43 +253,63 @@ def extended_table(cells: list[CellSummary]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=EXTENDED_COLUMNS, dtype=object)
 
 
-STREAM_COLUMNS = ["Arm", "Deploy", "Run", "Streamed", "TTFA med / max (s)", "E2E med (s)", "Chunks (med)",
-                  "Gap max (s)", "Underruns", "Underrun s (total)", "RTF (med)"]
-
-
-def _med(values: list[float]) -> float | None:
-    return float(pd.Series(values, dtype=float).median()) if values else None
+STREAM_COLUMNS = ["Arm", "Deploy", "Run", "Streamed", "Failed", "TTFP p50 / p90 / p99 / max (s)",
+                  "Gap p50 / p99 / max (s)", "Stall worst / total (s)", "Continuity 50 / 100 / 200 ms", "Goodput",
+                  "RTF p50 / p99", "Audio s per s", "Windows (med) / violations"]
 
 
 def _secs(value: float | None, digits: int = 3) -> str:
     return NA if value is None else f"{value:.{digits}f}"
 
 
+def _spread(sp: Any, which: tuple[str, ...], digits: int = 3) -> str:
+    return NA if sp is None else " / ".join(_secs(getattr(sp, w), digits) for w in which)
+
+
+def _rate(value: float | None) -> str:
+    return NA if value is None else f"{value:.0%}"
+
+
 def streaming_table(cells: list[CellSummary]) -> pd.DataFrame:
-    """One row per cell with streamed requests (``run --stream``; docs/streaming.md): TTFA to the first
-    audio bytes (measured), the stream's end, audio chunks, the longest gap, underruns of a player
-    started at the first chunk (count and total seconds), RTF. Empty when nothing streamed."""
+    """One row per cell with streamed requests (``run --stream``; docs/streaming.md, the definitions in
+    ``harness.streaming_figures``): TTFP and every inter-chunk gap at p50/p90/p99 and worst, the worst
+    stall and the stall total of a player started at the first packet, the continuity rate at 50/100/200
+    ms, goodput against the cell's SLO, RTF, audio seconds per wall second, and the Code2Wav windows with
+    the chunk contract's violations where the connector was traced. Empty when nothing streamed."""
     rows = []
     for c in cells:
-        recs = [r for r in c.records if r.error is None and r.stream_ttfa_s is not None]
-        if not recs:
+        f = figures(c.records, c.slo or StreamingSlo())
+        if f is None:
             continue
-        gaps = [g for r in recs for g in (r.stream_gaps_s or [])]
-        rtfs = [r.rtf for r in recs if r.rtf is not None]
+        windows = (NA if f.chunk_windows is None
+                   else f"{f.chunk_windows.p50:g} / {f.chunk_violations}")
         rows.append([
-            c.arm, c.deploy, str(c.run_number), fmt_ratio(len(recs), c.requests),
-            f"{_secs(_med([r.stream_ttfa_s for r in recs]))} / {_secs(max(r.stream_ttfa_s for r in recs))}",
-            _secs(_med([r.stream_end_s for r in recs if r.stream_end_s is not None])),
-            f"{_med([float(r.stream_chunks or 0) for r in recs]):g}", _secs(max(gaps) if gaps else None),
-            str(sum(len(r.stream_underruns or []) for r in recs)),
-            _secs(sum(r.stream_underrun_s or 0.0 for r in recs)), _secs(_med(rtfs), 2),
+            c.arm, c.deploy, str(c.run_number), fmt_ratio(f.streamed, f.requests), str(f.failed),
+            _spread(f.ttfp, ("p50", "p90", "p99", "worst")), _spread(f.gaps, ("p50", "p99", "worst")),
+            f"{_secs(f.worst_stall_s)} / {_secs(f.stall.mean * f.streamed if f.stall else None)}",
+            " / ".join(_rate(f.continuity.get(t)) for t in THRESHOLDS_S), _rate(f.goodput),
+            _spread(f.rtf, ("p50", "p99"), 2), _secs(f.throughput, 2), windows,
         ])
     return pd.DataFrame(rows, columns=STREAM_COLUMNS, dtype=object)
 
 
-STREAM_NOTE = ("Streamed audio (--stream, measured by the client): TTFA from the send to the first audio bytes; "
-               "E2E to the stream's last byte; a gap is the time between two audio chunks; an underrun is a moment "
-               "a player started at the first chunk runs dry (docs/streaming.md).")
+def streaming_slos(cells: list[CellSummary]) -> list[str]:
+    """The SLOs goodput was measured against, one line per distinct SLO (the deploys that use it)."""
+    by_slo: dict[str, list[str]] = {}
+    for c in cells:
+        if figures(c.records) is not None:
+            by_slo.setdefault((c.slo or StreamingSlo()).describe(), [])
+            if c.deploy not in by_slo[(c.slo or StreamingSlo()).describe()]:
+                by_slo[(c.slo or StreamingSlo()).describe()].append(c.deploy)
+    return [f"goodput SLO: {slo} ({', '.join(deploys)})" for slo, deploys in by_slo.items()]
+
+
+STREAM_NOTE = ("Streamed audio (--stream, measured by the client): TTFP from the send to the first audio packet; a "
+               "gap is the time between two audio chunks; a stall is a moment a player started at the first packet "
+               "runs dry (worst: the longest, total: their sum over the cell); continuity: the share of requests "
+               "with no stall over 50/100/200 ms; goodput: the share meeting the SLO; failed requests (errors, audio "
+               "shorter than its codec stream) count against both; windows: the Code2Wav windows each request was "
+               "sent and the chunk contract's violations (docs/streaming.md).")
 
 
 def cells_frame(cells: list[CellSummary]) -> pd.DataFrame:
@@ -594,7 +616,7 @@ def terminal_text(run: Run, cells: list[CellSummary], with_requests: bool = Fals
                                render_text(extended_table(cells))]
     streamed = streaming_table(cells)
     if len(streamed):
-        parts += ["", render_text(streamed), STREAM_NOTE]
+        parts += ["", render_text(streamed), STREAM_NOTE, *streaming_slos(cells)]
     if with_paired:
         parts += ["", render_text(paired_table(run, cells)), paired_note(cells)]
     if with_requests:
@@ -608,7 +630,8 @@ def markdown_text(run: Run, cells: list[CellSummary], with_requests: bool = True
              render_markdown(extended_table(cells)), "", "</details>"]
     streamed = streaming_table(cells)
     if len(streamed):
-        parts += ["", "<details><summary>Streamed audio</summary>", "", render_markdown(streamed), "", STREAM_NOTE,
+        parts += ["", "<details><summary>Streamed audio</summary>", "", render_markdown(streamed), "",
+                  " ".join([STREAM_NOTE, *streaming_slos(cells)]),
                   "", "</details>"]
     paired = paired_table(run, cells)
     if len(paired):
@@ -641,6 +664,35 @@ def json_summary(run: Run, cells: list[CellSummary]) -> dict[str, Any]:
         "paired": _records(paired_frame(cells)),
         "requests": request_dicts(run, cells, max_text=10_000),
     }
+
+
+def streaming_json(cells: list[CellSummary]) -> dict[str, Any] | None:
+    """streaming.json (written only when a cell streamed): each cell's figures under ``vllm bench serve
+    --omni``'s names where one exists (``harness.streaming_figures.bench_fields``) and each request's."""
+    out = []
+    for c in cells:
+        slo = c.slo or StreamingSlo()
+        f = figures(c.records, slo)
+        if f is None:
+            continue
+        requests = []
+        for r in c.records:
+            stall = max((u[1] for u in r.stream_underruns or []), default=0.0)
+            ok = r.error is None and r.stream_failed is None and r.stream_ttfa_s is not None
+            requests.append({
+                "prompt_id": r.prompt_id, "error": r.error, "stream_failed": r.stream_failed,
+                "audio_ttfp_ms": None if r.stream_ttfa_s is None else round(r.stream_ttfa_s * 1000, 3),
+                "chunks": r.stream_chunks, "max_gap_ms": round(max(r.stream_gaps_s or [0.0]) * 1000, 3),
+                "max_stall_ms": round(stall * 1000, 3), "stall_total_s": r.stream_underrun_s,
+                "chunk_windows": r.chunk_windows, "chunk_frames_sent": r.chunk_frames_sent,
+                "chunk_violations": r.chunk_violations, "chunk_violation": r.chunk_violation,
+                "meets_slo": ok and (slo.ttfp_s is None or r.stream_ttfa_s <= slo.ttfp_s)  # type: ignore[operator]
+                and (slo.max_stall_s is None or stall <= slo.max_stall_s),
+            })
+        out.append({"arm": c.arm, "deploy": c.deploy, "repeat": c.repeat, "run": c.run_number, "role": c.role,
+                    "deploy_role": c.deploy_role, "slo": {"ttfp_s": slo.ttfp_s, "max_stall_s": slo.max_stall_s},
+                    **bench_fields(f), "requests": requests})
+    return {"cells": out} if out else None
 
 
 def paired_frame(cells: list[CellSummary], reference_deploy: str | None = None) -> pd.DataFrame:
@@ -771,7 +823,8 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes], ver
         parts.append(f"<img alt=\"{html.escape(name)}\" src=\"data:image/png;base64,{data}\">")
     parts += [h2("extended"), _html_table(extended_table(cells), "extended", _EXTENDED_SHORT)]
     if len(streamed):
-        parts += [h2("streamed"), table(streamed, "streamed"), f"<p class=\"note\">{html.escape(STREAM_NOTE)}</p>"]
+        parts += [h2("streamed"), table(streamed, "streamed"),
+                  f"<p class=\"note\">{html.escape(' '.join([STREAM_NOTE, *streaming_slos(cells)]))}</p>"]
     if paired:
         parts += [h2("paired"), paired, f"<p class=\"note\">{html.escape(paired_note(cells))} The worst request of "
                                         "each cell plays here next to the reference deploy's audio for the same "
@@ -1050,6 +1103,10 @@ def write_reports(run: Run | Path, cells: list[CellSummary] | None = None, verdi
     write_file_atomic(out["markdown"], markdown_text(run, cells))
     out["json"] = run_dir / "summary.json"
     write_file_atomic(out["json"], indented_json(json_summary(run, cells)) + "\n")
+    streaming = streaming_json(cells)
+    if streaming is not None:  # runs that streamed nothing keep the files they had
+        out["streaming_json"] = run_dir / "streaming.json"
+        write_file_atomic(out["streaming_json"], indented_json(streaming) + "\n")
 
     plot_dir.mkdir(exist_ok=True)
     if images is None and drawing is not None:

@@ -25,6 +25,8 @@ from harness.gate import Rules
 from harness.records import MANIFEST_FILE
 from harness.report.summary import CellSummary, Run, load_run, run_problems, summarize_cells
 from harness.report.style import VERDICT_CSS
+from harness.config import StreamingSlo
+from harness.streaming_figures import StreamingFigures, bench_fields, figures
 from harness.sweep.gate import ArmVerdict, MapVerdict, evaluate_map, stressed
 from harness.sweep.metrics import (
     PERCENTILES,
@@ -90,6 +92,12 @@ class Row:
     @property
     def stressed(self) -> int:
         return sum(stressed(c) for c in self.cells)
+
+    @property
+    def streaming(self) -> StreamingFigures | None:
+        """The point's streaming figures over all its cells (None: nothing streamed)."""
+        slo = next((c.slo for c in self.cells if c.slo is not None), None) or StreamingSlo()
+        return figures([rec for c in self.cells for rec in c.records], slo)
 
     @property
     def preemptions(self) -> int:
@@ -248,10 +256,13 @@ def table_rows(m: SweepMap) -> tuple[list[str], list[list[str]]]:
     ttfa_head = f"TTFA p50/p90/p99 ({unit}, measured)" if sources == {"stream"} else f"TTFA p50/p90/p99 ({unit})"
     with_rtf = any(r.latency.rtf[50] is not None for r in m.rows)
     with_audio = any(r.audio_seconds is not None for r in m.rows)
+    streams = {id(r): r.streaming for r in m.rows}
+    with_stream = any(f is not None for f in streams.values())  # streamed points: how it played (sim maps as before)
     head = (["Arm", "Point"] + shorts + ["WER (mean)", "WER > 0.5", "Misaligned (text)", "Chunks", "Replays",
                                           "Multi-decode", "Preempt.", f"E2E p50/p90/p99 ({unit})",
                                           ttfa_head]
             + (["RTF p50/p90/p99"] if with_rtf else []) + (["Audio s (med)"] if with_audio else [])
+            + (STREAM_HEAD if with_stream else [])
             + ["Dur. ratio (med)", "Truncated", "Overrun", "Stressed", "Map gate"])
     body = []
     for r in m.rows:
@@ -265,11 +276,23 @@ def table_rows(m: SweepMap) -> tuple[list[str], list[list[str]]]:
                        _percentiles(lat.ttfa) + (f" [{lat.ttfa_source}]" if mark and lat.ttfa_source else "")]
                     + ([_percentiles(lat.rtf)] if with_rtf else [])
                     + ([_fmt(r.audio_seconds, 2)] if with_audio else [])
+                    + (_stream_cells(streams[id(r)]) if with_stream else [])
                     + [_fmt(r.duration.median_ratio, 2) if r.coords else "1 (ref)",
                        f"{r.duration.truncated}/{r.duration.compared}" if r.coords else "–",
                        f"{r.duration.overrun}/{r.duration.compared}" if r.coords else "–",
                        f"{r.stressed}/{len(r.cells)}" if r.coords else "–", status])
     return head, body
+
+
+STREAM_HEAD = ["Stall worst (s)", "Continuity 100 ms", "Goodput", "Failed", "Chunk violations"]
+
+
+def _stream_cells(f: StreamingFigures | None) -> list[str]:
+    if f is None:
+        return ["–"] * len(STREAM_HEAD)
+    rate = (lambda v: "–" if v is None else f"{v:.0%}")
+    return [_fmt(f.worst_stall_s), rate(f.continuity_rate), rate(f.goodput), f"{f.failed}/{f.requests}",
+            "–" if f.chunk_violations is None else str(f.chunk_violations)]
 
 
 def latency_note(m: SweepMap) -> str | None:
@@ -360,6 +383,7 @@ def map_json(m: SweepMap) -> dict[str, Any]:
             "duration": {"compared": r.duration.compared, "truncated": r.duration.truncated,
                          "overrun": r.duration.overrun, "median_ratio": r.duration.median_ratio},
             "stressed_cells": r.stressed, "cells": len(r.cells), "status": r.status, "knee": r.knee,
+            **({"streaming": bench_fields(f)} if (f := r.streaming) is not None else {}),
         })
     return {
         "run_id": m.run.run_id, "sweep": m.sweep, "rows": rows,

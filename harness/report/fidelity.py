@@ -9,6 +9,11 @@ codes say, read back by the run's family's speaking rules (``Family.speaking_rul
 speaking tiny model's Talker, so a difference between the two sides is the scheduler, the runner or
 timing, not the Talker (docs/fidelity.md says which differences to expect and why).
 
+Where either run carries Code2Wav windows (``chunk_frames_sent``: a streaming deploy's connector, traced on the
+real server, modelled by the sim, ``harness.sim.windows``), each request also says whether the two sides' window
+boundaries agree and from which window they part ("not measured" where a side has none); runs without windows
+print and write exactly what they did before.
+
 Per arm x deploy (x repeat) and per request, sim beside real with the ratio sim / real:
 oracle WER (the cell's mean), codec tokens, non-zero-offset chunks, crossing replays, multi-position
 decode spans, preemptions, row-count mismatches (prefill calls whose rows differ from the span) and
@@ -103,6 +108,45 @@ def ratio(sim: float | int | None, real: float | int | None) -> float | None:
     return sim / real
 
 
+NOT_MEASURED = "not measured"
+
+
+@dataclass(frozen=True)
+class WindowComparison:
+    """One request's Code2Wav window boundaries (``chunk_frames_sent``: new frames per window), sim beside real."""
+
+    sim: list[int] | None  # None: that side has no windows (not streamed, not traced, or not modelled)
+    real: list[int] | None
+
+    @property
+    def status(self) -> str:
+        """``same``, ``differ``, or ``not measured`` (a side without windows)."""
+        if self.sim is None or self.real is None:
+            return NOT_MEASURED
+        return "same" if list(self.sim) == list(self.real) else "differ"
+
+    @property
+    def first_difference(self) -> int | None:
+        """The index of the first window whose new-frame count differs (one side ending early differs at its
+        end); None when they agree or are not measured."""
+        if self.sim is None or self.real is None:
+            return None
+        return first_difference(self.sim, self.real)
+
+    def cell_text(self) -> str:
+        """The per-request table's ``Same windows`` column."""
+        status = self.status
+        return "yes" if status == "same" else f"no (window {self.first_difference})" if status == "differ" else status
+
+
+def compare_windows(sim: RequestRecord, real: RequestRecord) -> WindowComparison | None:
+    """The two records' window boundaries; None when neither carries any (nothing to say)."""
+    if sim.chunk_frames_sent is None and real.chunk_frames_sent is None:
+        return None
+    return WindowComparison(None if sim.chunk_frames_sent is None else [int(n) for n in sim.chunk_frames_sent],
+                            None if real.chunk_frames_sent is None else [int(n) for n in real.chunk_frames_sent])
+
+
 @dataclass
 class RequestComparison:
     key: RequestKey
@@ -112,19 +156,36 @@ class RequestComparison:
     schedule: str = "unknown"  # "same", "differs", or "unknown" (a side without spans)
     first_code_difference: int | None = None  # index of the first codec token that differs (None: the same)
     said: tuple[str, str] | None = None  # what each side's codes say (the family's ``decode``), where they differ
+    windows: WindowComparison | None = None  # the Code2Wav windows (None: neither side has any)
+
+    @property
+    def windows_differ(self) -> bool:
+        return self.windows is not None and self.windows.status == "differ"
 
     def difference_line(self) -> str:
         """Why this request differs, in one line: its spans, then where its codec streams part."""
         spans = {"same": "identical spans", "differs": "the spans differ (the schedule: docs/fidelity.md)",
                  "unknown": "spans unknown"}[self.schedule]
         if self.same_codes:
-            return f"{_key_text(self.key)}: {spans}; identical codec tokens"
+            return f"{_key_text(self.key)}: {spans}; identical codec tokens" + self._windows_text()
         text = f"{_key_text(self.key)}: {spans}; codec tokens differ from token {self.first_code_difference}"
         if self.schedule == "same":
             text += " on identical spans (the Talker or the runner differs)"
         if self.said is not None:
             text += f"; sim says {self.said[0]!r}, real says {self.said[1]!r}"
-        return text
+        return text + self._windows_text()
+
+    def _windows_text(self) -> str:
+        """The Code2Wav windows' part of the line, only where they differ (else the line is as before)."""
+        w = self.windows
+        if w is None or w.status != "differ" or w.first_difference is None:
+            return ""
+        i = w.first_difference
+
+        def size(frames: Sequence[int] | None) -> str:
+            return f"{frames[i]} frames" if frames is not None and i < len(frames) else "none"
+
+        return f"; Code2Wav windows differ from window {i} (sim {size(w.sim)}, real {size(w.real)})"
 
 
 @dataclass
@@ -146,8 +207,14 @@ class Fidelity:
 
     @property
     def differing(self) -> list[RequestComparison]:
-        """Requests whose codec tokens or any metric differ."""
-        return [r for r in self.requests if not r.same_codes or not all(v.same for v in r.values.values())]
+        """Requests whose codec tokens, Code2Wav windows (where both sides have them) or any metric differ."""
+        return [r for r in self.requests
+                if not r.same_codes or r.windows_differ or not all(v.same for v in r.values.values())]
+
+    @property
+    def has_windows(self) -> bool:
+        """Some matched request has Code2Wav windows on a side: the table and the JSON say them."""
+        return any(r.windows is not None for r in self.requests)
 
 
 def span_schedules(spans: Iterable[Mapping[str, Any]]) -> dict[RequestKey, str]:
@@ -225,7 +292,7 @@ def compare(sim: Side, real: Side, decode: Callable[[list[int]], str] | None = N
             said = (decode(list(ra.codec_tokens)), decode(list(rb.codec_tokens)))
         schedule = "unknown" if sa is None or sb is None else "same" if sa == sb else "differs"
         requests.append(RequestComparison(key, values, differ_at is None, sa is not None and sa == sb, schedule,
-                                          differ_at, said))
+                                          differ_at, said, compare_windows(ra, rb)))
     cells = []
     for cell in sorted(common_cells, key=lambda c: order[c]):
         reqs = [r for r in requests if r.key[:3] == cell]
@@ -341,9 +408,11 @@ def _cell_label(key: CellKey, repeats: bool) -> str:
 
 def render_text(fid: Fidelity) -> str:
     repeats = len({c.key[2] for c in fid.cells}) > 1
+    windows = fid.has_windows
+    same = "same codec tokens, Code2Wav windows and every metric" if windows else "same codec tokens and every metric"
     out = [f"sim:  {fid.sim.describe()}", f"real: {fid.real.describe()}",
            f"{len(fid.requests)} requests in both runs, {len(fid.requests) - len(fid.differing)} identical "
-           f"(same codec tokens and every metric); ratio = sim / real (two zeros: 1.00)"]
+           f"({same}); ratio = sim / real (two zeros: 1.00)"]
     for note in fid.notes:
         out.append(f"note: {note}")
     for cell in fid.cells:
@@ -355,16 +424,22 @@ def render_text(fid: Fidelity) -> str:
                          fmt_ratio(v.ratio)])
         out += ["  " + line for line in _table(["Metric", "Sim", "Real", "Sim/Real"], rows, 1)]
     out += ["", "Per request:"]
-    header = ["Arm", "Deploy", "Run", "Prompt", "Same codes", "Metric", "Sim", "Real", "Sim/Real"]
+    # the windows' column only where some request has windows: a run without them prints what it did before
+    header = ["Arm", "Deploy", "Run", "Prompt", "Same codes", *(["Same windows"] if windows else []),
+              "Metric", "Sim", "Real", "Sim/Real"]
     rows = []
     for r in fid.requests:
         arm, deploy, repeat, prompt = r.key
         for i, m in enumerate(METRICS):
             v = r.values[m.key]
-            ident = [arm, deploy, str(repeat), prompt, "yes" if r.same_codes else "no"] if i == 0 else [""] * 5
+            ident = [arm, deploy, str(repeat), prompt, "yes" if r.same_codes else "no"]
+            if windows:
+                ident.append(r.windows.cell_text() if r.windows is not None else NOT_MEASURED)
+            if i:
+                ident = [""] * len(ident)
             rows.append(ident + [m.label + ("" if v.same else " *"), fmt_value(m, v.sim), fmt_value(m, v.real),
                                  fmt_ratio(v.ratio)])
-    out += _table(header, rows, 6)
+    out += _table(header, rows, len(header) - 3)
     out.append("(* sim and real differ)")
     apart = [r for r in fid.requests if r in fid.differing or r.schedule == "differs"]
     if apart:  # every request whose codes, counts or spans differ, with its spans and where its codes part
@@ -383,6 +458,14 @@ def _values_json(values: dict[str, Value]) -> dict[str, Any]:
     return {k: {"sim": v.sim, "real": v.real, "ratio": v.ratio} for k, v in values.items()}
 
 
+def _windows_json(w: WindowComparison | None) -> dict[str, Any]:
+    """A request's windows in the JSON (only in a comparison where some request has them): ``windows`` (same,
+    differ, not measured), ``first_window_difference`` and each side's ``chunk_frames_sent``."""
+    w = w or WindowComparison(None, None)
+    return {"windows": w.status, "first_window_difference": w.first_difference,
+            "chunk_frames_sent": {"sim": w.sim, "real": w.real}}
+
+
 def as_json(fid: Fidelity) -> dict[str, Any]:
     def side(s: Side) -> dict[str, Any]:
         return {"run_id": s.label, "backend": s.backend, "sim_talker": s.talker}
@@ -399,6 +482,7 @@ def as_json(fid: Fidelity) -> dict[str, Any]:
         "requests": [{**key(r.key), "same_codec_tokens": r.same_codes, "same_schedule": r.same_schedule,
                       "schedule": r.schedule, "first_code_difference": r.first_code_difference,
                       "said": None if r.said is None else {"sim": r.said[0], "real": r.said[1]},
+                      **(_windows_json(r.windows) if fid.has_windows else {}),
                       "metrics": _values_json(r.values)}
                      for r in fid.requests],
         "only_sim": [key(k) for k in fid.only_sim],

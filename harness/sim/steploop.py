@@ -26,6 +26,7 @@ from harness.sim.load import Arrivals
 from harness.sim.runner import SimRunner
 from harness.sim.scheduler import _quiet_vllm, make_scheduler
 from harness.sim.specdec import Drafter, verify
+from harness.sim.windows import connector_rule, record_windows
 from harness.talkers import load_impl
 
 
@@ -85,6 +86,10 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
 
     arrivals = Arrivals(outputs, deploy.load, deploy.sim.thinker_steps_per_token, deploy.thinker.max_num_seqs, seed)
     first_token: dict[str, int] = {}
+    # a streaming deploy of a family whose connector sends Code2Wav windows: each request's generated-token
+    # count after every step that sampled for it, the windows' clock (harness.sim.windows)
+    chunk_rule = connector_rule(family, deploy)
+    progress: dict[str, list[tuple[int, int]]] = {o.request_id: [] for o in outputs} if chunk_rule is not None else {}
     by_id = {o.request_id: o for o in outputs}
     live: dict[str, Request] = {}
     errors: dict[str, str] = {}
@@ -117,6 +122,8 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
             record.first_token_step = first_token.get(rid)
             record.finish_step = step
             record.schedule = schedule_digest(spans_by_req[rid])
+        if chunk_rule is not None and record.error is None:  # as the real backend: no windows for a failed request
+            record_windows(record, progress[rid], chunk_rule)
         stats.preemptions += req.num_preemptions
         if rid not in skip:
             on_request(SimRequestResult(record, units))
@@ -177,6 +184,10 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
         scheduler.update_from_output(sched_out, mro)
+        if chunk_rule is not None:
+            for rid, tokens in zip(req_ids, sampled):
+                if tokens:
+                    progress[rid].append((step, live[rid].num_output_tokens))
         if drafter is not None:  # the runner proposes drafts after sampling; the engine hands them over
             ids = [r for r, toks in zip(req_ids, sampled) if toks and not live[r].is_finished()]
             scheduler.update_draft_token_ids(DraftTokenIds(

@@ -112,6 +112,16 @@ def _inside(stream: Sequence[int], new: Sequence[int], pos: int) -> tuple[str, i
     return None
 
 
+def _wrong(stream: Sequence[int], new: Sequence[int], pos: int, i: int) -> str:
+    """A window whose frames are nobody's: how many differ from the stream's at their places, and the first."""
+    want = list(stream[pos:pos + len(new)])
+    diff = [k for k, got in enumerate(new) if k >= len(want) or got != want[k]]
+    k = diff[0]
+    fed = f"where the Talker fed {want[k]}" if k < len(want) else "past the end of its stream"
+    return (f"window {i}: {len(diff)} of {len(new)} frames wrong in frames {pos}-{pos + len(new) - 1} "
+            f"(frame {pos + k}: {new[k]} {fed})")
+
+
 def check_windows(windows: Sequence[Window], stream: Sequence[int], rule: ChunkRule = SHIPPED,
                   others: Mapping[str, Sequence[int]] | None = None) -> ChunkCheck:
     """Check one request's ``windows`` (sending order) against its codec ``stream``; ``others``: the other
@@ -160,10 +170,11 @@ def check_windows(windows: Sequence[Window], stream: Sequence[int], rule: ChunkR
             pos += len(new) + (d if gone else -d)
         else:
             owner = next((name for name, s in sorted((others or {}).items()) if _find(s, new, 0) is not None), None)
-            kind, what = (("foreign", f"request {owner}'s frames") if owner is not None
-                          else ("wrong-frames", "frames that are not its stream's"))
-            violations.append(Violation(i, kind, f"window {i}: {len(new)} {what} where frames {pos}-"
-                                                  f"{pos + len(new) - 1} belong"))
+            if owner is not None:
+                violations.append(Violation(i, "foreign", f"window {i}: {len(new)} request {owner}'s frames where "
+                                                          f"frames {pos}-{pos + len(new) - 1} belong"))
+            else:
+                violations.append(Violation(i, "wrong-frames", _wrong(stream, new, pos, i)))
             pos += len(new)
     if pos < len(stream):
         violations.append(Violation(None, "missing", f"frames {pos}-{len(stream) - 1} of {len(stream)} never sent"))

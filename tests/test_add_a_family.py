@@ -205,7 +205,7 @@ def test_a_new_family_is_one_package_and_its_yaml(tmp_path: Path) -> None:
     assert gate.returncode == 0, gate.stdout[-3000:] + gate.stderr[-3000:]
     assert ("PASS   baseline-stress-shows-bug (expected failure): toy-release/toy-tts-stress run 1 [baseline]"
             in gate.stdout)
-    assert "gate: 6 passed, 0 failed, 0 could not be evaluated -> pass (exit 0)" in gate.stdout
+    assert "gate: 9 passed, 0 failed, 3 skipped, 0 could not be evaluated -> pass (exit 0)" in gate.stdout
 
     # The recipe's warning: a family that leaves out a member is refused at registration, by name.
     broken = root / "harness" / "families" / "broken_tts"

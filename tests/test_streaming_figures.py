@@ -115,7 +115,7 @@ def test_the_gate_bounds_streaming_metrics_and_skips_cells_that_did_not_stream()
     skipped = evaluate(parse_rules({"rules": [{"name": "whole", "role": "candidate", "deploy": "*",
                                                 "max_failed_streams": 0}]}), [plain])
     assert [c.status for c in skipped.cases] == ["skip"] and skipped.exit_code == 0
-    assert "nothing streamed in this cell or its connector's windows were not traced (skipped)" in \
+    assert "nothing streamed in this cell or its connector's windows were not traced or modelled (skipped)" in \
         skipped.cases[0].message
 
 

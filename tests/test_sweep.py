@@ -112,7 +112,7 @@ def test_bad_sweep_file_is_one_line_exit_2(tmp_path: Path, name: str, text: str,
 
 def test_unknown_sweep_name_lists_the_shipped_ones(tmp_path: Path) -> None:
     res = invoke_cli("sweep", "nope", "--out", str(tmp_path / "out"))
-    assert_one_line_error(res, "unknown sweep 'nope' (known: cpu, default, quick, qwen3-omni, qwen3-tts; or give a .yaml path)")
+    assert_one_line_error(res, "unknown sweep 'nope' (known: cpu, default, quick, qwen3-omni, qwen3-tts, qwen3-tts-streaming; or give a .yaml path)")
 
 
 def test_scheduler_rules_are_checked_per_point(tmp_path: Path) -> None:

@@ -171,7 +171,7 @@ def check(rule: Rule, bound: Bound, cell: CellSummary, cells: list[CellSummary],
     if math.isnan(value):
         if bound.metric in STREAM_METRICS or bound.metric in RATIO_METRICS:
             return CheckResult(bound, None, "skip", f"{bound.key}: {what} not measured: nothing streamed in this cell "
-                                                    "or its connector's windows were not traced (skipped)")
+                                                    "or its connector's windows were not traced or modelled (skipped)")
         return CheckResult(bound, None, "skip", f"{bound.key}: {what} not measured by this backend (skipped)")
     ok = value <= bound.limit if bound.op == "max" else value >= bound.limit
     sign = ("<=" if ok else ">") if bound.op == "max" else (">=" if ok else "<")

@@ -87,9 +87,10 @@ class Family:
         ``server_env()`` and ``BY_TEXT`` (True: the trace names a request by its text, not a chat tag)."""
         raise NotImplementedError
 
-    def tiny_model_argv(self, out: str, seed: int, speaking: bool) -> list[str]:
+    def tiny_model_argv(self, out: str, seed: int, speaking: bool | None) -> list[str]:
         """The arguments after the real environment's interpreter that build this family's tiny
-        checkpoint in ``out`` (``python -m ...``: the builder needs that environment's transformers)."""
+        checkpoint in ``out`` (``python -m ...``: the builder needs that environment's transformers);
+        ``speaking``: ``--speaking`` (True), ``--random`` (False) or neither (None: the family's default)."""
         raise NotImplementedError
 
     @property

@@ -38,6 +38,7 @@ def test_runner_keeps_vllm_omnis_preprocess_and_cpu_device_methods(findings: dic
     assert findings["load_model_owner"] == "GPUARModelRunner"  # chains to CPUModelRunner.load_model via super()
     assert findings["preprocess_owner"] == "OmniGPUModelRunner"
     assert findings["sync_is_cpu"] is True and findings["gen_sync_is_cpu"] is True
+    assert findings["mtp_buffers_owner"] == ["_TalkerMTPBuffersMixin", "_TalkerMTPBuffersMixin"]
 
 
 def test_seeded_rewind_without_set_offset(findings: dict) -> None:

@@ -22,7 +22,9 @@ Corrections, each needed on CPU and harmless to what is measured:
   states, text steps) as ``max(max_num_reqs, compilation_config.max_cudagraph_capture_size)``; on CPU
   there are no CUDA graphs and the capture size is ``None``, so that ``max`` raises TypeError at load.
   ``_TalkerMTPBuffersMixin`` runs the release's ``_init_talker_mtp`` unchanged with the capture size
-  read as 0 for the call (buffers of ``max_num_reqs`` rows, all a CPU step can use). It replaces
+  read as 0 for the call (buffers of ``max_num_reqs`` rows, all a CPU step can use). The generation runner
+  (Code2Wav) gets it too: Qwen3-Omni's one model class exposes ``talker_mtp`` in every stage, so the
+  release's ``load_model`` sizes those buffers in its Code2Wav stage as well (issue 44). It replaces
   nothing of ``preprocess``, ``preprocess_decode_batch`` or ``_preprocess`` (the code under test), nor of
   ``talker_mtp`` itself; the code predictor runs eager on CPU by the release's own rule
   (``supports_torch_inductor`` is False, ``platform.py``).
@@ -110,7 +112,7 @@ class CPUARModelRunner(_TalkerMTPBuffersMixin, _SeededRewindMixin, GPUARModelRun
 
 
 @_pin_cpu_methods
-class CPUGenerationModelRunner(_SeededRewindMixin, GPUGenerationModelRunner, CPUModelRunner):
+class CPUGenerationModelRunner(_TalkerMTPBuffersMixin, _SeededRewindMixin, GPUGenerationModelRunner, CPUModelRunner):
     pass
 
 

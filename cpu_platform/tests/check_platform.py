@@ -35,6 +35,9 @@ from vllm_omni.worker.gpu_model_runner import OmniGPUModelRunner  # noqa: E402
 out["load_model_owner"] = next(k.__name__ for k in CPUARModelRunner.__mro__ if "load_model" in vars(k))
 out["sync_is_cpu"] = CPUARModelRunner._sync_device is CPUModelRunner.__dict__["_sync_device"]
 out["gen_sync_is_cpu"] = CPUGenerationModelRunner._sync_device is CPUModelRunner.__dict__["_sync_device"]
+# both runners size the talker-MTP buffers without a CUDA-graph capture size (Qwen3-Omni's Code2Wav stage too)
+out["mtp_buffers_owner"] = [next(k.__name__ for k in cls.__mro__ if "_init_talker_mtp" in vars(k))
+                            for cls in (CPUARModelRunner, CPUGenerationModelRunner)]
 mro = [k.__name__ for k in CPUARModelRunner.__mro__]
 out["omni_before_cpu"] = mro.index("GPUARModelRunner") < mro.index("CPUModelRunner") < mro.index("GPUModelRunner")
 out["preprocess_owner"] = next(k.__name__ for k in CPUARModelRunner.__mro__ if "_preprocess" in vars(k))

@@ -1,5 +1,6 @@
 """``omni-stress tiny-model DIR [--family F]``: build a tiny checkpoint for the real backend on CPU, by the
-family's own builder (``Family.tiny_model_argv``: the speaking or random Qwen2.5-Omni, the speaking Qwen3-TTS).
+family's own builder (``Family.tiny_model_argv``: the speaking or random Qwen2.5-Omni, the speaking Qwen3-TTS, the
+random Qwen3-Omni). Without ``--speaking``/``--random`` the family picks (speaking, except Qwen3-Omni: random).
 
 Why a subprocess: the checkpoint's processor (Qwen2-VL image and video processors) needs the
 transformers and torchvision of the real environment (``.venv-omni``), not of the sim's; the
@@ -23,15 +24,17 @@ BUILD_TIMEOUT_S = 900
 @click.argument("out", type=click.Path(path_type=Path, file_okay=False))
 @click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
               help="Seed of the random weights (the checkpoint is deterministic in it).")
-@click.option("--speaking/--random", default=True, show_default=True,
+@click.option("--speaking/--random", default=None,
               help="Speaking: Thinker and Talker weights built so the Talker says what its rows say "
-                   "(docs/speaking-model.md); random: every weight random.")
+                   "(docs/speaking-model.md); random: every weight random. Default: the family's (speaking; "
+                   "qwen3-omni: random, its speaking weights are not built yet).")
 @click.option("--family", type=click.Choice(family_names()), default=DEFAULT_FAMILY, show_default=True,
-              help="Which model family's tiny checkpoint (qwen3-tts: speaking only, docs/families/qwen3_tts.md).")
+              help="Which model family's tiny checkpoint (qwen3-tts: speaking only, docs/families/qwen3_tts.md; "
+                   "qwen3-omni: random only, docs/families/qwen3_omni.md).")
 @click.option("--python", "python", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Interpreter of the real environment (default: --serve-python's default, ./.venv-omni/bin/python).")
-def command(out: Path, seed: int, speaking: bool, family: str, python: Path | None) -> None:
-    """Build a tiny Qwen2.5-Omni (or, with --family qwen3-tts, Qwen3-TTS) checkpoint in OUT, offline (speaking by default)."""
+def command(out: Path, seed: int, speaking: bool | None, family: str, python: Path | None) -> None:
+    """Build a tiny Qwen2.5-Omni (or, with --family, Qwen3-TTS or Qwen3-Omni) checkpoint in OUT, offline."""
     from harness.serve.backend import default_serve_python
 
     interpreter = str(python) if python else default_serve_python()

@@ -78,9 +78,9 @@ class Qwen25Omni(Family):
 
         return serve
 
-    def tiny_model_argv(self, out: str, seed: int, speaking: bool) -> list[str]:
+    def tiny_model_argv(self, out: str, seed: int, speaking: bool | None) -> list[str]:
         return ["-m", "harness.families.qwen2_5_omni.tiny_model", out, "--seed", str(seed),
-                *(["--speaking"] if speaking else [])]
+                *(["--speaking"] if speaking is not False else [])]
 
 
 FAMILY = Qwen25Omni()

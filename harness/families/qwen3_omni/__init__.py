@@ -14,6 +14,9 @@ vLLM-Omni's flagship omni model. What is specific to this family and where it li
   payload), ``qwen3-omni-full-mrv2-{reference,stress}``; prompt set ``qwen3_omni``; gate rules
   ``gates-qwen3-omni``.
 
+* a random tiny checkpoint (``tiny_model``, ``omni-stress tiny-model DIR --family qwen3-omni``) that 0.30.0's
+  unmodified Qwen3-Omni serves on CPU.
+
 Not here yet: the real server (``serve_missing``) and a speaking tiny checkpoint (the ``words`` Talker
 is this family's only sim Talker).
 """
@@ -75,8 +78,11 @@ class Qwen3Omni(Family):
     def serve(self) -> ModuleType:
         raise UserError(f"--backend vllm-omni: {SERVE_MISSING}")
 
-    def tiny_model_argv(self, out: str, seed: int, speaking: bool) -> list[str]:
-        raise UserError(f"tiny-model --family qwen3-omni: {SERVE_MISSING}")
+    def tiny_model_argv(self, out: str, seed: int, speaking: bool | None) -> list[str]:
+        """The random tiny checkpoint (``harness.families.qwen3_omni.tiny_model``); no speaking one yet."""
+        if speaking:
+            raise UserError("tiny-model --family qwen3-omni: only the random checkpoint is built yet (drop --speaking)")
+        return ["-m", "harness.families.qwen3_omni.tiny_model", out, "--seed", str(seed)]
 
 
 FAMILY = Qwen3Omni()

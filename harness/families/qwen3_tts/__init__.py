@@ -81,8 +81,8 @@ class Qwen3TTS(Family):
 
         return serve
 
-    def tiny_model_argv(self, out: str, seed: int, speaking: bool) -> list[str]:
-        if not speaking:
+    def tiny_model_argv(self, out: str, seed: int, speaking: bool | None) -> list[str]:
+        if speaking is False:
             raise UserError("tiny-model --family qwen3-tts: only the speaking checkpoint is built (drop --random)")
         return ["-m", "harness.families.qwen3_tts.tiny_model", out, "--seed", str(seed)]
 

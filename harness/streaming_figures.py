@@ -138,6 +138,48 @@ def figures(records: Sequence[RequestRecord], slo: Slo = Slo()) -> StreamingFigu
     )
 
 
+@dataclass(frozen=True)
+class ModelledFigures:
+    """The sim's streaming figures, in scheduler steps, from its modelled windows (``chunk_window_steps``):
+    the first window's step since the send (TTFP), the steps between windows, the windows and violations.
+    Modelled, not measured: no player stalls or goodput (they need seconds of audio against wall time)."""
+
+    requests: int
+    modelled: int  # requests with modelled windows
+    ttfp_steps: Spread | None
+    gap_steps: Spread | None
+    windows: Spread | None
+    chunk_violations: int
+
+
+def modelled_figures(records: Sequence[RequestRecord]) -> ModelledFigures | None:
+    """None when no request of the cell has modelled windows (a measured stream, or no streaming deploy).
+    A request's send is its ``sent_step`` (every request is sent at step 0 in a run without latency fields:
+    load ``all``, as the sim's arrivals say)."""
+    recs = [r for r in records if r.chunk_window_steps and r.stream_ttfa_s is None]
+    if not recs:
+        return None
+    return ModelledFigures(
+        requests=len(records), modelled=len(recs),
+        ttfp_steps=spread([float(r.chunk_window_steps[0] - (r.sent_step or 0)) for r in recs]),  # type: ignore[index]
+        gap_steps=spread([float(b - a) for r in recs for a, b in zip(r.chunk_window_steps, r.chunk_window_steps[1:])]),  # type: ignore[arg-type]
+        windows=spread([float(r.chunk_windows or 0) for r in recs]),
+        chunk_violations=sum(r.chunk_violations or 0 for r in recs),
+    )
+
+
+def modelled_fields(f: ModelledFigures) -> dict[str, float | int | None]:
+    """streaming.json's fields of a modelled cell (steps; ``modelled: true``)."""
+    out: dict[str, float | int | None] = {"modelled": True, "requests": f.requests, "modelled_requests": f.modelled}
+    for name, sp in (("ttfp_steps", f.ttfp_steps), ("gap_steps", f.gap_steps)):
+        if sp is not None:
+            out.update({f"median_{name}": sp.p50, f"p90_{name}": sp.p90, f"p99_{name}": sp.p99,
+                        f"max_{name}": sp.worst})
+    out["median_windows"] = None if f.windows is None else f.windows.p50
+    out["chunk_violations"] = f.chunk_violations
+    return out
+
+
 def violations_beyond_replays(records: Sequence[RequestRecord]) -> int | None:
     """Chunk-contract violations beyond one window per preempted request: on vLLM-Omni 0.30.0 the window
     holding a replay's recomputed frames reaches Code2Wav with frames the Talker did not produce, whatever

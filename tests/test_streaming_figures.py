@@ -130,3 +130,24 @@ def test_the_streaming_table_and_json_show_each_cell():
     assert [q["meets_slo"] for q in data["requests"]] == [True, False]
     assert streaming_json([_cell("y", [RequestRecord(arm="a", deploy="y", repeat=1, prompt_id="p", backend="sim",
                                                       reference_text="x")])]) is None
+
+
+def test_the_sims_modelled_windows_are_their_own_table_in_steps():
+    def sim(pid: str, steps: list[int], sent: int | None = None) -> RequestRecord:
+        r = RequestRecord(arm="a", deploy="d", repeat=1, prompt_id=pid, backend="sim", reference_text="x",
+                          sent_step=sent)
+        r.chunk_windows, r.chunk_frames_sent, r.chunk_window_steps = 4, [1, 25, 25, 23], steps
+        r.chunk_violations = 0
+        return r
+
+    from harness.report.tables import modelled_table
+    from harness.streaming_figures import modelled_fields, modelled_figures
+
+    cell = _cell("d-stress", [sim("p1", [1, 26, 51, 74]), sim("p2", [5, 111, 136, 159], sent=1)])
+    f = modelled_figures(cell.records)
+    assert (f.ttfp_steps.p50, f.ttfp_steps.worst, f.gap_steps.worst, f.chunk_violations) == (2.5, 4.0, 106.0, 0)
+    assert modelled_table([cell]).iloc[0].tolist() == ["a", "d-stress", "1", "2/2", "2.5 / 3.7 / 3.97 / 4",
+                                                       "25 / 101.95 / 106", "4 / 0"]
+    assert modelled_fields(f)["max_gap_steps"] == 106.0 and modelled_fields(f)["modelled"] is True
+    assert streaming_json([cell])["cells"][0]["requests"][1]["chunk_window_steps"] == [5, 111, 136, 159]
+    assert figures(cell.records) is None  # nothing measured: the streamed table stays empty

@@ -38,7 +38,7 @@ from harness.metrics import METRICS, TABLE_METRICS, Metric
 from harness.proc import fork_call
 from harness.records import EventCounts, RequestRecord, write_file_atomic
 from harness.report.style import VERDICT_CSS
-from harness.streaming_figures import THRESHOLDS_S, bench_fields, figures
+from harness.streaming_figures import THRESHOLDS_S, bench_fields, figures, modelled_fields, modelled_figures
 from harness.report.summary import (  # re-exported: callers and tests use report.load_run & co.
     DEFAULT_ROLE,
     ROLES,
@@ -291,6 +291,30 @@ def streaming_table(cells: list[CellSummary]) -> pd.DataFrame:
             _spread(f.rtf, ("p50", "p99"), 2), _secs(f.throughput, 2), windows,
         ])
     return pd.DataFrame(rows, columns=STREAM_COLUMNS, dtype=object)
+
+
+MODELLED_COLUMNS = ["Arm", "Deploy", "Run", "Modelled", "TTFP p50 / p90 / p99 / max (steps)",
+                    "Window gap p50 / p99 / max (steps)", "Windows (med) / violations"]
+
+
+def modelled_table(cells: list[CellSummary]) -> pd.DataFrame:
+    """The sim's modelled windows per cell (``harness.streaming_figures.modelled_figures``), in steps: when the
+    first window leaves, the steps between windows, the windows and the chunk contract. Empty without them."""
+    rows = []
+    for c in cells:
+        f = modelled_figures(c.records)
+        if f is None:
+            continue
+        steps = (lambda sp, which: NA if sp is None else " / ".join(f"{getattr(sp, w):g}" for w in which))
+        rows.append([c.arm, c.deploy, str(c.run_number), fmt_ratio(f.modelled, f.requests),
+                     steps(f.ttfp_steps, ("p50", "p90", "p99", "worst")), steps(f.gap_steps, ("p50", "p99", "worst")),
+                     f"{f.windows.p50:g} / {f.chunk_violations}" if f.windows else NA])
+    return pd.DataFrame(rows, columns=MODELLED_COLUMNS, dtype=object)
+
+
+MODELLED_NOTE = ("Code2Wav windows (modelled by the sim, in scheduler steps, not measured): each request's frames in "
+                 "the release's windows (1, then 25 a window), each sent at the step its last frame was produced; TTFP "
+                 "is the first window's step since the send (docs/streaming.md, \"The sim's windows\").")
 
 
 def streaming_slos(cells: list[CellSummary]) -> list[str]:
@@ -617,6 +641,9 @@ def terminal_text(run: Run, cells: list[CellSummary], with_requests: bool = Fals
     streamed = streaming_table(cells)
     if len(streamed):
         parts += ["", render_text(streamed), STREAM_NOTE, *streaming_slos(cells)]
+    modelled = modelled_table(cells)
+    if len(modelled):
+        parts += ["", render_text(modelled), MODELLED_NOTE]
     if with_paired:
         parts += ["", render_text(paired_table(run, cells)), paired_note(cells)]
     if with_requests:
@@ -633,6 +660,10 @@ def markdown_text(run: Run, cells: list[CellSummary], with_requests: bool = True
         parts += ["", "<details><summary>Streamed audio</summary>", "", render_markdown(streamed), "",
                   " ".join([STREAM_NOTE, *streaming_slos(cells)]),
                   "", "</details>"]
+    modelled = modelled_table(cells)
+    if len(modelled):
+        parts += ["", "<details><summary>Code2Wav windows (modelled)</summary>", "", render_markdown(modelled), "",
+                  MODELLED_NOTE, "", "</details>"]
     paired = paired_table(run, cells)
     if len(paired):
         parts += ["", "<details><summary>Paired per-prompt table (vs the reference deploy)</summary>", "",
@@ -667,13 +698,22 @@ def json_summary(run: Run, cells: list[CellSummary]) -> dict[str, Any]:
 
 
 def streaming_json(cells: list[CellSummary]) -> dict[str, Any] | None:
-    """streaming.json (written only when a cell streamed): each cell's figures under ``vllm bench serve
-    --omni``'s names where one exists (``harness.streaming_figures.bench_fields``) and each request's."""
+    """streaming.json (written only when a cell streamed, or the sim modelled its windows): each cell's figures
+    under ``vllm bench serve --omni``'s names where one exists (``harness.streaming_figures.bench_fields``) and
+    each request's; a modelled cell's in steps (``modelled: true``)."""
     out = []
     for c in cells:
         slo = c.slo or StreamingSlo()
         f = figures(c.records, slo)
         if f is None:
+            m = modelled_figures(c.records)
+            if m is not None:
+                out.append({"arm": c.arm, "deploy": c.deploy, "repeat": c.repeat, "run": c.run_number,
+                            "role": c.role, "deploy_role": c.deploy_role, **modelled_fields(m),
+                            "requests": [{"prompt_id": r.prompt_id, "chunk_frames_sent": r.chunk_frames_sent,
+                                          "chunk_window_steps": r.chunk_window_steps, "sent_step": r.sent_step,
+                                          "chunk_violations": r.chunk_violations,
+                                          "chunk_violation": r.chunk_violation} for r in c.records]})
             continue
         requests = []
         for r in c.records:
@@ -783,6 +823,7 @@ SECTIONS = {  # id -> heading, in page order (plots between the summary and the 
     "summary": "Summary", "wer": "WER per request", "events": "Scheduler events per cell",
     "timeline": "Span timeline of one stressed request", "extended": "Extended table",
     "paired": "Paired per-prompt table", "requests": "Per-request rows", "streamed": "Streamed audio",
+    "modelled": "Code2Wav windows (modelled)",
 }
 
 
@@ -802,8 +843,9 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes], ver
 
     paired = html_paired(run, cells)
     streamed = streaming_table(cells)
-    shown = ["summary", *plots, "extended", *(["streamed"] if len(streamed) else []), *(["paired"] if paired else []),
-             "requests"]
+    modelled = modelled_table(cells)
+    shown = ["summary", *plots, "extended", *(["streamed"] if len(streamed) else []),
+             *(["modelled"] if len(modelled) else []), *(["paired"] if paired else []), "requests"]
     toc = " ".join(f"<a href=\"#{html.escape(k)}\">{html.escape(SECTIONS.get(k, k))}</a>" for k in shown)
     parts = [
         "<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
@@ -825,6 +867,8 @@ def html_report(run: Run, cells: list[CellSummary], plots: dict[str, bytes], ver
     if len(streamed):
         parts += [h2("streamed"), table(streamed, "streamed"),
                   f"<p class=\"note\">{html.escape(' '.join([STREAM_NOTE, *streaming_slos(cells)]))}</p>"]
+    if len(modelled):
+        parts += [h2("modelled"), table(modelled, "modelled"), f"<p class=\"note\">{html.escape(MODELLED_NOTE)}</p>"]
     if paired:
         parts += [h2("paired"), paired, f"<p class=\"note\">{html.escape(paired_note(cells))} The worst request of "
                                         "each cell plays here next to the reference deploy's audio for the same "

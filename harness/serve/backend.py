@@ -34,7 +34,7 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -369,8 +369,10 @@ class TraceCollector:
                 return prompt_id
         return None
 
-    def poll(self) -> None:
-        for path in sorted(self.directory.glob(TRACE_GLOB)):
+    def _new_lines(self, pattern: str) -> Iterator[dict[str, Any]]:
+        """The complete lines appended to the files matching ``pattern`` since the last read, parsed (an
+        unparsable line is counted, not returned)."""
+        for path in sorted(self.directory.glob(pattern)):
             start = self._offsets.get(path, 0)
             try:
                 with open(path, "rb") as fh:
@@ -386,41 +388,27 @@ class TraceCollector:
                 if not raw.strip():
                     continue
                 try:
-                    line = json.loads(raw)
+                    yield json.loads(raw)
                 except json.JSONDecodeError:
                     self.unusable += 1
-                    continue
-                self.total += 1
-                prompt_id = self._match(str(line.get("request_id")))
-                if prompt_id is None and isinstance(line.get("tts_text"), str):
-                    prompt_id = self.text_to_prompt.get(line["tts_text"])
-                if prompt_id is None:
-                    self.unmatched += 1
-                    continue
-                self.rid_to_prompt[str(line.get("request_id"))] = prompt_id
-                self.by_prompt.setdefault(prompt_id, []).append(line)
+
+    def poll(self) -> None:
+        for line in self._new_lines(TRACE_GLOB):
+            self.total += 1
+            prompt_id = self._match(str(line.get("request_id")))
+            if prompt_id is None and isinstance(line.get("tts_text"), str):
+                prompt_id = self.text_to_prompt.get(line["tts_text"])
+            if prompt_id is None:
+                self.unmatched += 1
+                continue
+            self.rid_to_prompt[str(line.get("request_id"))] = prompt_id
+            self.by_prompt.setdefault(prompt_id, []).append(line)
         self._poll_chunks()
 
     def _poll_chunks(self) -> None:
         """The connector's windows (``chunk_trace``): filed by the engine request id the Talker's lines
         named (a window follows its request's Talker step, so its id is known by then)."""
-        for path in sorted(self.directory.glob(CHUNK_GLOB)):
-            start = self._offsets.get(path, 0)
-            try:
-                with open(path, "rb") as fh:
-                    fh.seek(start)
-                    data = fh.read()
-            except OSError:
-                continue
-            end = data.rfind(b"\n") + 1
-            if end <= 0:
-                continue
-            self._offsets[path] = start + end
-            for raw in data[:end].splitlines():
-                try:
-                    self._pending_chunks.append(json.loads(raw))
-                except json.JSONDecodeError:
-                    self.unusable += 1
+        self._pending_chunks.extend(self._new_lines(CHUNK_GLOB))
         waiting = []
         for line in self._pending_chunks:
             rid = str(line.get("request_id"))

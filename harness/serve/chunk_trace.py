@@ -153,7 +153,7 @@ def release_chunker(name: str = "talker2code2wav_async_chunk") -> Any:
 
 def install(directory: str | None, chunker: str, arm: str | None = None) -> str:
     """Wrap ``chunker`` (``module:function``) now if imported, else when it is."""
-    from harness.serve.trace_plugin import PostImportHook
+    from harness.serve.importhook import PostImportHook
 
     module_name, _, name = chunker.partition(":")
     if not module_name or not name:

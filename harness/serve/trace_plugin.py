@@ -63,8 +63,6 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
-import importlib.abc
-import importlib.machinery
 import json
 import os
 import sys
@@ -76,6 +74,7 @@ from types import ModuleType
 from typing import Any
 
 from harness.serve import chunk_trace
+from harness.serve.importhook import PostImportHook
 
 ENV_DIR = "OMNI_STRESS_TRACE"
 ENV_TARGET = "OMNI_STRESS_TRACE_TARGET"
@@ -575,64 +574,6 @@ def _safe_record(writer: TraceWriter, info: dict, input_ids: Any, result: Any, e
         if not failed:
             failed.append(exc)
             _warn(f"cannot write trace line: {type(exc).__name__}: {exc}")
-
-
-class _WrappingLoader(importlib.abc.Loader):
-    """Delegates to the real loader, then calls ``callback(module)`` once the module has executed."""
-
-    def __init__(self, loader: Any, callback: Callable[[ModuleType], None]) -> None:
-        self._loader = loader
-        self._callback = callback
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        create = getattr(self._loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        self._callback(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, is_package, ...
-        return getattr(self._loader, name)
-
-
-class PostImportHook(importlib.abc.MetaPathFinder):
-    """Runs ``callback(module)`` right after ``fullname`` is imported (by any importer)."""
-
-    def __init__(self, fullname: str, callback: Callable[[ModuleType], None]) -> None:
-        self.fullname = fullname
-        self.callback = callback
-        self._busy = False
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.fullname or self._busy:
-            return None
-        self._busy = True
-        try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-            else:
-                return None
-        finally:
-            self._busy = False
-        if spec.loader is None:
-            return spec
-        spec.loader = _WrappingLoader(spec.loader, self._fire)
-        return spec
-
-    def _fire(self, module: ModuleType) -> None:
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        try:
-            self.callback(module)
-        except Exception as exc:  # noqa: BLE001
-            _warn(f"wrapping {self.fullname} failed: {type(exc).__name__}: {exc}")
 
 
 _installed: dict[str, Any] = {}

@@ -79,3 +79,36 @@ def test_a_chunker_that_cannot_be_bound_refuses_every_window() -> None:
     ct.wrap_chunker(mod, "talker2code2wav_async_chunk", None, "tests.no_such_module:chunker")
     with pytest.raises(RuntimeError, match="chunker 'tests.no_such_module:chunker' could not be bound"):
         mod.talker2code2wav_async_chunk(_manager(), {}, REQUEST, False)
+
+
+def test_a_streaming_deploy_traces_its_connector_and_binds_an_arms_chunker(tmp_path: Path) -> None:
+    from harness.config import ArmSpec, load_deploy
+    from harness.serve.backend import chunker_env
+
+    release = ArmSpec(name="r", talker="vllm-omni:0.30.0", family="qwen3-tts")
+    drops = ArmSpec(name="d", talker="harness.families.qwen3_tts.fix:Qwen3TTSFixedTalker", family="qwen3-tts",
+                    chunker="tests.fixtures.chunkers:drop_a_frame")
+    builder = "vllm_omni.model_executor.stage_input_processors.qwen3_tts:talker2code2wav_async_chunk"
+    assert chunker_env(release, load_deploy("qwen3-tts-cpu-stress")) == {ct.ENV_CHUNKER: builder}
+    assert chunker_env(release, load_deploy("qwen3-tts-cpu-full-stress")) == {}  # one decode per request
+    assert chunker_env(drops, load_deploy("qwen3-tts-cpu-reference")) == {
+        ct.ENV_CHUNKER: builder, ct.ENV_CHUNKER_ARM: "tests.fixtures.chunkers:drop_a_frame"}
+    assert chunker_env(release, load_deploy("cpu-stress")) == {}  # Qwen2.5-Omni: no connector chunker
+
+
+def test_a_chunker_arm_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
+    from clikit import assert_one_line_error
+    from conftest import run_cli
+
+    arms, bad = tmp_path / "arms.yaml", tmp_path / "bad.yaml"
+    arms.write_text("arms:\n  odd:\n    talker: harness.families.qwen2_5_omni.pr:FixedTalker\n"
+                    "    chunker: tests.fixtures.chunkers:drop_a_frame\n")
+    bad.write_text("arms:\n  bad:\n    talker: a.b:C\n    chunker: nope\n")
+    res = run_cli("run", "--arms-file", str(arms), "--arm", "odd", "--deploy", "cpu-reference", "--prompts",
+                  "cpu_smoke", "--asr", "none", "--out", str(tmp_path / "o"))
+    assert_one_line_error(res, "arm 'odd': chunker tests.fixtures.chunkers:drop_a_frame runs in the real server's "
+                               "Talker worker (--backend vllm-omni); the sim models the release's connector windows")
+    res = run_cli("run", "--arms-file", str(bad), "--arm", "bad", "--deploy", "cpu-reference", "--prompts",
+                  "cpu_smoke", "--asr", "none", "--out", str(tmp_path / "o"))
+    assert_one_line_error(res, f"{bad}: arms.bad.chunker: must be 'package.module:attr', got 'nope'")
+    assert not (tmp_path / "o").exists()

@@ -240,6 +240,16 @@ def server_env_overrides(arm: ArmSpec, trace_dir: Path, options: ServeOptions | 
     return env
 
 
+def chunker_env(arm: ArmSpec, deploy: Deploy) -> dict[str, str]:
+    """A streaming deploy of a family with a connector chunker: the window builder the Talker worker traces
+    (``harness.serve.chunk_trace``), and the arm's own chunker when it has one."""
+    chunker = getattr(family_serve_module(deploy.family), "CHUNKER", None)
+    env = {ENV_CHUNKER: chunker} if deploy.async_chunk and chunker else {}
+    if arm.chunker:
+        env[ENV_CHUNKER_ARM] = arm.chunker
+    return env
+
+
 def cell_trace_level(env: dict[str, str]) -> str:
     """The level the cell's server traces at, from its environment (``--trace``, or the arm's serve env)."""
     return trace_level(env)
@@ -301,7 +311,7 @@ def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOpt
     translation = options.translate(deploy)
     run_dir = Path(run_dir).resolve()  # as run_cell: the server gets absolute paths
     trace = cell_dir(run_dir, arm, deploy, "<repeat>")
-    env = server_env_overrides(arm, trace, options, translation)
+    env = {**server_env_overrides(arm, trace, options, translation), **chunker_env(arm, deploy)}
     argv = server_argv(arm, deploy, options, "$PORT")
     cmd = shlex.join(argv).replace("'$PORT'", "$PORT")
     env_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
@@ -543,12 +553,7 @@ def build_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, ru
             audio_file=run_dir / audio_rel_path(arm, deploy, repeat, p.id),
         ))
     text_to_prompt = {p.reply: p.id for p in prompts.prompts} if family_serve_module(deploy.family).BY_TEXT else None
-    env = server_env(arm, trace, options, translation)
-    chunker = getattr(family_serve_module(deploy.family), "CHUNKER", None)
-    if deploy.async_chunk and chunker:  # the connector's windows are traced (harness.serve.chunk_trace)
-        env[ENV_CHUNKER] = chunker
-    if arm.chunker:
-        env[ENV_CHUNKER_ARM] = arm.chunker
+    env = {**server_env(arm, trace, options, translation), **chunker_env(arm, deploy)}
     return ServeCell(arm, deploy, repeat, run_dir, options, trace, server_log_path(run_dir, arm, deploy),
                      env, specs,
                      TraceCollector(trace, token_to_prompt, text_to_prompt),

@@ -165,10 +165,13 @@ def test_the_tables_show_streamed_cells_only(tmp_path: Path) -> None:
     cells = summarize_cells(run)
     text = terminal_table(run, cells)
     head = text.splitlines().index(next(ln for ln in text.splitlines() if ln.startswith("Arm ") and "Streamed" in ln))
-    # TTFA 1.0 and 3.0 (median 2.0, max 3.0); end 3.5 and 3.25; one gap of 1.0 s after 0.5 s of audio: one
-    # underrun of 0.5 s
-    assert text.splitlines()[head + 2].split() == ["pr", "cpu-reference", "1", "2/2", "2.000", "/", "3.000", "3.375",
-                                                   "1.5", "1.000", "1", "0.500", "2.00"]
+    # TTFP 1.0 and 3.0 (p50 2.0, p90 2.8, p99 2.98, max 3.0); one gap of 1.0 s after 0.5 s of audio: one stall
+    # of 0.5 s (c01 fails continuity at every threshold and the default SLO, c02 meets them); RTF 2.0 each; no
+    # send time recorded (no throughput), no connector traced (no windows)
+    assert text.splitlines()[head + 2].split() == [
+        "pr", "cpu-reference", "1", "2/2", "0", "2.000", "/", "2.800", "/", "2.980", "/", "3.000",
+        "1.000", "/", "1.000", "/", "1.000", "0.500", "/", "0.500", "50%", "/", "50%", "/", "50%", "50%",
+        "2.00", "/", "2.00", "n/a", "n/a"]
     assert "<summary>Streamed audio</summary>" in markdown_text(run, cells)
     assert 'id="streamed"' in html_report(run, cells, {})
     (tmp_path / "requests.jsonl").write_text(to_json(_record()) + "\n")

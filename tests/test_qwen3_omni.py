@@ -244,7 +244,7 @@ def test_the_real_backend_says_qwen3_omni_is_sim_only(tmp_path):
     path = REPO / "deploy_configs" / "qwen3-omni-reference.yaml"
     assert res.stderr.strip().splitlines() == [
         f"omni-stress: error: {path}: family qwen3-omni: the qwen3-omni family runs on the sim only: its "
-        "real-server path (a speaking tiny checkpoint, the streaming deploy) is not built yet"]
+        "real-server path (the serve module: deploy, request, trace target, oracle) is not built yet"]
 
 
 # --------------------------------------------------------------------------- the CLI, as a user runs it

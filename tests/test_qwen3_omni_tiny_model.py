@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from harness.errors import UserError
 from harness.families.qwen3_omni import FAMILY
 from harness.families.qwen3_omni import tiny_model as tm
 
@@ -97,26 +96,20 @@ def test_the_weights_are_named_per_expert_and_drawn_from_the_seed():
     assert torch.equal(a["talker.model.norm.weight"], torch.ones(64))
 
 
-def test_the_family_builds_the_random_checkpoint_and_refuses_a_speaking_one():
+def test_the_family_builds_the_speaking_checkpoint_by_default_and_the_random_one_on_request():
     argv = ["-m", "harness.families.qwen3_omni.tiny_model", "/tmp/x", "--seed", "3"]
-    assert FAMILY.tiny_model_argv("/tmp/x", 3, None) == argv  # no flag: the family's default
+    assert FAMILY.tiny_model_argv("/tmp/x", 3, None) == [*argv, "--speaking"]  # no flag: the family's default
+    assert FAMILY.tiny_model_argv("/tmp/x", 3, True) == [*argv, "--speaking"]
     assert FAMILY.tiny_model_argv("/tmp/x", 3, False) == argv
-    with pytest.raises(UserError, match=r"only the random checkpoint is built yet \(drop --speaking\)"):
-        FAMILY.tiny_model_argv("/tmp/x", 3, True)
-
-
-def test_the_cli_refuses_a_speaking_qwen3_omni_checkpoint_in_one_line(tmp_path):
-    res = subprocess.run([*CLI, "tiny-model", str(tmp_path / "m"), "--family", "qwen3-omni", "--speaking",
-                          "--python", sys.executable], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2
-    assert res.stderr.strip().splitlines() == [
-        "omni-stress: error: tiny-model --family qwen3-omni: only the random checkpoint is built yet (drop --speaking)"]
+    assert FAMILY.speaking_rules().CODEC_EOS == 2150
+    assert tm.config_dict()["talker_config"]["text_config"]["attention_bias"] is False
+    assert tm.config_dict(speaking=True)["talker_config"]["text_config"]["attention_bias"] is True
 
 
 def test_the_checkpoint_is_built_offline_and_byte_identical_on_rebuild(tmp_path):
     require_real_env()
     out = tmp_path / "tiny"
-    res = subprocess.run([*CLI, "tiny-model", str(out), "--family", "qwen3-omni", "--python", str(REAL_PY)],
+    res = subprocess.run([*CLI, "tiny-model", str(out), "--family", "qwen3-omni", "--random", "--python", str(REAL_PY)],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])

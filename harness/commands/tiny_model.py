@@ -26,11 +26,10 @@ BUILD_TIMEOUT_S = 900
               help="Seed of the random weights (the checkpoint is deterministic in it).")
 @click.option("--speaking/--random", default=None,
               help="Speaking: Thinker and Talker weights built so the Talker says what its rows say "
-                   "(docs/speaking-model.md); random: every weight random. Default: the family's (speaking; "
-                   "qwen3-omni: random, its speaking weights are not built yet).")
+                   "(docs/speaking-model.md); random: every weight random. Default: the family's (speaking).")
 @click.option("--family", type=click.Choice(family_names()), default=DEFAULT_FAMILY, show_default=True,
               help="Which model family's tiny checkpoint (qwen3-tts: speaking only, docs/families/qwen3_tts.md; "
-                   "qwen3-omni: random only, docs/families/qwen3_omni.md).")
+                   "qwen3-omni: speaking or random, docs/families/qwen3_omni.md).")
 @click.option("--python", "python", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Interpreter of the real environment (default: --serve-python's default, ./.venv-omni/bin/python).")
 def command(out: Path, seed: int, speaking: bool | None, family: str, python: Path | None) -> None:

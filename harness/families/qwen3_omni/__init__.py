@@ -14,11 +14,12 @@ vLLM-Omni's flagship omni model. What is specific to this family and where it li
   payload), ``qwen3-omni-full-mrv2-{reference,stress}``; prompt set ``qwen3_omni``; gate rules
   ``gates-qwen3-omni``.
 
-* a random tiny checkpoint (``tiny_model``, ``omni-stress tiny-model DIR --family qwen3-omni``) that 0.30.0's
-  unmodified Qwen3-Omni serves on CPU.
+* a tiny checkpoint (``tiny_model``, ``omni-stress tiny-model DIR --family qwen3-omni [--speaking]``) that
+  0.30.0's unmodified Qwen3-Omni serves on CPU; ``--speaking`` (``speaking``, ``speaking_model``,
+  ``speaking_check``): the Thinker's embedding table and the Talker built so the Talker says the forced reply.
 
-Not here yet: the real server (``serve_missing``) and a speaking tiny checkpoint (the ``words`` Talker
-is this family's only sim Talker).
+Not here yet: the real server (``serve_missing``) and a speaking sim Talker (the ``words`` Talker is this
+family's only sim Talker).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from typing import Any
 from harness.errors import UserError
 from harness.family import Family
 
-SERVE_MISSING = ("the qwen3-omni family runs on the sim only: its real-server path (a speaking tiny "
-                 "checkpoint, the streaming deploy) is not built yet")
+# the default tiny checkpoint: the speaking one (0.30.0 on CPU said the forced reply, both Thinker-to-Talker paths:
+# docs/families/qwen3_omni.md)
+DEFAULT_SPEAKING = True
+SERVE_MISSING = ("the qwen3-omni family runs on the sim only: its real-server path (the serve module: deploy, "
+                 "request, trace target, oracle) is not built yet")
 
 
 class Qwen3Omni(Family):
@@ -73,16 +77,21 @@ class Qwen3Omni(Family):
         return load_arm(arm)
 
     def speaking_rules(self) -> ModuleType:
-        raise UserError(f"qwen3-omni has no speaking tiny checkpoint: {SERVE_MISSING}")
+        """The speaking tiny checkpoint's rules (``harness.families.qwen3_omni.speaking``)."""
+        from harness.families.qwen3_omni import speaking
+
+        return speaking
 
     def serve(self) -> ModuleType:
         raise UserError(f"--backend vllm-omni: {SERVE_MISSING}")
 
     def tiny_model_argv(self, out: str, seed: int, speaking: bool | None) -> list[str]:
-        """The random tiny checkpoint (``harness.families.qwen3_omni.tiny_model``); no speaking one yet."""
-        if speaking:
-            raise UserError("tiny-model --family qwen3-omni: only the random checkpoint is built yet (drop --speaking)")
-        return ["-m", "harness.families.qwen3_omni.tiny_model", out, "--seed", str(seed)]
+        """The tiny checkpoint (``harness.families.qwen3_omni.tiny_model``): speaking with ``--speaking``
+        (``speaking_model``), random with ``--random``; neither: :data:`DEFAULT_SPEAKING`."""
+        if speaking is None:
+            speaking = DEFAULT_SPEAKING
+        return ["-m", "harness.families.qwen3_omni.tiny_model", out, "--seed", str(seed),
+                *(["--speaking"] if speaking else [])]
 
 
 FAMILY = Qwen3Omni()

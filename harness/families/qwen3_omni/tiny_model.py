@@ -3,7 +3,7 @@
 Why: vLLM-Omni 0.30.0's unmodified Qwen3-Omni (MoE Thinker -> MoE Talker with its code predictor -> Code2Wav)
 then runs on a CPU, in CI, with nothing downloaded (issue 44, item 1). Random weights make what it says
 meaningless; the server's path (its three stages, both Thinker-to-Talker paths, the release's
-``talker_preprocess``) does not depend on them. The speaking weights come later (``speaking``, below).
+``talker_preprocess``) does not depend on them. The speaking weights make it say a reply (``speaking``, below).
 
 What it is (deterministic in ``seed``; run in the real environment, whose transformers has the Qwen3-Omni classes):
 
@@ -27,10 +27,11 @@ What it is (deterministic in ``seed``; run in the real environment, whose transf
 * Qwen3-Omni's processor (Whisper feature extractor, Qwen2-VL image and video processors, a ChatML chat
   template with Qwen3-Omni's audio/vision placeholders) and a ``generation_config.json``.
 
-Speaking (later): ``build(..., speaking=True)`` will hand the random state dict and the tokenizer to a
-``harness.families.qwen3_omni.speaking_model.apply`` (as ``harness.families.qwen3_tts.tiny_model`` does) before
-it is saved; the config's sizes are the ones that construction needs (hidden 64, head size 32, one Talker
-layer). Until it exists ``speaking=True`` is refused.
+Speaking: ``build(..., speaking=True)`` sets the Talker's ``attention_bias`` (the construction's heads are
+biases) and hands the random state dict to ``harness.families.qwen3_omni.speaking_model.apply`` before it is
+saved (the Thinker's embedding table becomes the Talker's text side, the Talker says its rows:
+``harness.families.qwen3_omni.speaking``); the config's sizes are the ones that construction needs (hidden 64,
+head size 32, one Talker layer). ``python -m harness.families.qwen3_omni.speaking_check DIR`` checks it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from harness.errors import UserError
 from harness.speaking.checkpoint import (
     builder_main,
     byte_level_tokenizer,
@@ -124,8 +124,9 @@ def _text(layers: int, vocab: int, intermediate: int, **more: Any) -> dict[str, 
                 **more)
 
 
-def config_dict() -> dict[str, Any]:
-    """The sub-configs of ``config.json`` as ``Qwen3OmniMoeConfig`` takes them (module docstring)."""
+def config_dict(speaking: bool = False) -> dict[str, Any]:
+    """The sub-configs of ``config.json`` as ``Qwen3OmniMoeConfig`` takes them (module docstring); ``speaking``:
+    the Talker's attention has q/k/v (and, in transformers' class, o) biases."""
     thinker = dict(
         text_config=_text(THINKER_LAYERS, VOCAB, INTERMEDIATE, shared_expert_intermediate_size=0),
         audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=HEADS, encoder_ffn_dim=INTERMEDIATE,
@@ -145,8 +146,10 @@ def config_dict() -> dict[str, Any]:
                           num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HEAD_DIM,
                           max_position_embeddings=65536, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                           rms_norm_eps=1e-6, num_code_groups=NUM_CODE_GROUPS, attention_bias=False)
+    talker_text = _text(TALKER_LAYERS, TALKER_VOCAB, INTERMEDIATE, shared_expert_intermediate_size=MOE_INTERMEDIATE)
+    talker_text["attention_bias"] = speaking
     talker = dict(
-        text_config=_text(TALKER_LAYERS, TALKER_VOCAB, INTERMEDIATE, shared_expert_intermediate_size=MOE_INTERMEDIATE),
+        text_config=talker_text,
         code_predictor_config=code_predictor, num_code_groups=NUM_CODE_GROUPS, thinker_hidden_size=HIDDEN,
         accept_hidden_layer=ACCEPT_HIDDEN_LAYER, speaker_id=dict(SPEAKERS), **CODEC,
         audio_token_id=SPECIAL_TOKENS["<|audio_pad|>"], image_token_id=SPECIAL_TOKENS["<|image_pad|>"],
@@ -161,11 +164,11 @@ def config_dict() -> dict[str, Any]:
     return dict(thinker_config=thinker, talker_config=talker, code2wav_config=code2wav)
 
 
-def tiny_config() -> Any:
+def tiny_config(speaking: bool = False) -> Any:
     """transformers' ``Qwen3OmniMoeConfig`` of :func:`config_dict` (Qwen's top-level token ids are its defaults)."""
     from transformers import Qwen3OmniMoeConfig
 
-    config = Qwen3OmniMoeConfig(**config_dict(), enable_audio_output=True)
+    config = Qwen3OmniMoeConfig(**config_dict(speaking), enable_audio_output=True)
     config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
     config.torch_dtype = "float32"
     return config
@@ -253,8 +256,6 @@ def check_tokenizer(tokenizer: Any) -> list[int]:
 
 def build(out: Path, seed: int = 0, speaking: bool = False) -> dict[str, Any]:
     """Writes the checkpoint into ``out`` (created; must be empty or absent); returns a summary."""
-    if speaking:
-        raise UserError("tiny-model --family qwen3-omni: only the random checkpoint is built yet (give --random)")
     out = fresh_folder(out)
     with needs("tiny-model --family qwen3-omni: transformers with Qwen3-Omni is needed"):
         import torch  # noqa: F401
@@ -263,11 +264,15 @@ def build(out: Path, seed: int = 0, speaking: bool = False) -> dict[str, Any]:
             Qwen3OmniMoeProcessor,
             WhisperFeatureExtractor,
         )
-    config = tiny_config()
+    config = tiny_config(speaking)
     shapes = weight_shapes(config)
     tokenizer = build_tokenizer()
     check_tokenizer(tokenizer)
     state = random_state(shapes, seed)
+    if speaking:
+        from harness.families.qwen3_omni import speaking_model
+
+        speaking_model.apply(state)
     out.mkdir(parents=True, exist_ok=True)
     config_json = config.to_dict()
     config_json.pop("transformers_version", None)
@@ -291,7 +296,7 @@ def build(out: Path, seed: int = 0, speaking: bool = False) -> dict[str, Any]:
                               "bytes": folder_bytes(out), "hidden_size": HIDDEN, "head_dim": HEAD_DIM,
                               "thinker_layers": THINKER_LAYERS, "talker_layers": TALKER_LAYERS,
                               "num_experts": NUM_EXPERTS, "experts_per_token": TOP_K, "vocab_size": VOCAB,
-                              "speaking": False})
+                              "speaking": speaking})
 
 
 def main(argv: list[str] | None = None) -> int:

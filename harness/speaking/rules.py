@@ -29,6 +29,16 @@ END_POSITIONS = 2  # end-region positions a correct request schedules: the first
 
 
 @dataclass(frozen=True)
+class Row:
+    """What a Talker reads of one KV position: its byte, its mark, whether its codec part is BOS (Qwen3-TTS and
+    Qwen3-Omni, whose rows carry a codec part)."""
+
+    byte: int | None = None
+    mark: str | None = None  # EOS_MARK / PAD_MARK / a BOS mark for tts_eos / tts_pad / tts_bos; None otherwise
+    bos: bool = False
+
+
+@dataclass(frozen=True)
 class Table:
     """One checkpoint's codec table: ``tags`` memory tags (speech ids ``0 .. BYTES * tags - 1``), its
     babble, silence and codec-EOS ids. Its methods are the family's rules."""
@@ -59,6 +69,26 @@ class Table:
         if not started:
             return self.babble
         return self.codec_id(byte, prev)
+
+    def say(self, kv: Sequence[Row], m: int) -> int:
+        """The codec id sampled at position ``m`` from KV rows ``kv[0..m]`` (rules 1-3); the Talker has
+        started once a row up to ``m`` carries the codec BOS."""
+        if not 0 <= m < len(kv):
+            raise ValueError(f"position {m} outside the KV (0..{len(kv) - 1})")
+        started = any(r.bos for r in kv[:m + 1])
+        prev = kv[m - 1] if m > 0 else Row()
+        row = kv[m]
+        return self.next_code(started, row.byte, prev.byte, row.mark, prev.mark)
+
+    def talk(self, kv: Sequence[Row], first: int) -> list[int]:
+        """The codec stream of a request whose rows never change: ``say`` at ``first`` (``P - 1``),
+        ``first + 1``, ... up to codec EOS (included) or the end of ``kv``."""
+        out: list[int] = []
+        for m in range(first, len(kv)):
+            out.append(self.say(kv, m))
+            if out[-1] == self.eos:
+                break
+        return out
 
     def decode(self, codes: Iterable[int]) -> Spoken:
         """The oracle transcript of a codec stream (stops at codec EOS)."""

@@ -45,13 +45,13 @@ Public API: the constants above, :class:`Row`, :func:`tag`, :func:`codec_id`, :f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from harness.families.qwen3_omni.tiny_model import CODEC, ROLE_TOKENS, SPEAKERS, SPECIAL_TOKENS  # noqa: F401 - API
 from harness.families.qwen3_omni.tiny_model import CODEBOOK as CODE2WAV_CODEBOOK
 from harness.families.qwen3_omni.tiny_model import TALKER_VOCAB
 from harness.speaking.rules import BYTES, END_POSITIONS, EOS_MARK, PAD_MARK  # noqa: F401 - part of this module's API
 from harness.speaking.rules import UNINTELLIGIBLE, Spoken, Table  # noqa: F401 - part of this module's API
+from harness.speaking import rules
 
 TAGS = 4  # the previous byte's low 2 bits: 1024 speech ids, below the release's suppressed top 1024
 BABBLE = 1024  # rule 1: a Talker that never saw a codec-BOS row
@@ -76,34 +76,17 @@ tag, codec_id, next_code, decode, encode_reply = TABLE.tag, TABLE.codec_id, TABL
 _WORDS = tuple(ROLE_TOKENS) + tuple(SPECIAL_TOKENS)  # what the tiny tokenizer reads as one token
 
 
-@dataclass(frozen=True)
-class Row:
-    """What the Talker reads of one KV position: its byte, its mark, whether its codec part is BOS."""
-
-    byte: int | None = None
-    mark: str | None = None  # EOS_MARK / PAD_MARK / BOS_MARK for tts_eos / tts_pad / tts_bos; None otherwise
-    bos: bool = False
+Row = rules.Row  # what the Talker reads of one KV position (harness.speaking.rules)
 
 
 def say(kv: Sequence[Row], m: int) -> int:
-    """The codec id sampled at position ``m`` from KV rows ``kv[0..m]`` (rules 1-3)."""
-    if not 0 <= m < len(kv):
-        raise ValueError(f"position {m} outside the KV (0..{len(kv) - 1})")
-    started = any(r.bos for r in kv[:m + 1])
-    prev = kv[m - 1] if m > 0 else Row()
-    row = kv[m]
-    return next_code(started, row.byte, prev.byte, row.mark, prev.mark)
+    """The codec id sampled at position ``m`` from KV rows ``kv[0..m]`` (rules 1-3, this family's table)."""
+    return TABLE.say(kv, m)
 
 
 def talk(kv: Sequence[Row], first: int) -> list[int]:
-    """The codec stream of a request whose rows never change: ``say`` at ``first`` (``P - 1``), ``first + 1``,
-    ... up to codec EOS (included) or the end of ``kv``."""
-    out: list[int] = []
-    for m in range(first, len(kv)):
-        out.append(say(kv, m))
-        if out[-1] == CODEC_EOS:
-            break
-    return out
+    """The codec stream of a request whose rows never change, from ``first`` (``P - 1``) to codec EOS."""
+    return TABLE.talk(kv, first)
 
 
 def check_text(text: str) -> None:

@@ -27,12 +27,12 @@ positions get ``tts_pad`` and no codec row), ``wrong_row`` (a decode row carries
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from harness.families.qwen3_omni import speaking as sp
+from harness.families.qwen3_tts.speaking_check import Talker as TTSTalker
 from harness.speaking.selfcheck import check_main, top_prob
 
 USER = "Say hello."
@@ -59,10 +59,12 @@ def rule_rows(rows: list[Tok]) -> list[sp.Row]:
                    bos=c == sp.CODEC_BOS) for t, c in rows]
 
 
-class Talker:
-    """The tiny Talker's forward (one causal pass over given rows), from the checkpoint's files."""
+class Talker(TTSTalker):
+    """The tiny Talker's forward, Qwen3-TTS's (``harness.families.qwen3_tts.speaking_check.Talker``) with what
+    Qwen3-Omni's differs in: the text rows come from the Thinker's embedding table, the MLP is a MoE block
+    (router, top-k, sigmoid-gated shared expert), and the release suppresses ids 2048-3071 but codec EOS."""
 
-    def __init__(self, model_dir: Path, dtype_name: str) -> None:
+    def __init__(self, model_dir: Path, dtype_name: str) -> None:  # Qwen3-Omni's layout: no super().__init__
         import torch
         from safetensors.torch import load_file
 
@@ -80,35 +82,12 @@ class Talker:
         self.top_k, self.norm_topk = text["num_experts_per_tok"], text.get("norm_topk_prob", True)
         self.vocab = text["vocab_size"]
         self.eos = cfg["codec_eos_token_id"]
+        for name, bias in self.w.items():  # vLLM's Qwen3-MoE o_proj has no bias: the checkpoint's must be zero
+            if name.endswith("self_attn.o_proj.bias") and bool(bias.any()):
+                raise RuntimeError(f"{name} is not zero (vLLM would drop it)")
 
-    def _norm(self, x: Any, weight: Any) -> Any:
-        import torch
-
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(self.dtype) * weight
-
-    def embed(self, rows: list[Tok]) -> Any:
-        import torch
-        import torch.nn.functional as F
-
-        w = self.w
-        out = torch.zeros(len(rows), w["talker.codec_head.weight"].shape[1], dtype=self.dtype)
-        for i, (t, c) in enumerate(rows):
-            if t is not None:
-                e = self.embed_table[t]
-                mid = F.silu(e @ w["talker.text_projection.linear_fc1.weight"].T
-                             + w["talker.text_projection.linear_fc1.bias"])
-                out[i] += mid @ w["talker.text_projection.linear_fc2.weight"].T + w["talker.text_projection.linear_fc2.bias"]
-            if c is not None:
-                out[i] += w["talker.model.codec_embedding.weight"][c]
-        return out
-
-    def _proj(self, a: Any, pre: str, p: str, heads: int) -> Any:
-        y = a @ self.w[pre + f"self_attn.{p}_proj.weight"].T
-        bias = self.w.get(pre + f"self_attn.{p}_proj.bias")
-        if bias is not None:
-            y = y + bias
-        return y.reshape(a.shape[0], heads, self.hd)
+    def _text_row(self, t: int) -> Any:
+        return self.embed_table[t]
 
     def _mlp(self, m: Any, pre: str) -> Any:
         import torch
@@ -136,44 +115,9 @@ class Talker:
             out = out + ffn(pre + "mlp.shared_expert.") * gate
         return out
 
-    def logits(self, rows: list[Tok], offset: int = 0) -> Any:
-        """Masked logits (float32) at every position of ``rows`` placed at positions ``offset ..``."""
+    def _mask(self, out: Any) -> Any:
         import torch
 
-        w, hd, n = self.w, self.hd, len(rows)
-        x = self.embed(rows)
-        pos = torch.arange(offset, offset + n, dtype=torch.float64)
-        inv = self.theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-        ang = pos[:, None] * inv[None, :]
-        cos, sin = torch.cos(ang).float(), torch.sin(ang).float()
-        i = 0
-        while f"talker.model.layers.{i}.input_layernorm.weight" in w:
-            pre = f"talker.model.layers.{i}."
-            a = self._norm(x, w[pre + "input_layernorm.weight"])
-            q = self._norm(self._proj(a, pre, "q", self.heads), w[pre + "self_attn.q_norm.weight"])
-            k = self._norm(self._proj(a, pre, "k", self.kv_heads), w[pre + "self_attn.k_norm.weight"])
-            v = self._proj(a, pre, "v", self.kv_heads)
-
-            def rope(t: Any) -> Any:
-                t = t.float()
-                x1, x2 = t[..., : hd // 2], t[..., hd // 2:]
-                c, s = cos[:, None, :], sin[:, None, :]
-                return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(self.dtype)
-
-            q, k = rope(q), rope(k)
-            rep = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) / math.sqrt(hd)
-            mask = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
-            probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(self.dtype)
-            att = torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1)
-            x = x + att @ w[pre + "self_attn.o_proj.weight"].T
-            bias = w.get(pre + "self_attn.o_proj.bias")  # vLLM's Qwen3-MoE o_proj has none: it must be zero
-            if bias is not None and bool(bias.any()):
-                raise RuntimeError(f"{pre}self_attn.o_proj.bias is not zero (vLLM would drop it)")
-            x = x + self._mlp(self._norm(x, w[pre + "post_attention_layernorm.weight"]), pre)
-            i += 1
-        out = (self._norm(x, w["talker.model.norm.weight"]) @ w["talker.codec_head.weight"].T).float()
         suppressed = torch.zeros(out.shape[1], dtype=torch.bool)
         suppressed[self.vocab - 1024:] = True
         suppressed[self.eos] = False

@@ -94,7 +94,7 @@ class Talker:
         out = torch.zeros(len(rows), h, dtype=self.dtype)
         for i, (t, c) in enumerate(rows):
             if t is not None:
-                e = w["talker.model.text_embedding.weight"][t]
+                e = self._text_row(t)
                 mid = F.silu(e @ w["talker.text_projection.linear_fc1.weight"].T
                              + w["talker.text_projection.linear_fc1.bias"])
                 out[i] += mid @ w["talker.text_projection.linear_fc2.weight"].T + w["talker.text_projection.linear_fc2.bias"]
@@ -102,14 +102,37 @@ class Talker:
                 out[i] += w["talker.model.codec_embedding.weight"][c]
         return out
 
+    def _text_row(self, t: int) -> Any:
+        """The text embedding of token ``t`` before ``text_projection`` (Qwen3-Omni's is the Thinker's table)."""
+        return self.w["talker.model.text_embedding.weight"][t]
+
     def _proj(self, a: Any, pre: str, p: str, heads: int) -> Any:
-        y = a @ self.w[pre + f"self_attn.{p}_proj.weight"].T + self.w[pre + f"self_attn.{p}_proj.bias"]
+        y = a @ self.w[pre + f"self_attn.{p}_proj.weight"].T
+        bias = self.w.get(pre + f"self_attn.{p}_proj.bias")
+        if bias is not None:
+            y = y + bias
         return y.reshape(a.shape[0], heads, self.hd)
+
+    def _mlp(self, m: Any, pre: str) -> Any:
+        """The layer's MLP on its normed input (a dense SwiGLU here; Qwen3-Omni's Talker is MoE)."""
+        import torch.nn.functional as F
+
+        w = self.w
+        return (F.silu(m @ w[pre + "mlp.gate_proj.weight"].T) * (m @ w[pre + "mlp.up_proj.weight"].T)) \
+            @ w[pre + "mlp.down_proj.weight"].T
+
+    def _mask(self, out: Any) -> Any:
+        """The ids the release lets the Talker sample (the codebook but id 0, and codec EOS)."""
+        import torch
+
+        allowed = torch.zeros(out.shape[1], dtype=torch.bool)
+        allowed[1:self.codebook] = True
+        allowed[self.eos] = True
+        return out.masked_fill(~allowed, float("-inf"))
 
     def logits(self, rows: list[Tok], offset: int = 0) -> Any:
         """Masked logits (float32) at every position of ``rows`` placed at positions ``offset ..``."""
         import torch
-        import torch.nn.functional as F
 
         w, hd, n = self.w, self.hd, len(rows)
         x = self.embed(rows)
@@ -140,16 +163,9 @@ class Talker:
             probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).to(self.dtype)
             att = torch.einsum("hqk,khd->qhd", probs, v).reshape(n, -1)
             x = x + att @ w[pre + "self_attn.o_proj.weight"].T
-            m = self._norm(x, w[pre + "post_attention_layernorm.weight"])
-            gate = F.silu(m @ w[pre + "mlp.gate_proj.weight"].T) * (m @ w[pre + "mlp.up_proj.weight"].T)
-            x = x + gate @ w[pre + "mlp.down_proj.weight"].T
+            x = x + self._mlp(self._norm(x, w[pre + "post_attention_layernorm.weight"]), pre)
             i += 1
-        out = self._norm(x, w["talker.model.norm.weight"]) @ w["talker.codec_head.weight"].T
-        out = out.float()
-        allowed = torch.zeros(out.shape[1], dtype=torch.bool)
-        allowed[1:self.codebook] = True
-        allowed[self.eos] = True
-        return out.masked_fill(~allowed, float("-inf"))
+        return self._mask((self._norm(x, w["talker.model.norm.weight"]) @ w["talker.codec_head.weight"].T).float())
 
 
 def check_case(talker: Talker, rows: list[Tok], offset: int = 0) -> dict[str, Any]:

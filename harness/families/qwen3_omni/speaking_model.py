@@ -26,39 +26,27 @@ previous-position head, codec-BOS head, ``write_codec_head``) moved onto Qwen3-O
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
 from harness.families.qwen3_omni import speaking as sp
+# the dims and references of Qwen3-TTS's Talker design, which this Talker shares (write_talker)
+from harness.families.qwen3_tts.speaking_model import (  # noqa: F401 - the shared dims, part of this design
+    BOS, BOS_QK, ONE, PAD_REF, PREV_PAD, PREV_REF, PREV_TEXT, STARTED, STARTED_REF, TEXT, write_talker,
+)
 from harness.speaking.weights import (
     CODE,
-    HEAD_DIM,
-    PREV_PAIR_WEIGHTS,
-    PREV_SCORE,
     bits,
     check_prev_head,
     check_row_id,
-    write_codec_head,
-    write_prev_head,
 )
 
 HIDDEN = 64
 BITS = list(range(8))
-TEXT = 8
 MARKS = {sp.TTS_EOS: 9, sp.TTS_PAD: 10, sp.TTS_BOS: 11, sp.IM_START: 12, sp.ASSISTANT: 13}
-BOS = 14  # codec BOS (the text embedding writes dims < 14 only)
 PREV = [16, 17]  # head 0: the previous byte's tag bits
-PREV_TEXT = 19
-PREV_PAD = 20
-STARTED = 24  # head 1: a codec-BOS row in the KV
-ONE = 25  # head 1's value bias: CODE at every position
 ROW_ID = [60, 61, 62, 63]  # never written: free for a worker's row-identity codes
 TAG_BITS = 2  # log2(sp.TAGS)
-PREV_REF = 8.0 / 3.0  # head 0's copy of a +-CODE dim of a byte row after the input norm (nine dims)
-STARTED_REF = 8.0 / math.sqrt(10.0)  # head 1's copy of BOS at the P-1 row (r_0 + codec BOS)
-PAD_REF = 8.0  # head 0's copy of a tts_pad row's mark
-BOS_QK = 12.4  # head 1: 12.4 * 12.4 / sqrt(32) = 27 nats for the BOS row over rows without it
 _THINKER_WRITES = re.compile(r"^thinker\.model\.layers\.\d+\.(self_attn\.o_proj\.weight|mlp\..*down_proj\.weight)$")
 
 
@@ -100,28 +88,6 @@ def apply(state: dict[str, Any]) -> dict[str, Any]:
     pre = "talker.model.layers.0.self_attn."
     if pre + "q_proj.bias" not in state:
         raise RuntimeError("speaking model: the Talker has no attention bias (its config needs attention_bias: true)")
-    qb, kb, vb = state[pre + "q_proj.bias"], state[pre + "k_proj.bias"], state[pre + "v_proj.bias"]
-    kw, vw, ow = state[pre + "k_proj.weight"], state[pre + "v_proj.weight"], state[pre + "o_proj.weight"]
-    qn, kn = state[pre + "q_norm.weight"], state[pre + "k_norm.weight"]
-    hd = HEAD_DIM // 2
-    write_prev_head(qb, kb, vw, ow, BITS[:TAG_BITS] + [TEXT, MARKS[sp.TTS_PAD]], PREV + [PREV_TEXT, PREV_PAD])
-    rms0 = math.sqrt(PREV_SCORE / HEAD_DIM)  # the biases' RMS over the head: q_norm/k_norm give it back
-    for j in range(len(PREV_PAIR_WEIGHTS)):
-        qn[j] = kn[j] = qn[j + hd] = kn[j + hd] = rms0
-    slow = hd - 1  # head 1: the slowest rotary pair; after the norm a one-dim vector is sqrt(32) * weight
-    qb[HEAD_DIM + slow] = 1.0
-    qn[slow] = BOS_QK / math.sqrt(HEAD_DIM)
-    kw[HEAD_DIM + slow, BOS] = 1.0
-    kn[slow] = BOS_QK / math.sqrt(HEAD_DIM)
-    vw[HEAD_DIM, BOS] = 1.0  # head 1's value slot 0: BOS -> STARTED
-    ow[STARTED, HEAD_DIM] = 1.0
-    vb[HEAD_DIM + 1] = CODE  # head 1's value slot 1: a bias -> ONE at every position
-    ow[ONE, HEAD_DIM + 1] = 1.0
-
-    # --- codec_head ---
-    write_codec_head(state["talker.codec_head.weight"], sp.TABLE, tag_bits=TAG_BITS, text=TEXT, prev=PREV,
-                     prev_text=PREV_TEXT, prev_pad=PREV_PAD, started=STARTED, one=ONE,
-                     eos_mark=MARKS[sp.TTS_EOS], pad_mark=MARKS[sp.TTS_PAD], prev_ref=PREV_REF,
-                     started_ref=STARTED_REF, pad_ref=PAD_REF)
+    write_talker(state, sp.TABLE, PREV, TAG_BITS, MARKS[sp.TTS_PAD], MARKS[sp.TTS_EOS])
     check_row_id(state, ("thinker.model.embed_tokens.weight", "talker.model.codec_embedding.weight"), ROW_ID)
     return state

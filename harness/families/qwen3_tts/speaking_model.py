@@ -77,6 +77,38 @@ BOS_QK = 12.4  # head 1: 12.4 * 12.4 / sqrt(32) = 27 nats for the BOS row over r
 # the logit design's constants are harness.speaking.weights's (``write_codec_head``, docs/speaking-model.md)
 
 
+def write_talker(state: dict[str, Any], table: Any, prev: list[int], tag_bits: int, pad: int, eos: int) -> None:
+    """Layer 0's attention and the codec head, on the dims above: head 0 copies the previous position's tag
+    bits, TEXT and tts_pad mark (``prev`` + PREV_TEXT, PREV_PAD), head 1 finds a codec-BOS row (STARTED) and
+    writes ONE everywhere; the codec head is the shared logit design for ``table``. Qwen3-Omni's Talker has the
+    same shape (``harness.families.qwen3_omni.speaking_model``) with its own table and tag bits. ``pad``,
+    ``eos``: the dims of the tts_pad and tts_eos marks."""
+    pre = "talker.model.layers.0.self_attn."
+    qb, kb, vb = state[pre + "q_proj.bias"], state[pre + "k_proj.bias"], state[pre + "v_proj.bias"]
+    kw, vw, ow = state[pre + "k_proj.weight"], state[pre + "v_proj.weight"], state[pre + "o_proj.weight"]
+    qn, kn = state[pre + "q_norm.weight"], state[pre + "k_norm.weight"]
+    hd = HEAD_DIM // 2
+    # head 0: previous position, content-free; its value copies tag bits, TEXT and the tts_pad mark -> PREV*
+    write_prev_head(qb, kb, vw, ow, BITS[:tag_bits] + [TEXT, pad], prev + [PREV_TEXT, PREV_PAD])
+    rms0 = math.sqrt(PREV_SCORE / HEAD_DIM)  # the biases' RMS over the head: q_norm/k_norm give it back
+    for j in range(len(PREV_PAIR_WEIGHTS)):
+        qn[j] = kn[j] = qn[j + hd] = kn[j + hd] = rms0
+    slow = hd - 1  # head 1: the slowest rotary pair; after the norm a one-dim vector is sqrt(32) * weight
+    qb[HEAD_DIM + slow] = 1.0
+    qn[slow] = BOS_QK / math.sqrt(HEAD_DIM)
+    kw[HEAD_DIM + slow, BOS] = 1.0
+    kn[slow] = BOS_QK / math.sqrt(HEAD_DIM)
+    vw[HEAD_DIM, BOS] = 1.0  # head 1's value slot 0: BOS -> STARTED
+    ow[STARTED, HEAD_DIM] = 1.0
+    vb[HEAD_DIM + 1] = CODE  # head 1's value slot 1: a bias -> ONE at every position
+    ow[ONE, HEAD_DIM + 1] = 1.0
+
+    # --- codec_head: one row per codec id (the shared logit design on these dims) ---
+    write_codec_head(state["talker.codec_head.weight"], table, tag_bits=tag_bits, text=TEXT, prev=prev,
+                     prev_text=PREV_TEXT, prev_pad=PREV_PAD, started=STARTED, one=ONE,
+                     eos_mark=eos, pad_mark=pad, prev_ref=PREV_REF, started_ref=STARTED_REF, pad_ref=PAD_REF)
+
+
 def apply(state: dict[str, Any]) -> dict[str, Any]:
     """Overwrite the Talker's weights in ``state`` (HF names, ``talker.`` prefix) with the construction."""
     import torch
@@ -102,31 +134,6 @@ def apply(state: dict[str, Any]) -> dict[str, Any]:
         fc2[j, j], fc2[j, half + j] = 1.0, -1.0
     state["talker.model.codec_embedding.weight"][sp.CODEC_BOS, BOS] = CODE
 
-    # --- layer 0 attention ---
-    pre = "talker.model.layers.0.self_attn."
-    qb, kb, vb = state[pre + "q_proj.bias"], state[pre + "k_proj.bias"], state[pre + "v_proj.bias"]
-    kw, vw, ow = state[pre + "k_proj.weight"], state[pre + "v_proj.weight"], state[pre + "o_proj.weight"]
-    qn, kn = state[pre + "q_norm.weight"], state[pre + "k_norm.weight"]
-    hd = HEAD_DIM // 2
-    # head 0: previous position, content-free; its value copies tag bits, TEXT and the tts_pad mark -> PREV*
-    write_prev_head(qb, kb, vw, ow, BITS[:TAG_BITS] + [TEXT, MARKS[sp.TTS_PAD]], PREV + [PREV_TEXT, PREV_PAD])
-    rms0 = math.sqrt(PREV_SCORE / HEAD_DIM)  # the biases' RMS over the head: q_norm/k_norm give it back
-    for j in range(len(PREV_PAIR_WEIGHTS)):
-        qn[j] = kn[j] = qn[j + hd] = kn[j + hd] = rms0
-    slow = hd - 1  # head 1: the slowest rotary pair; after the norm a one-dim vector is sqrt(32) * weight
-    qb[HEAD_DIM + slow] = 1.0
-    qn[slow] = BOS_QK / math.sqrt(HEAD_DIM)
-    kw[HEAD_DIM + slow, BOS] = 1.0
-    kn[slow] = BOS_QK / math.sqrt(HEAD_DIM)
-    vw[HEAD_DIM, BOS] = 1.0  # head 1's value slot 0: BOS -> STARTED
-    ow[STARTED, HEAD_DIM] = 1.0
-    vb[HEAD_DIM + 1] = CODE  # head 1's value slot 1: a bias -> ONE at every position
-    ow[ONE, HEAD_DIM + 1] = 1.0
-
-    # --- codec_head: one row per codec id (the shared logit design on these dims) ---
-    write_codec_head(state["talker.codec_head.weight"], sp.TABLE, tag_bits=TAG_BITS, text=TEXT, prev=PREV,
-                     prev_text=PREV_TEXT, prev_pad=PREV_PAD, started=STARTED, one=ONE,
-                     eos_mark=MARKS[sp.TTS_EOS], pad_mark=MARKS[sp.TTS_PAD], prev_ref=PREV_REF,
-                     started_ref=STARTED_REF, pad_ref=PAD_REF)
+    write_talker(state, sp.TABLE, PREV, TAG_BITS, MARKS[sp.TTS_PAD], MARKS[sp.TTS_EOS])
     check_row_id(state, ("talker.model.text_embedding.weight", "talker.model.codec_embedding.weight"), ROW_ID)
     return state

@@ -12,7 +12,7 @@ Only the standard library at import (torch inside the functions).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +49,17 @@ def check_main(argv: list[str] | None, prog: str, run: Callable[[Path, str], dic
     results = run(args.model_dir, args.dtype)
     print(json.dumps(results, sort_keys=True))
     return 0 if results["ok"] else 1
+
+
+def summarize(results: dict[str, Any], names: Iterable[str], text: str) -> dict[str, Any]:
+    """The verdict over a checkpoint's cases (``results[name]`` from its ``check_case``): the correct rows
+    say ``text``, rows without codec BOS say nothing, every case holds; the smallest margin and probability."""
+    names = list(names)
+    results["correct"]["said_ok"] = results["correct"]["said"] == text
+    results["no_bos"]["said_ok"] = results["no_bos"]["said"] == ""
+    results["min_margin"] = min(results[c]["min_margin"] for c in names)
+    results["min_prob"] = min(results[c]["min_prob"] for c in names)
+    results["ok"] = (all(results[c]["ok"] for c in names) and results["correct"]["said_ok"]
+                     and results["no_bos"]["said_ok"])
+    return results
+

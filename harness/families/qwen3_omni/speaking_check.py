@@ -33,7 +33,7 @@ from typing import Any
 
 from harness.families.qwen3_omni import speaking as sp
 from harness.families.qwen3_tts.speaking_check import Talker as TTSTalker
-from harness.speaking.selfcheck import check_main, top_prob
+from harness.speaking.selfcheck import check_main, summarize, top_prob
 
 USER = "Say hello."
 TEXT = "Heat the water until it is hot, then wait two minutes."
@@ -172,13 +172,7 @@ def run(model_dir: Path, dtype_name: str = "bfloat16") -> dict[str, Any]:
     all_cases = cases()
     for name, (rows, offset) in all_cases.items():
         results[name] = check_case(talker, rows, P - 1, offset)
-    results["correct"]["said_ok"] = results["correct"]["said"] == TEXT
-    results["no_bos"]["said_ok"] = results["no_bos"]["said"] == ""
-    results["min_margin"] = min(results[c]["min_margin"] for c in all_cases)
-    results["min_prob"] = min(results[c]["min_prob"] for c in all_cases)
-    results["ok"] = all(results[c]["ok"] for c in all_cases) and results["correct"]["said_ok"] and \
-        results["no_bos"]["said_ok"]
-    return results
+    return summarize(results, all_cases, TEXT)
 
 
 def _refuse(model_dir: Path) -> str | None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.families.qwen3_tts import speaking as sp
-from harness.speaking.selfcheck import check_main, top_prob
+from harness.speaking.selfcheck import check_main, summarize, top_prob
 
 TEXT = "Heat the water until it is hot, then wait two minutes."
 Tok = tuple[int | None, int | None]  # (text token id or None, codec id or None): one input row
@@ -211,13 +211,7 @@ def run(model_dir: Path, dtype_name: str = "bfloat16") -> dict[str, Any]:
     results: dict[str, Any] = {"P": sp.PROMPT_LEN, "text": TEXT, "dtype": dtype_name}
     for name, (rows, offset) in cases().items():
         results[name] = check_case(talker, rows, offset)
-    results["correct"]["said_ok"] = results["correct"]["said"] == TEXT
-    results["no_bos"]["said_ok"] = results["no_bos"]["said"] == ""
-    results["min_margin"] = min(results[c]["min_margin"] for c in cases())
-    results["min_prob"] = min(results[c]["min_prob"] for c in cases())
-    results["ok"] = all(results[c]["ok"] for c in cases()) and results["correct"]["said_ok"] and \
-        results["no_bos"]["said_ok"]
-    return results
+    return summarize(results, cases(), TEXT)
 
 
 def _refuse(model_dir: Path) -> str | None:

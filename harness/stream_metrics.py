@@ -130,12 +130,13 @@ def frames_of(byte_counts: Sequence[int], frame_bytes: int) -> list[int]:
     return out
 
 
-def stream_failure(frames: int, codec_frames: int, samples_per_frame: int) -> str | None:
+def stream_failure(frames: int, codec_frames: int, samples_per_frame: int, end_trim: int = 0) -> str | None:
     """Why a streamed answer with audio is still a failed request: it is shorter than the codec stream
-    the Talker produced decodes to (``codec_frames`` x ``samples_per_frame``); None when it is whole.
+    the Talker produced decodes to (``codec_frames`` x ``samples_per_frame``, less ``end_trim``: samples a
+    family's decoder never emits at the stream's right edge, under one frame); None when it is whole.
     (An answer with no audio at all is already an error of the client's.)"""
     want = codec_frames * samples_per_frame
-    if frames < want:
+    if frames < want - end_trim:
         return (f"truncated audio: {frames} samples, its {codec_frames} codec frames decode to {want} "
                 f"({(want - frames) / samples_per_frame:g} frames missing)")
     return None

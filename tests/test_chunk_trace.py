@@ -112,3 +112,15 @@ def test_a_chunker_arm_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
                   "cpu_smoke", "--asr", "none", "--out", str(tmp_path / "o"))
     assert_one_line_error(res, f"{bad}: arms.bad.chunker: must be 'package.module:attr', got 'nope'")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_window_of_qwen3_omni_frames_held_as_1_by_q_tensors_gives_codebook_0() -> None:
+    """Qwen3-Omni's connector holds each frame as a ``[1, Q]`` tensor (``code_predictor_codes``): Q is its
+    element count, not its length (1), so the line names codebook 0 of each frame, not every value."""
+    held = [torch.tensor([[7, 1, 2]]), torch.tensor([[8, 3, 4]])]
+    manager = types.SimpleNamespace(code_prompt_token_ids={"chatcmpl-x": held})
+    request = types.SimpleNamespace(request_id="chatcmpl-x-1f", external_req_id="chatcmpl-x")
+    payload = _Payload([[7, 1, 2], [8, 3, 4]], left=1, finished=True)
+    assert ct.payload_line(payload, request, manager) == {
+        "request_id": "chatcmpl-x-1f", "external_req_id": "chatcmpl-x", "frames": [7, 8], "left_context": 1,
+        "finished": True, "quantizers": 3, "values": 6}

@@ -178,7 +178,7 @@ def test_list_families_shows_each_familys_chain_hook_and_defaults():
         "  qwen3-omni   thinker -> talker -> code2wav; talker's talker_preprocess under test",
         "               real server: /v1/chat/completions, trace "
         "vllm_omni.model_executor.models.qwen3_omni.qwen3_omni:Qwen3OmniMoeForConditionalGeneration; "
-        "conform model qwen3-omni (not driven by --backend vllm-omni yet)",
+        "conform model qwen3-omni",
         "               defaults: --arm omni3-0.30.0 --arm omni3-fix --deploy qwen3-omni-reference --deploy "
         "qwen3-omni-stress --deploy qwen3-omni-full-reference --deploy qwen3-omni-full-stress --prompts qwen3_omni; "
         "sim Talkers words",

@@ -238,13 +238,16 @@ def test_a_thinker_slower_than_the_talker_on_the_async_path_is_refused(tmp_path)
         "(use at most 1)")
 
 
-def test_the_real_backend_says_qwen3_omni_is_sim_only(tmp_path):
-    res = run_cli("run", "--family", "qwen3-omni", "--backend", "vllm-omni", "--dry-run", "--out", str(tmp_path))
-    assert res.exit_code == 2
-    path = REPO / "deploy_configs" / "qwen3-omni-reference.yaml"
-    assert res.stderr.strip().splitlines() == [
-        f"omni-stress: error: {path}: family qwen3-omni: the qwen3-omni family runs on the sim only: its "
-        "real-server path (the serve module: deploy, request, trace target, oracle) is not built yet"]
+def test_the_real_backend_describes_each_default_cell_and_refuses_an_mrv2_deploy(tmp_path):
+    """Issue 44: the family has a serve module; a dry run describes its four default cells per arm, and an MRV2
+    deploy (CUDA only in 0.30.0) is refused by file and field before any server."""
+    res = run_cli("run", "--family", "qwen3-omni", "--backend", "vllm-omni", "--platform", "cpu", "--dry-run",
+                  "--out", str(tmp_path))
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.count("# arm 'omni3-") == 8 and res.stdout.count("--deploy-config") == 16  # the command line and the YAML heading
+    res = run_cli("run", "--family", "qwen3-omni", "--backend", "vllm-omni", "--deploy", "qwen3-omni-full-mrv2-stress",
+                  "--dry-run", "--out", str(tmp_path))
+    assert res.exit_code == 2 and "qwen3-omni-full-mrv2-stress.yaml" in res.stderr and "model_runner" in res.stderr
 
 
 # --------------------------------------------------------------------------- the CLI, as a user runs it

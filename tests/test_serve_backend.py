@@ -155,6 +155,22 @@ def test_server_crashing_mid_run_keeps_completed_records_and_names_the_crash(tmp
     assert log.read_text().count("=== omni-stress:") == 1  # nothing was left to send: no second server
 
 
+def test_an_engine_that_dies_under_a_living_api_server_is_a_crash_named_by_the_workers_line(tmp_path):
+    """0.30.0's Qwen3-Omni on CPU: the Talker's engine core raised, the API server lived on and answered every
+    request in flight with "EngineCore encountered an issue". That is a crash: the records name the worker's
+    traceback line (not the API server's EngineDeadError), and the cell's crashes say so."""
+    arm = fake_arm("pr", FAKE_VLLM_DIE_AFTER="5", FAKE_VLLM_ENGINE_DEAD="1")
+    sink = Sink()
+    log = tmp_path / "run" / "server-pr-stress.log"
+    times = run_cell(arm, deploy(tmp_path), PROMPTS, 1, tmp_path / "run", OPTIONS, sink.on_request, sink.on_spans)
+    line = "IndexError: index 7 is out of bounds for dimension 0 with size 6 (fake engine death)"
+    assert len(sink.requests) == 16 and sum(r.error is None for r in sink.requests) == 5
+    assert {r.error for r in sink.requests if r.error is not None} == {
+        f"server crashed (its engine core died): {line}; log: {log}"}
+    assert times["crashes"] == [{"server": 1, "exit_code": None, "error": line, "requests_in_flight": 11,
+                                 "requests_not_sent": 0}]
+
+
 def test_a_coloured_crash_is_named_by_its_cleaned_traceback_line(tmp_path):
     """Issue 47, case 5: with vLLM's colours on, the crash line and every record's error carried raw ANSI codes
     and the API server's INFO line after the traceback; now the cleaned exception line."""

@@ -268,5 +268,16 @@ def test_last_traceback_line_is_the_exception_that_ended_the_last_traceback():
         "(APIServer pid=800) INFO shutting down",
     ])
     assert last_traceback_line(log) == "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
+    dead = "\n".join([  # the engine core's traceback, then the API server's report that it is dead
+        "(StageEngineCoreProc_stage1_replica0 pid=31898) ERROR 12-06 23:57:15 [stage_engine_core_proc.py:260] Traceback (most recent call last):",
+        '(StageEngineCoreProc_stage1_replica0 pid=31898) ERROR 12-06 23:57:15 [stage_engine_core_proc.py:260]   File "r.py", line 1223, in execute_model',
+        "(StageEngineCoreProc_stage1_replica0 pid=31898) ERROR 12-06 23:57:15 [stage_engine_core_proc.py:260] IndexError: index 7 is out of bounds for dimension 0 with size 6",
+        "(APIServer pid=31885) ERROR 12-06 23:57:15 [stage_pool.py:1227] Traceback (most recent call last):",
+        '(APIServer pid=31885) ERROR 12-06 23:57:15 [stage_pool.py:1227]   File "core_client.py", line 1175, in get_output_async',
+        "(APIServer pid=31885) ERROR 12-06 23:57:15 [stage_pool.py:1227] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
+    ])
+    assert last_traceback_line(dead) == "IndexError: index 7 is out of bounds for dimension 0 with size 6"
+    assert last_traceback_line(dead.split("\n", 3)[3]) == ("vllm.v1.engine.exceptions.EngineDeadError: EngineCore "
+                                                           "encountered an issue.")  # the only one there is
     assert last_traceback_line("INFO no traceback\nERROR something else") is None
     assert last_traceback_line("Traceback (most recent call last):\n  File \"x\", line 1") is None  # cut off

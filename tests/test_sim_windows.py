@@ -100,8 +100,12 @@ def test_only_a_streaming_deploy_of_a_family_with_a_connector_chunker_is_modelle
     assert connector_rule(get_family("qwen3-tts"), load_deploy("qwen3-tts-stress")) == SHIPPED
     for name in ("qwen3-tts-cpu-full-stress", "qwen3-tts-full-stress", "qwen3-tts-full-reference"):  # async: false
         assert connector_rule(get_family("qwen3-tts"), load_deploy(name)) is None, name
-    # Qwen3-Omni streams (async_chunk: true) but names no connector chunker; Qwen2.5-Omni does not stream
-    assert connector_rule(get_family("qwen3-omni"), load_deploy("qwen3-omni-stress")) is None
+    # Qwen3-Omni's connector (issue 44): 4 frames, then 25, each after the first resending up to 25 frames of
+    # left context; its full payload sends none. Qwen2.5-Omni does not stream
+    omni = ChunkRule(chunk_frames=25, initial_frames=4, left_context=25)
+    assert connector_rule(get_family("qwen3-omni"), load_deploy("qwen3-omni-stress")) == omni
+    assert connector_rule(get_family("qwen3-omni"), load_deploy("qwen3-omni-cpu-reference")) == omni
+    assert connector_rule(get_family("qwen3-omni"), load_deploy("qwen3-omni-full-stress")) is None
     assert connector_rule(get_family("qwen2.5-omni"), load_deploy("cpu-stress")) is None
 
 

@@ -48,7 +48,7 @@ from harness.records import CRASHED_ERROR as CRASHED, RequestRecord, SpanRecord,
 from harness.audio.scoring import wer
 from harness.stream_metrics import StreamMetrics, stream_failure
 from harness.serve import client as chat
-from harness.serve.deploy_args import DeployTranslation, detect_platform
+from harness.serve.deploy_args import DEPLOY_FILE, DeployTranslation, detect_platform
 from harness.serve.launcher import HOST, ServerLauncher, progress
 from harness.speaking.checkpoint import MARKER
 from harness.serve.trace_plugin import (DEFAULT_LEVEL, DEFAULT_TARGET, ENV_ARM, ENV_DIR, ENV_LEVEL, ENV_ROW_IDS,
@@ -215,7 +215,6 @@ def server_argv(arm: ArmSpec, deploy: Deploy, options: ServeOptions, port: int |
     ]
 
 
-DEPLOY_FILE = "<deploy.yaml>"  # a family's deploy YAML in a translation's argv (harness.families.qwen3_tts.serve)
 
 
 def server_env_overrides(arm: ArmSpec, trace_dir: Path, options: ServeOptions | None = None,
@@ -601,7 +600,8 @@ def step_cell(cell: ServeCell, on_request: Callable[[RequestRecord], None],
 
             @functools.lru_cache(maxsize=1)
             def crash_text(code: int | None) -> str:  # read once per crash: every request gets the same line
-                return f"{CRASHED} (exit code {code}): {server.crash_line()}; log: {cell.log_path}"
+                how = f"exit code {code}" if code is not None else "its engine core died"
+                return f"{CRASHED} ({how}): {server.crash_line()}; log: {cell.log_path}"
 
             def gone() -> str:
                 return crash_text(server.proc.poll() if server.proc is not None else None)
@@ -642,7 +642,8 @@ def step_cell(cell: ServeCell, on_request: Callable[[RequestRecord], None],
                 crashes.append({"server": start, "exit_code": code, "error": server.crash_line(),
                                 "requests_in_flight": taken - sum(c["requests_in_flight"] for c in crashes),
                                 "requests_not_sent": len(held_back)})
-                progress(f"{cell.label}: the server crashed (exit code {code}: {server.crash_line()}); "
+                how = f"exit code {code}" if code is not None else "its engine core died"
+                progress(f"{cell.label}: the server crashed ({how}: {server.crash_line()}); "
                          f"{len(held_back)} request(s) not sent yet" + (", restarting it" if held_back else ""))
         times["server_stop_s"] = round(times.get("server_stop_s", 0.0) + time.perf_counter() - t_stop, 1)
         held = {spec.prompt_id for spec in held_back}
@@ -803,9 +804,11 @@ def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.
         record.schedule = schedule_digest(spans)
     codes = codec_stream(stream or {}, record.talker_prompt_len)
     record.codec_tokens, record.num_codec_tokens = codes, len(codes)
-    per_frame = getattr(family_serve_module(deploy.family), "SAMPLES_PER_CODEC_FRAME", None)
+    serve = family_serve_module(deploy.family)
+    per_frame = getattr(serve, "SAMPLES_PER_CODEC_FRAME", None)
     if res.error is None and res.stream is not None and per_frame:
-        record.stream_failed = stream_failure(res.stream.frames, len(codes), per_frame)
+        record.stream_failed = stream_failure(res.stream.frames, len(codes), per_frame,
+                                              getattr(serve, "STREAM_END_TRIM", 0))
     if speaking and res.error is None and (problem := reply_mismatch(res.prompt_id, expected_reply,
                                                                      res.thinker_text)) is not None:
         record.error = problem

@@ -71,8 +71,9 @@ def payload_line(payload: Any, request: Any, transfer_manager: Any) -> dict[str,
     quantizers = None
     held = getattr(transfer_manager, "code_prompt_token_ids", None)
     frames_held = held.get(external) if isinstance(held, dict) else None
-    if frames_held:
-        quantizers = len(frames_held[-1])
+    if frames_held:  # one frame's codes: Q values (Qwen3-TTS: a list or [Q]; Qwen3-Omni: a [1, Q] tensor)
+        last = frames_held[-1]
+        quantizers = int(last.numel()) if hasattr(last, "numel") else len(last)
     frames = flat[: len(flat) // quantizers] if quantizers else flat
     left = _scalar(_get(meta, "left_context_size"))
     finished = _scalar(_get(meta, "finished"))

@@ -69,6 +69,7 @@ stage engine fields), so a deploy with ``speculative:`` is refused for the real 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +122,7 @@ def stage_overrides_json(overrides: dict[str, dict[str, Any]]) -> str:
 
 
 REPLY_FORCER = "harness.serve.reply_forcer:ReplyForcer"
+DEPLOY_FILE = "<deploy.yaml>"  # a family's deploy YAML in a translation's argv (``yaml_translation``)
 
 
 def translate_deploy(deploy: Deploy, platform: str = "gpu", speaking: bool = False) -> DeployTranslation:
@@ -167,6 +169,22 @@ def translate_deploy(deploy: Deploy, platform: str = "gpu", speaking: bool = Fal
         cli_args=("--stage-overrides", stage_overrides_json(overrides), async_flag),
         platform=platform, env=env,
     )
+
+
+def yaml_translation(deploy: Deploy, platform: str, content: Callable[[], dict[str, Any]]) -> DeployTranslation:
+    """A family served with a whole deploy YAML (Qwen3-TTS, Qwen3-Omni): ``--deploy-config`` (the cell's file,
+    ``content()`` dumped key-sorted) and the platform's environment; a platform or a ``speculative:`` the
+    server cannot run is refused first."""
+    import yaml
+
+    if platform not in PLATFORMS:
+        raise UserError(f"--platform {platform!r}: must be one of {', '.join(PLATFORMS)} or auto")
+    if deploy.speculative is not None:
+        raise UserError(f"{deploy.path}: speculative: the vllm-omni backend does not run speculative decoding")
+    text = yaml.safe_dump(content(), sort_keys=True)
+    env = tuple(sorted(CPU_ENV.items())) if platform == "cpu" else ()
+    return DeployTranslation(stage_overrides={}, cli_args=("--deploy-config", DEPLOY_FILE), platform=platform,
+                             env=env, deploy_yaml=text)
 
 
 def _cpu_profile(overrides: dict[str, dict[str, Any]], block_size: int) -> None:

@@ -151,12 +151,18 @@ def last_traceback_line(text: str) -> str | None:
     logger header are dropped (``clean_log_line``)."""
     lines = [clean_log_line(line) for line in text.splitlines()]
     starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
-    if not starts:
-        return None
-    for line in lines[starts[-1] + 1:]:
-        if not line[:1].isspace() and _EXCEPTION_LINE.match(line):
-            return line.strip()[:300]
-    return None
+    found = []
+    for start, end in zip(starts, [*starts[1:], len(lines)]):
+        for line in lines[start + 1:end]:
+            if not line[:1].isspace() and _EXCEPTION_LINE.match(line):
+                found.append(line.strip()[:300])
+                break
+    causes = [line for line in found if ENGINE_DEAD not in line]  # the API server's report of a dead engine
+    return (causes or found or [None])[-1]                          # is a consequence: the worker's line is why
+
+
+# vLLM's exception when an engine core died while the API server lives on (``vllm.v1.engine.exceptions``)
+ENGINE_DEAD = "EngineDeadError"
 
 
 def crash_line_of(text: str) -> str:
@@ -212,6 +218,8 @@ class ServerLauncher:
         self.argv: list[str] = []
         self.returncode: int | None = None
         self._log_start = 0
+        self._dead_scan = 0  # how far engine_dead has read the log
+        self._engine_dead = False
         self._prev_sigterm: object = None
         self._sigterm_installed = False
         self._reaper: subprocess.Popen[bytes] | None = None
@@ -229,7 +237,25 @@ class ServerLauncher:
         return self.proc.pid if self.proc is not None else None
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """The process runs and its engine has not died (``engine_dead``)."""
+        return self.proc is not None and self.proc.poll() is None and not self.engine_dead()
+
+    def engine_dead(self) -> bool:
+        """vLLM-Omni's API server outlives a stage's engine core (0.30.0's Qwen3-Omni Talker raising in its
+        runner): its log says ``EngineDeadError`` and it answers every request with an error from then on,
+        so it is as crashed as an exited server. The log is read from where it was last read, once dead
+        always dead."""
+        if self._engine_dead:
+            return True
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(max(self._log_start, self._dead_scan - len(ENGINE_DEAD)))
+                data = fh.read()
+                self._dead_scan = fh.tell()
+        except OSError:
+            return False
+        self._engine_dead = ENGINE_DEAD.encode() in data
+        return self._engine_dead
 
     def tail(self, lines: int = TAIL_LINES) -> str:
         return read_tail(self.log_path, self._log_start, lines)
@@ -306,7 +332,8 @@ class ServerLauncher:
             header = f"=== omni-stress: {time.strftime('%Y-%m-%d %H:%M:%S')} starting {self.label}: {shlex.join(self.argv)}\n"
             log.write(header.encode("utf-8"))
             log.flush()
-            self._log_start = log.tell()
+            self._log_start = self._dead_scan = log.tell()
+            self._engine_dead = False
             try:
                 self.proc = subprocess.Popen(
                     self.argv,

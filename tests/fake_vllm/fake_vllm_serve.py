@@ -16,7 +16,8 @@ A ``profile-dummy`` request is traced once at start-up (unmatched by the harness
 Control by environment (comma lists name prompt ids, matched inside X-Request-Id):
 FAKE_VLLM_ARGV_FILE (append argv+env as a JSON line), FAKE_VLLM_PIDFILE (write server and worker
 pids), FAKE_VLLM_NEVER_HEALTHY=1, FAKE_VLLM_STARTUP_DELAY=s, FAKE_VLLM_DIE_AFTER=K (a traceback, then exit 3 after K
-responses), FAKE_VLLM_MALFORMED=ids, FAKE_VLLM_BAD_AUDIO=ids (not base64), FAKE_VLLM_NOT_WAV=ids,
+responses; with FAKE_VLLM_ENGINE_DEAD=1 the engine's and the API server's tracebacks and the server lives
+on, answering every later request with HTTP 500), FAKE_VLLM_MALFORMED=ids, FAKE_VLLM_BAD_AUDIO=ids (not base64), FAKE_VLLM_NOT_WAV=ids,
 FAKE_VLLM_FAIL_ONCE=ids (HTTP 500 on the first attempt), FAKE_VLLM_HANG=ids (never answer),
 FAKE_VLLM_IGNORE=INT,TERM (ignore those signals), FAKE_VLLM_WORKER=1 (spawn a child that ignores
 SIGINT, like a stage worker), FAKE_VLLM_P, FAKE_VLLM_DELAY=s (per-request base delay).
@@ -155,6 +156,28 @@ def _crash() -> None:
     os._exit(3)
 
 
+def _engine_died(dead: asyncio.Event) -> None:
+    """FAKE_VLLM_ENGINE_DEAD=1: the engine core dies as 0.30.0's Qwen3-Omni Talker did on CPU, but the API
+    server lives on: the worker's traceback, then the API server's ``EngineDeadError`` traceback; from then
+    on every request is answered with an error (``dead``)."""
+    import traceback
+
+    worker = f"(StageEngineCoreProc_stage1_replica0 pid={os.getpid()}) ERROR 12-06 23:57:15 [stage_engine_core_proc.py:260] "
+    api = f"(APIServer pid={os.getpid()}) ERROR 12-06 23:57:15 [stage_pool.py:1227] "
+    for prefix, exc in ((worker, IndexError("index 7 is out of bounds for dimension 0 with size 6 (fake engine death)")),
+                        (api, RuntimeError("EngineCore encountered an issue. See stack trace (above) for the root cause."))):
+        try:
+            raise exc
+        except Exception:  # noqa: BLE001
+            text = traceback.format_exc()
+        if prefix is api:
+            text = text.replace("RuntimeError:", "vllm.v1.engine.exceptions.EngineDeadError:")
+        for line in text.splitlines():
+            print(f"{prefix}{line}", file=sys.stderr)
+    sys.stderr.flush()
+    dead.set()
+
+
 async def serve(args: argparse.Namespace, model, FakeTensor, P: int) -> None:
     from aiohttp import web
 
@@ -164,6 +187,7 @@ async def serve(args: argparse.Namespace, model, FakeTensor, P: int) -> None:
     die_after = int(os.environ.get("FAKE_VLLM_DIE_AFTER", "0") or 0)
     base_delay = float(os.environ.get("FAKE_VLLM_DELAY", "0.02"))
     stop = asyncio.Event()
+    dead = asyncio.Event()  # FAKE_VLLM_ENGINE_DEAD: the engine died, the API server lives on
 
     async def health(_request: web.Request) -> web.Response:
         if os.environ.get("FAKE_VLLM_NEVER_HEALTHY"):
@@ -200,6 +224,9 @@ async def serve(args: argparse.Namespace, model, FakeTensor, P: int) -> None:
                              _omni_prompt_len=P, _omni_num_computed_tokens=c, _omni_is_prefill=c < P,
                              _omni_max_tokens=spl[1].get("max_tokens"), _omni_seed=spl[1].get("seed"))
         if die_after and index >= die_after:  # by arrival order, so which requests it takes is not a race
+            if os.environ.get("FAKE_VLLM_ENGINE_DEAD") == "1":
+                await dead.wait()
+                return error("EngineCore encountered an issue. See stack trace (above) for the root cause.", 500)
             await asyncio.sleep(3600)  # the server is about to die; this request never completes
         state["started"] += 1
         audio = base64.b64encode(wav).decode()
@@ -226,7 +253,10 @@ async def serve(args: argparse.Namespace, model, FakeTensor, P: int) -> None:
         await resp.write_eof()
         state["done"] += 1
         if die_after and state["done"] == die_after:
-            asyncio.get_running_loop().call_later(0.3, _crash)
+            if os.environ.get("FAKE_VLLM_ENGINE_DEAD") == "1":
+                asyncio.get_running_loop().call_later(0.3, _engine_died, dead)
+            else:
+                asyncio.get_running_loop().call_later(0.3, _crash)
         return resp
 
     app = web.Application()

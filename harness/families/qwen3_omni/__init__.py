@@ -18,8 +18,13 @@ vLLM-Omni's flagship omni model. What is specific to this family and where it li
   0.30.0's unmodified Qwen3-Omni serves on CPU; ``--speaking`` (``speaking``, ``speaking_model``,
   ``speaking_check``): the Thinker's embedding table and the Talker built so the Talker says the forced reply.
 
-Not here yet: the real server (``serve_missing``) and a speaking sim Talker (the ``words`` Talker is this
-family's only sim Talker).
+* the real server (``serve``, ``--backend vllm-omni``): the release's deploy YAML with the deploy's Talker
+  settings, the chat path with the reply forcer, the trace at ``talker_preprocess`` and at the connector;
+  CPU deploys ``qwen3-omni-cpu-{reference,stress}`` (streaming) and ``qwen3-omni-cpu-full-{reference,stress}``,
+  prompt set ``qwen3_omni_cpu``.
+
+Not here yet: the worker's contract check for this family's rows (the real server traces at ``spans``) and
+a speaking sim Talker (the ``words`` Talker is this family's only sim Talker).
 """
 
 from __future__ import annotations
@@ -27,14 +32,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from harness.errors import UserError
 from harness.family import Family
 
 # the default tiny checkpoint: the speaking one (0.30.0 on CPU said the forced reply, both Thinker-to-Talker paths:
 # docs/families/qwen3_omni.md)
 DEFAULT_SPEAKING = True
-SERVE_MISSING = ("the qwen3-omni family runs on the sim only: its real-server path (the serve module: deploy, "
-                 "request, trace target, oracle) is not built yet")
+
 
 
 class Qwen3Omni(Family):
@@ -53,7 +56,7 @@ class Qwen3Omni(Family):
     text_input = False
     speaking_blind_spots = "no speaking Talker for qwen3-omni: its sim speaks with the words Talker only"
     gate_rules = "gates-qwen3-omni"
-    serve_missing = SERVE_MISSING
+    serve_missing = None
 
     def sim_cell(self, impl: Any, deploy: Any, prompts: Any, seed: int, talker_mode: str) -> Any:
         from harness.families.qwen3_omni.sim import build_cell
@@ -83,7 +86,9 @@ class Qwen3Omni(Family):
         return speaking
 
     def serve(self) -> ModuleType:
-        raise UserError(f"--backend vllm-omni: {SERVE_MISSING}")
+        from harness.families.qwen3_omni import serve
+
+        return serve
 
     def tiny_model_argv(self, out: str, seed: int, speaking: bool | None) -> list[str]:
         """The tiny checkpoint (``harness.families.qwen3_omni.tiny_model``): speaking with ``--speaking``

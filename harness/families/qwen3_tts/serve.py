@@ -147,21 +147,9 @@ def chunk_rule() -> Any:
 def translate(deploy: Any, platform: str, speaking: bool = True) -> Any:
     """The deploy as ``vllm serve`` arguments: ``--deploy-config`` (the cell's file, written from
     ``deploy_yaml``) and the platform's environment (the same for a speaking checkpoint and any other)."""
-    import yaml
+    from harness.serve.deploy_args import yaml_translation
 
-    from harness.errors import UserError
-    from harness.serve.backend import DEPLOY_FILE
-    from harness.serve.deploy_args import CPU_ENV, PLATFORMS, DeployTranslation
-
-    if platform not in PLATFORMS:
-        raise UserError(f"--platform {platform!r}: must be one of {', '.join(PLATFORMS)} or auto")
-    if deploy.speculative is not None:
-        raise UserError(f"{deploy.path}: speculative: the vllm-omni backend does not run speculative decoding")
-    content = deploy_yaml(deploy, platform)
-    text = yaml.safe_dump(content, sort_keys=True)
-    env = tuple(sorted(CPU_ENV.items())) if platform == "cpu" else ()
-    return DeployTranslation(stage_overrides={}, cli_args=("--deploy-config", DEPLOY_FILE), platform=platform,
-                             env=env, deploy_yaml=text)
+    return yaml_translation(deploy, platform, lambda: deploy_yaml(deploy, platform))
 
 
 def request_body(model: str, prompts: Any, prompt: Any, deploy: Any, tag: str, speaking: bool,

@@ -42,7 +42,7 @@ if str(REPO) not in sys.path:
 # list. (Not ``--dist loadgroup``: pytest-xdist 3.8 marks a group in ``item._nodeid``, which pytest 9 no
 # longer reads, so every test became a group of its own.)
 # Measured on 2 cores (issue 48): four, four, three, two and one server starts; Ray's executor tests 4 minutes.
-LONGEST_FIRST = ("test_real_cpu_e2e", "test_real_cpu_tts_e2e", "test_ray_executor", "test_real_cpu_broken",
+LONGEST_FIRST = ("test_real_cpu_e2e", "test_real_cpu_tts_e2e", "test_real_cpu_omni3_e2e", "test_ray_executor", "test_real_cpu_broken",
                  "test_bad_input_run", "test_asr_ray", "test_real_cpu_sweep", "test_qwen3_tts", "test_real_cpu_subclass")
 
 

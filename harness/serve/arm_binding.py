@@ -28,7 +28,6 @@ model's real helpers: ``super()`` ends at the real code, never at the sim's copy
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import os
 import sys
@@ -46,17 +45,9 @@ UPSTREAM_ALIAS = "_omni_stress_upstream_talker_preprocess"
 
 
 def _load(spec: str) -> Any:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{ENV_ARM}: expected 'package.module:attr', got {spec!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())  # a plugin arm in the folder omni-stress runs from, as the sim imports it
-    from harness.moved import current_module
+    from harness.serve.importhook import resolve
 
-    obj: Any = importlib.import_module(current_module(module_name))
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return resolve(spec, ENV_ARM)
 
 
 HELPER_PORT = "OMNI_STRESS_HELPER_PORT"  # set in a class's own body: a port of the release's helpers

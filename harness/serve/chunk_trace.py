@@ -25,7 +25,6 @@ import: this runs inside the arm's environment.
 from __future__ import annotations
 
 import functools
-import importlib
 import itertools
 import json
 import os
@@ -33,6 +32,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+from harness.serve.importhook import resolve
 
 ENV_CHUNKER = "OMNI_STRESS_CHUNKER"  # module:function, the family's connector chunker (set only when it streams)
 ENV_CHUNKER_ARM = "OMNI_STRESS_CHUNKER_ARM"  # module:attr, an arm's chunker called in its place
@@ -103,16 +104,6 @@ class ChunkWriter:
             self._fh.flush()
 
 
-def _resolve(spec: str) -> Any:
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ValueError(f"{ENV_CHUNKER_ARM}: expected 'package.module:attr', got {spec!r}")
-    target: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        target = getattr(target, part)
-    return target
-
-
 def wrap_chunker(module: Any, name: str, writer: ChunkWriter | None, arm: str | None) -> bool:
     """Replace ``module.name`` with the traced (and, with ``arm``, replaced) chunker; False if absent."""
     original = getattr(module, name, None)
@@ -122,7 +113,7 @@ def wrap_chunker(module: Any, name: str, writer: ChunkWriter | None, arm: str | 
     impl = original
     if arm:
         try:
-            impl = _resolve(arm)
+            impl = resolve(arm, ENV_CHUNKER_ARM)
         except Exception as exc:  # noqa: BLE001 - refuse to stream through the wrong chunker silently
             why = f"{type(exc).__name__}: {exc}"
             _warn(f"cannot bind chunker {arm!r}: {why}")

@@ -7,12 +7,31 @@ moment their modules load, before vLLM can hold the originals (``harness.serve.t
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+
+def resolve(spec: str, what: str) -> Any:
+    """``package.module:attr`` imported inside a worker (an arm bound into the Talker, an arm's chunker): the
+    folder the server runs from importable, as the sim imports a plugin arm there, and a moved module path
+    followed (``harness.moved``). A malformed spec is a ValueError naming ``what``."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{what}: expected 'package.module:attr', got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    from harness.moved import current_module
+
+    obj: Any = importlib.import_module(current_module(module_name))
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _warn(msg: str) -> None:

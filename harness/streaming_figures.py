@@ -16,7 +16,7 @@ Definitions (docs/streaming.md):
   seconds (T = 0.05, 0.1, 0.2; 0.1 is the rate gated, the "audible gap" threshold upstream's bench uses).
 * **RTF**: the request's wall time over its audio seconds (the record's ``rtf``, as for every real record).
 * **audio throughput**: the cell's audio seconds over its request window (first send to last byte).
-* **goodput**: the share of requests that meet the SLO (``Slo``: TTFP at most ``ttfp_s``, no stall over
+* **goodput**: the share of requests that meet the SLO (``StreamingSlo``: TTFP at most ``ttfp_s``, no stall over
   ``max_stall_s``); errors and failed streams violate it.
 * **chunk violations**: the Code2Wav windows that broke the chunk contract (``harness.chunk_contract``).
 
@@ -41,7 +41,6 @@ GATED_THRESHOLD_S = 0.1
 PERCENTILES = (50, 90, 99)
 
 
-Slo = StreamingSlo  # the deploy's ``slo:`` (harness.config)
 
 
 @dataclass(frozen=True)
@@ -77,6 +76,19 @@ def failed(r: RequestRecord) -> bool:
     return r.error is not None or r.stream_failed is not None
 
 
+def streamed(records: Sequence[RequestRecord]) -> bool:
+    """Whether any request of a cell streamed: answered with a measured stream, or a truncated one."""
+    return any((r.error is None and r.stream_ttfa_s is not None) or r.stream_failed is not None for r in records)
+
+
+def meets_slo(r: RequestRecord, slo: StreamingSlo) -> bool:
+    """Goodput's test of one request: answered with a whole stream, its TTFP and worst stall within ``slo``."""
+    if failed(r) or r.stream_ttfa_s is None:
+        return False
+    return ((slo.ttfp_s is None or r.stream_ttfa_s <= slo.ttfp_s)
+            and (slo.max_stall_s is None or worst_stall(r) <= slo.max_stall_s))
+
+
 @dataclass(frozen=True)
 class StreamingFigures:
     requests: int  # the cell's requests
@@ -91,7 +103,7 @@ class StreamingFigures:
     audio_s: float
     window_s: float | None  # first send to last byte
     goodput: float | None  # share of requests meeting the SLO
-    slo: Slo
+    slo: StreamingSlo
     chunk_violations: int | None  # None: the connector's windows were not traced or modelled
     chunk_windows: Spread | None  # windows per request
 
@@ -105,20 +117,19 @@ class StreamingFigures:
         return self.continuity.get(GATED_THRESHOLD_S)
 
 
-def figures(records: Sequence[RequestRecord], slo: Slo = Slo()) -> StreamingFigures | None:
+def figures(records: Sequence[RequestRecord], slo: StreamingSlo = StreamingSlo()) -> StreamingFigures | None:
     """The cell's figures; None when none of its requests streamed (nothing to measure). Latencies (TTFP,
     gaps, stalls, RTF) are over every answered stream, a truncated one included; the rates (continuity,
     goodput) count a failed request as a failure."""
     recs = list(records)
-    answered = [r for r in recs if r.error is None and r.stream_ttfa_s is not None]
-    if not answered and not any(r.stream_failed is not None for r in recs):
+    if not streamed(recs):
         return None
+    answered = [r for r in recs if r.error is None and r.stream_ttfa_s is not None]
     n = len(recs)
     stalls = {id(r): worst_stall(r) for r in answered}
     ok = [r for r in answered if not failed(r)]
     continuity = {t: sum(stalls[id(r)] <= t for r in ok) / n for t in THRESHOLDS_S} if n else {}
-    good = [r for r in ok if (slo.ttfp_s is None or r.stream_ttfa_s <= slo.ttfp_s)  # type: ignore[operator]
-            and (slo.max_stall_s is None or stalls[id(r)] <= slo.max_stall_s)]
+    good = [r for r in ok if meets_slo(r, slo)]
     sent = [r for r in answered if r.stream_sent_at is not None and r.stream_end_s is not None]
     window = (max(r.stream_sent_at + r.stream_end_s for r in sent) - min(r.stream_sent_at for r in sent)  # type: ignore[operator]
               if sent else None)
@@ -202,7 +213,7 @@ STREAM_METRICS: dict[str, str] = {  # the gate's streaming metrics (harness.gate
 RATIO_METRICS: dict[str, str] = {"ttfp_p99_ratio": "TTFP p99 over the reference deploy's"}
 
 
-def metric(records: Sequence[RequestRecord], name: str, slo: Slo = Slo()) -> float | None:
+def metric(records: Sequence[RequestRecord], name: str, slo: StreamingSlo = StreamingSlo()) -> float | None:
     """One of ``STREAM_METRICS`` for a cell; None when the cell did not stream (or, for the chunk metrics,
     its connector was not traced)."""
     if name == "chunk_violations_beyond_replays":

@@ -38,7 +38,8 @@ from harness.metrics import METRICS, TABLE_METRICS, Metric
 from harness.proc import fork_call
 from harness.records import EventCounts, RequestRecord, write_file_atomic
 from harness.report.style import VERDICT_CSS
-from harness.streaming_figures import THRESHOLDS_S, bench_fields, figures, modelled_fields, modelled_figures
+from harness.streaming_figures import (THRESHOLDS_S, bench_fields, figures, meets_slo, modelled_fields,
+                                      modelled_figures, streamed, worst_stall)
 from harness.report.summary import (  # re-exported: callers and tests use report.load_run & co.
     DEFAULT_ROLE,
     ROLES,
@@ -321,10 +322,10 @@ def streaming_slos(cells: list[CellSummary]) -> list[str]:
     """The SLOs goodput was measured against, one line per distinct SLO (the deploys that use it)."""
     by_slo: dict[str, list[str]] = {}
     for c in cells:
-        if figures(c.records) is not None:
-            by_slo.setdefault((c.slo or StreamingSlo()).describe(), [])
-            if c.deploy not in by_slo[(c.slo or StreamingSlo()).describe()]:
-                by_slo[(c.slo or StreamingSlo()).describe()].append(c.deploy)
+        if streamed(c.records):
+            deploys = by_slo.setdefault((c.slo or StreamingSlo()).describe(), [])
+            if c.deploy not in deploys:
+                deploys.append(c.deploy)
     return [f"goodput SLO: {slo} ({', '.join(deploys)})" for slo, deploys in by_slo.items()]
 
 
@@ -717,8 +718,7 @@ def streaming_json(cells: list[CellSummary]) -> dict[str, Any] | None:
             continue
         requests = []
         for r in c.records:
-            stall = max((u[1] for u in r.stream_underruns or []), default=0.0)
-            ok = r.error is None and r.stream_failed is None and r.stream_ttfa_s is not None
+            stall = worst_stall(r)
             requests.append({
                 "prompt_id": r.prompt_id, "error": r.error, "stream_failed": r.stream_failed,
                 "audio_ttfp_ms": None if r.stream_ttfa_s is None else round(r.stream_ttfa_s * 1000, 3),
@@ -726,8 +726,7 @@ def streaming_json(cells: list[CellSummary]) -> dict[str, Any] | None:
                 "max_stall_ms": round(stall * 1000, 3), "stall_total_s": r.stream_underrun_s,
                 "chunk_windows": r.chunk_windows, "chunk_frames_sent": r.chunk_frames_sent,
                 "chunk_violations": r.chunk_violations, "chunk_violation": r.chunk_violation,
-                "meets_slo": ok and (slo.ttfp_s is None or r.stream_ttfa_s <= slo.ttfp_s)  # type: ignore[operator]
-                and (slo.max_stall_s is None or stall <= slo.max_stall_s),
+                "meets_slo": meets_slo(r, slo),
             })
         out.append({"arm": c.arm, "deploy": c.deploy, "repeat": c.repeat, "run": c.run_number, "role": c.role,
                     "deploy_role": c.deploy_role, "slo": {"ttfp_s": slo.ttfp_s, "max_stall_s": slo.max_stall_s},

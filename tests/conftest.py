@@ -10,6 +10,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,6 +123,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert summary["vocab_size"] == 152064 and summary["hidden_size"] == 64 and summary["speaking"] is True
     sys.stderr.write(f"[real e2e] tiny model: {time.monotonic() - t0:.1f} s\n")
     return model
+
+
+def records_by_cell(run_dir: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """A run's request records by (arm, deploy), then by prompt id."""
+    from harness.records import read_requests
+
+    cells: dict[tuple[str, str], dict[str, Any]] = defaultdict(dict)
+    for r in read_requests(run_dir):
+        cells[(r.arm, r.deploy)][r.prompt_id] = r
+    return cells
 
 
 def spans_by_cell(run_dir: Path) -> dict[tuple[str, str], list]:

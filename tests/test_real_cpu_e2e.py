@@ -27,7 +27,7 @@ from harness.families.qwen2_5_omni import speaking
 from harness.config import load_prompts
 from harness.records import read_requests
 
-from conftest import REAL_PY, spans_by_cell
+from conftest import REAL_PY, records_by_cell, spans_by_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "harness.cli"]
@@ -72,17 +72,11 @@ def test_the_weights_follow_the_rules_in_transformers(real_run: Path) -> None:
     assert replay["said"] == reply.replace("the", "<unk>", 1) and result["ok"] is True
 
 
-def _records(run_dir: Path) -> dict[tuple[str, str], dict[str, object]]:
-    cells: dict[tuple[str, str], dict[str, object]] = defaultdict(dict)
-    for r in read_requests(run_dir):
-        cells[(r.arm, r.deploy)][r.prompt_id] = r
-    return cells
-
 
 def test_the_real_thinker_says_each_reply_and_the_talker_speaks_it_unstressed(real_run: Path) -> None:
     replies = {p.id: p.reply for p in load_prompts("cpu_smoke").prompts}
     for arm in ("main", "pr"):
-        for pid, r in _records(real_run)[(arm, "cpu-reference")].items():
+        for pid, r in records_by_cell(real_run)[(arm, "cpu-reference")].items():
             assert r.thinker_text == replies[pid], (arm, pid)
             # pr: the bytes, then the end region (SILENCE at text-EOS and the first PAD, EOS at the
             # persistent PAD); main (0.30.0, no EOS/PAD rows): the bytes, then EOS at once
@@ -91,7 +85,7 @@ def test_the_real_thinker_says_each_reply_and_the_talker_speaks_it_unstressed(re
 
 
 def test_pr_speaks_under_stress_as_unstressed_and_main_does_not(real_run: Path) -> None:
-    cells = _records(real_run)
+    cells = records_by_cell(real_run)
     for pid, r in cells[("pr", "cpu-stress")].items():
         assert r.oracle_wer == cells[("pr", "cpu-reference")][pid].oracle_wer == 0.0, pid
         assert r.oracle_transcript == r.thinker_text, pid
@@ -267,7 +261,7 @@ def test_every_request_streams_its_whole_audio_in_one_chunk(real_run: Path) -> N
         assert abs(r.rtf - r.wall_s / r.audio_seconds) < 0.01, key
     # pr unstressed: the Thinker's text arrived as text deltas, whole; the Talker said it (bytes, end region)
     replies = {p.id: p.reply for p in load_prompts("cpu_smoke").prompts}
-    for pid, r in _records(real_run)[("pr", "cpu-reference")].items():
+    for pid, r in records_by_cell(real_run)[("pr", "cpu-reference")].items():
         assert r.thinker_text == replies[pid] and r.oracle_wer == 0.0, pid
         assert r.codec_tokens == speaking.encode_reply(replies[pid], end=True) and r.num_codec_tokens == 72, pid
 

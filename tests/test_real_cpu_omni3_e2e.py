@@ -24,17 +24,14 @@ import re
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from harness.config import load_prompts
 from harness.families.qwen3_omni import speaking as sp
-from harness.records import read_requests
-from harness.spanstore import read_spans
 
-from conftest import REAL_PY, require_real_env
+from conftest import REAL_PY, records_by_cell, require_real_env, spans_by_cell
 
 CLI = [sys.executable, "-m", "harness.cli"]
 RELEASE, FIX = "omni3-0.30.0", "omni3-fix"
@@ -71,18 +68,6 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "real"
 
 
-def _records(run_dir: Path) -> dict[tuple[str, str], dict]:
-    cells: dict[tuple[str, str], dict] = defaultdict(dict)
-    for r in read_requests(run_dir):
-        cells[(r.arm, r.deploy)][r.prompt_id] = r
-    return cells
-
-
-def _spans(run_dir: Path) -> dict[tuple[str, str], list]:
-    cells: dict[tuple[str, str], list] = defaultdict(list)
-    for s in read_spans(run_dir):
-        cells[(s.arm, s.deploy)].append(s)
-    return cells
 
 
 def _answered_cells() -> list[tuple[str, str]]:
@@ -91,7 +76,7 @@ def _answered_cells() -> list[tuple[str, str]]:
 
 def test_every_request_of_the_fix_and_the_unstressed_release_says_its_reply_exactly(real_run: Path) -> None:
     prompts = {p.id: p for p in load_prompts(PROMPTS).prompts}
-    cells = _records(real_run)
+    cells = records_by_cell(real_run)
     assert sorted(cells) == sorted((a, d) for a in (RELEASE, FIX) for d in (REF, STRESS))
     for cell in _answered_cells():
         recs = cells[cell]
@@ -109,7 +94,7 @@ def test_every_request_of_the_fix_and_the_unstressed_release_says_its_reply_exac
 def test_every_stream_arrives_in_the_connectors_windows_whole(real_run: Path) -> None:
     """The release's windows (4, then 25 frames, 25 of left context), every one following the chunk contract,
     one audio chunk each, the whole stream's audio its 74 frames less the decoder's trimmed edge."""
-    cells = _records(real_run)
+    cells = records_by_cell(real_run)
     for cell in _answered_cells():
         for pid, r in cells[cell].items():
             assert (r.chunk_frames_sent, r.chunk_windows, r.chunk_violations) == (WINDOWS, 4, 0), (cell, pid)
@@ -121,7 +106,7 @@ def test_every_stream_arrives_in_the_connectors_windows_whole(real_run: Path) ->
 def test_the_stress_deploy_chunks_preempts_and_replays_across_the_prompt(real_run: Path) -> None:
     """Four 112-position requests in 5 usable KV blocks of 32: the cache runs out, vLLM preempts by recompute
     and the replays cross the prompt boundary; an 8-token budget chunks every 38-row prompt."""
-    cells, records = _spans(real_run), _records(real_run)
+    cells, records = spans_by_cell(real_run), records_by_cell(real_run)
     for arm in (RELEASE, FIX):
         ref = cells[(arm, REF)]
         assert ref and sum(s.nonzero_offset for s in ref) == 0 and sum(s.cross_boundary for s in ref) == 0, arm
@@ -138,7 +123,7 @@ def test_the_release_under_stress_crashes_its_talker_and_the_gate_fails_it(real_
     in the trace), the runner indexes past them and the Talker's engine core dies; the API server lives on. The
     harness calls it a crash: each request it held is an error naming the worker's line, the manifest's cell
     lists the crash, and the gate fails the release."""
-    recs = _records(real_run)[(RELEASE, STRESS)]
+    recs = records_by_cell(real_run)[(RELEASE, STRESS)]
     errors = [r.error for r in recs.values() if r.error is not None]
     assert errors and all(e.startswith("server crashed (its engine core died): IndexError: index ") for e in errors)
     assert all(CRASH.search(e) for e in errors), errors
@@ -146,7 +131,7 @@ def test_the_release_under_stress_crashes_its_talker_and_the_gate_fails_it(real_
     cell = next(c for c in manifest["cells"] if (c["arm"], c["deploy"]) == (RELEASE, STRESS))
     assert [(c["server"], c["exit_code"], bool(CRASH.fullmatch(c["error"]))) for c in cell["crashes"]] == [
         (1, None, True)]
-    spans = _spans(real_run)[(RELEASE, STRESS)]
+    spans = spans_by_cell(real_run)[(RELEASE, STRESS)]
     assert any(s.c < s.P and s.rows != s.n for s in spans)  # the span that broke the runner
     assert all(c.get("crashes") is None for c in manifest["cells"] if (c["arm"], c["deploy"]) != (RELEASE, STRESS))
     gate = subprocess.run([*CLI, "gate", str(real_run)], cwd=real_run, capture_output=True, text=True, timeout=600)

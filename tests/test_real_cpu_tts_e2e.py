@@ -17,7 +17,6 @@ import json
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,8 @@ import pytest
 from harness.config import load_prompts
 from harness.families.qwen3_tts import speaking as sp
 from harness.records import read_requests
-from harness.spanstore import read_spans
 
-from conftest import REAL_PY, require_real_env
+from conftest import REAL_PY, records_by_cell, require_real_env, spans_by_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "harness.cli"]
@@ -72,23 +70,11 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "real"
 
 
-def _records(run_dir: Path) -> dict[tuple[str, str], dict]:
-    cells: dict[tuple[str, str], dict] = defaultdict(dict)
-    for r in read_requests(run_dir):
-        cells[(r.arm, r.deploy)][r.prompt_id] = r
-    return cells
-
-
-def _spans(run_dir: Path) -> dict[tuple[str, str], list]:
-    cells: dict[tuple[str, str], list] = defaultdict(list)
-    for s in read_spans(run_dir):
-        cells[(s.arm, s.deploy)].append(s)
-    return cells
 
 
 def test_every_request_answered_with_streamed_audio(real_run: Path) -> None:
     texts = {p.id: p.reply for p in load_prompts(PROMPTS).prompts}
-    cells = _records(real_run)
+    cells = records_by_cell(real_run)
     assert sorted(cells) == sorted((a, d) for a in ARMS for d in (REF, STRESS))
     for cell, recs in cells.items():
         assert sorted(recs) == sorted(texts), cell
@@ -106,7 +92,7 @@ def test_every_request_answered_with_streamed_audio(real_run: Path) -> None:
 def test_every_stream_arrives_in_the_connectors_windows(real_run: Path) -> None:
     """``async_chunk: true`` as the release ships it: the first window holds one frame, then 25 a window; each
     window is one audio chunk of 1920 samples a frame, so a whole request streams in four chunks."""
-    for cell, recs in _records(real_run).items():
+    for cell, recs in records_by_cell(real_run).items():
         for pid, r in recs.items():
             if r.stream_failed is None:  # whole: its audio is its codec stream's frames, window by window
                 assert r.chunk_frames_sent == sp_windows(len(r.codec_tokens)), (cell, pid)
@@ -127,7 +113,7 @@ def test_the_chunk_contract_holds_unpreempted_and_breaks_once_per_replay(real_ru
     (preemption by recompute) breaks one window of its request under 0.30.0's runner, whatever the arm: the
     fix's window holds the recomputed frames wrong (codebook 0 reads 0 where the Talker fed its token), the
     release's loses the request's last frames (its audio is short of its codec stream: a failed stream)."""
-    cells = _records(real_run)
+    cells = records_by_cell(real_run)
     for arm in ARMS:
         assert [(r.chunk_violations, r.stream_failed) for r in cells[(arm, REF)].values()] == [(0, None)] * 4, arm
         for pid, r in cells[(arm, STRESS)].items():
@@ -170,7 +156,7 @@ def test_the_streaming_figures_are_reported(real_run: Path) -> None:
         assert [q["chunk_windows"] for q in c["requests"]] == [len(q["chunk_frames_sent"]) for q in c["requests"]]
     assert cells[("tts-fix", STRESS)]["failed"] == 0 and cells[("tts-fix", STRESS)]["request_goodput_rate"] == 1.0
     release = cells[("tts-0.30.0", STRESS)]
-    assert release["failed"] == sum(r.preemptions > 0 for r in _records(real_run)[("tts-0.30.0", STRESS)].values())
+    assert release["failed"] == sum(r.preemptions > 0 for r in records_by_cell(real_run)[("tts-0.30.0", STRESS)].values())
     assert release["request_goodput_rate"] == 1 - release["failed"] / 4
     summary = (real_run / "summary.md").read_text()
     assert "TTFP p50 / p90 / p99 / max (s)" in summary and "goodput SLO: TTFP <= 10 s" in summary
@@ -178,7 +164,7 @@ def test_the_streaming_figures_are_reported(real_run: Path) -> None:
 
 def test_both_arms_say_every_text_unstressed(real_run: Path) -> None:
     texts = {p.id: p.reply for p in load_prompts(PROMPTS).prompts}
-    cells = _records(real_run)
+    cells = records_by_cell(real_run)
     for arm in ARMS:
         for pid, r in cells[(arm, REF)].items():
             assert r.codec_tokens == sp.encode_reply(texts[pid]), (arm, pid)
@@ -187,7 +173,7 @@ def test_both_arms_say_every_text_unstressed(real_run: Path) -> None:
 
 def test_the_fix_says_every_text_under_stress_and_the_release_does_not(real_run: Path) -> None:
     texts = {p.id: p.reply for p in load_prompts(PROMPTS).prompts}
-    cells = _records(real_run)
+    cells = records_by_cell(real_run)
     for pid, r in cells[("tts-fix", STRESS)].items():
         assert r.codec_tokens == sp.encode_reply(texts[pid]), pid
         assert (r.oracle_transcript, r.oracle_wer) == (texts[pid], 0.0), pid
@@ -210,7 +196,7 @@ def test_the_stress_deploy_chunks_preempts_and_replays_across_the_prompt(real_ru
     """Four 83-position requests in 5 usable KV blocks of 32: when they pass 32 positions the cache runs
     out and three are preempted, each replay crossing the prompt boundary (measured: 3 and 3 for both
     arms; the count follows the cache, not the server's timing); an 8-token budget chunks every prompt."""
-    cells, records = _spans(real_run), _records(real_run)
+    cells, records = spans_by_cell(real_run), records_by_cell(real_run)
     for arm in ARMS:
         ref = cells[(arm, REF)]
         assert ref and sum(s.nonzero_offset for s in ref) == 0 and sum(s.cross_boundary for s in ref) == 0, arm
@@ -226,13 +212,13 @@ def test_each_position_is_traced_once_per_schedule(real_run: Path) -> None:
     """One-token decode spans go through ``preprocess_decode_batch``; the fix builds its batch from
     ``preprocess``, which is not traced again: an unpreempted request has one span per position."""
     for arm in ARMS:
-        for pid, r in _records(real_run)[(arm, REF)].items():
-            spans = [s for s in _spans(real_run)[(arm, REF)] if s.request == pid]
+        for pid, r in records_by_cell(real_run)[(arm, REF)].items():
+            spans = [s for s in spans_by_cell(real_run)[(arm, REF)] if s.request == pid]
             assert sum(s.n for s in spans) == sp.PROMPT_LEN + len(r.codec_tokens), (arm, pid)
 
 
 def test_the_worker_contract_check_passes_the_fix_and_counts_the_release(real_run: Path) -> None:
-    cells = _spans(real_run)
+    cells = spans_by_cell(real_run)
     for deploy in (REF, STRESS):
         spans = cells[("tts-fix", deploy)]
         assert all(s.error is None and s.misaligned_text == 0 and s.misaligned_end == 0 for s in spans), deploy

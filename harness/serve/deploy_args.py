@@ -171,6 +171,21 @@ def translate_deploy(deploy: Deploy, platform: str = "gpu", speaking: bool = Fal
     )
 
 
+def talker_stage(talker: Any) -> dict[str, Any]:
+    """A deploy's Talker scheduler and KV settings as the keys of a deploy YAML's stage (Qwen3-TTS, Qwen3-Omni);
+    a setting left ``None`` is the release's own; a pinned block count brings its block size."""
+    stage: dict[str, Any] = {"max_num_seqs": talker.max_num_seqs,
+                             "enable_prefix_caching": bool(talker.enable_prefix_caching)}
+    for key in ("max_num_batched_tokens", "enable_chunked_prefill", "num_gpu_blocks_override", "max_model_len",
+                "gpu_memory_utilization"):
+        value = getattr(talker, key, None)
+        if value is not None:
+            stage[key] = value
+    if talker.num_gpu_blocks_override is not None:
+        stage["block_size"] = talker.block_size
+    return stage
+
+
 def yaml_translation(deploy: Deploy, platform: str, content: Callable[[], dict[str, Any]]) -> DeployTranslation:
     """A family served with a whole deploy YAML (Qwen3-TTS, Qwen3-Omni): ``--deploy-config`` (the cell's file,
     ``content()`` dumped key-sorted) and the platform's environment; a platform or a ``speculative:`` the

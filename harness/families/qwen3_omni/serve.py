@@ -64,6 +64,8 @@ def release_deploy() -> dict[str, Any]:
 
 def deploy_yaml(deploy: Any, platform: str, speaking: bool) -> dict[str, Any]:
     """The whole deploy YAML the server is started with (module docstring)."""
+    from harness.serve.deploy_args import talker_stage
+
     content = release_deploy()
     content.pop("platforms", None)
     content["model_runner"] = "v1"
@@ -73,15 +75,7 @@ def deploy_yaml(deploy: Any, platform: str, speaking: bool) -> dict[str, Any]:
     thinker, talker, code2wav = stages[THINKER], stages[TALKER], stages[CODE2WAV]
     thinker["max_num_seqs"] = deploy.thinker.max_num_seqs
     code2wav["max_num_seqs"] = deploy.code2wav.max_num_seqs
-    talker["max_num_seqs"] = talker_cfg.max_num_seqs
-    talker["enable_prefix_caching"] = bool(talker_cfg.enable_prefix_caching)
-    for key in ("max_num_batched_tokens", "enable_chunked_prefill", "num_gpu_blocks_override", "max_model_len",
-                "gpu_memory_utilization"):
-        value = getattr(talker_cfg, key, None)
-        if value is not None:
-            talker[key] = value
-    if talker_cfg.num_gpu_blocks_override is not None:
-        talker["block_size"] = talker_cfg.block_size
+    talker.update(talker_stage(talker_cfg))
     for stage in stages.values():
         stage["enforce_eager"] = True
         stage["async_scheduling"] = False

@@ -66,23 +66,17 @@ SAMPLES_PER_CODEC_FRAME = QWEN3_TTS_UPSAMPLE  # Code2Wav's samples per codec fra
 
 def deploy_yaml(deploy: Any, platform: str) -> dict[str, Any]:
     """The whole deploy YAML the server is started with (module docstring)."""
+    from harness.serve.deploy_args import talker_stage
+
     talker_cfg = deploy.talker
     s = deploy.sampling
     talker: dict[str, Any] = {
-        "stage_id": 0, "max_num_seqs": talker_cfg.max_num_seqs, "enforce_eager": True, "trust_remote_code": True,
-        "enable_prefix_caching": bool(talker_cfg.enable_prefix_caching), "async_scheduling": False,
-        "devices": "0",
+        "stage_id": 0, "enforce_eager": True, "trust_remote_code": True, "async_scheduling": False, "devices": "0",
         "default_sampling_params": {k: v for k, v in (("temperature", s.temperature), ("top_p", s.top_p),
                                                       ("top_k", s.top_k), ("seed", s.seed),
                                                       ("max_tokens", s.max_tokens)) if v is not None},
+        **talker_stage(talker_cfg),
     }
-    for key in ("max_num_batched_tokens", "enable_chunked_prefill", "num_gpu_blocks_override", "max_model_len",
-                "gpu_memory_utilization"):
-        value = getattr(talker_cfg, key, None)
-        if value is not None:
-            talker[key] = value
-    if talker_cfg.num_gpu_blocks_override is not None:
-        talker["block_size"] = talker_cfg.block_size
     code2wav: dict[str, Any] = {
         "stage_id": 1, "max_num_seqs": deploy.code2wav.max_num_seqs, "enforce_eager": True,
         "trust_remote_code": True, "enable_prefix_caching": False, "async_scheduling": False, "devices": "0",

@@ -283,6 +283,24 @@ def test_cell_evidence_classifies_spans_and_finds_the_first_wrong_one():
                                                    "span step 10 c=11 n=1)")
 
 
+def test_unchecked_spans_give_the_requests_wer_and_a_crashed_request_says_so():
+    """A real run traced at ``spans`` (Qwen3-Omni's real server: no worker contract check) has spans whose rows
+    were never checked (``misaligned`` None): the column says so and gives the requests' WER instead, and a
+    request that ended in an error (no WER: the release's crash) is named as such; it used to raise TypeError."""
+    from harness.conform.beside import cell_evidence
+
+    spans = [_span(0, 0, 5, mis=None), _span(1, 5, 4, mis=None, nonzero_offset=True), _span(2, 9, 1, mis=None),
+             {**_span(1, 5, 4, mis=None, nonzero_offset=True), "request": "r2"}]
+    ev = cell_evidence(spans)
+    assert (ev["chunk"].spans, ev["chunk"].wrong, ev["chunk"].requests) == (3, 0, {})
+    assert ev["chunk"].unchecked == {"r1": (1, 5, 4), "r2": (1, 5, 4)}
+    assert ev["chunk"].describe({"r1": 0.0, "r2": 0.25}) == (
+        "3 spans, rows not checked; 2 requests, worst r2 (WER 0.250, first such span step 1 c=5 n=4)")
+    assert ev["chunk"].describe({"r1": 0.0, "r2": None}) == (
+        "3 spans, rows not checked; 2 requests, worst r2 (no WER: an error)")
+    assert ev["tail"].describe({}) == "not reached (0 spans)"
+
+
 def test_conform_beside_a_run_puts_the_verdicts_next_to_the_sims_spans(tmp_path):
     res = run_cli("run", "--family", "qwen3-tts", "--deploy", "qwen3-tts-stress", "--arm", "tts-0.30.0", "--asr", "none",
                   "--quiet", "--no-cache", "--out", str(tmp_path), "--run-id", "b")

@@ -36,18 +36,24 @@ class Evidence:
     spans: int = 0  # spans of this kind
     wrong: int = 0  # of them, spans whose rows were misaligned
     requests: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # request -> first wrong (step, c, n)
+    # spans whose rows the trace did not check (a real run at ``--trace spans``, or a family whose worker has no
+    # contract check): the requests that had one, by their first such span; their WER is then the evidence
+    unchecked: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     def describe(self, wer: dict[str, float | None]) -> str:
         if not self.spans:
             return "not reached (0 spans)"
-        text = f"{self.spans} spans, {self.wrong} misaligned"
-        if not self.requests:
+        if self.unchecked and not self.requests:
+            text, requests, which = f"{self.spans} spans, rows not checked", self.unchecked, "first such span"
+        else:
+            text, requests, which = f"{self.spans} spans, {self.wrong} misaligned", self.requests, "first wrong span"
+        if not requests:
             return text
-        worst = max(self.requests, key=lambda r: (wer.get(r) or 0.0, r))
-        step, c, n = self.requests[worst]
+        worst = max(requests, key=lambda r: (wer.get(r) or 0.0, r))
+        step, c, n = requests[worst]
         w = wer.get(worst)
-        return (f"{text}; {len(self.requests)} requests, worst {worst} (WER {w:.3f}, first wrong span step {step} "
-                f"c={c} n={n})" if w is not None else f"{text}; {len(self.requests)} requests, worst {worst}")
+        return (f"{text}; {len(requests)} requests, worst {worst} (WER {w:.3f}, {which} step {step} c={c} n={n})"
+                if w is not None else f"{text}; {len(requests)} requests, worst {worst} (no WER: an error)")
 
 
 def _kind(span: dict[str, Any], replayed: bool, chunked: bool) -> str | None:
@@ -90,9 +96,11 @@ def cell_evidence(spans: Iterable[dict[str, Any]]) -> dict[str, Evidence]:
                 continue
             ev = out[kind]
             ev.spans += 1
-            if s.get("misaligned", 0) > 0 or s.get("error"):
+            if s.get("error") or (s.get("misaligned") or 0) > 0:
                 ev.wrong += 1
                 ev.requests.setdefault(rid, (s["step"], s["c"], s["n"]))
+            elif s.get("misaligned", 0) is None:
+                ev.unchecked.setdefault(rid, (s["step"], s["c"], s["n"]))
     return out
 
 

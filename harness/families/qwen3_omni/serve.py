@@ -79,7 +79,8 @@ def deploy_yaml(deploy: Any, platform: str, speaking: bool) -> dict[str, Any]:
     for stage in stages.values():
         stage["enforce_eager"] = True
         stage["async_scheduling"] = False
-        stage["enable_prefix_caching"] = stage["enable_prefix_caching"] if stage is talker else False
+        if stage is not talker:  # the Talker's is the deploy's (talker_stage)
+            stage["enable_prefix_caching"] = False
     if speaking:
         from harness.serve.deploy_args import REPLY_FORCER
 

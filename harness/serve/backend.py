@@ -215,8 +215,6 @@ def server_argv(arm: ArmSpec, deploy: Deploy, options: ServeOptions, port: int |
     ]
 
 
-
-
 def server_env_overrides(arm: ArmSpec, trace_dir: Path, options: ServeOptions | None = None,
                          translation: DeployTranslation | None = None) -> dict[str, str]:
     """What the server's environment adds to ours: the platform's variables, the arm's ``env``, the

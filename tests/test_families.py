@@ -181,7 +181,7 @@ def test_list_families_shows_each_familys_chain_hook_and_defaults():
         "conform model qwen3-omni",
         "               defaults: --arm omni3-0.30.0 --arm omni3-fix --deploy qwen3-omni-reference --deploy "
         "qwen3-omni-stress --deploy qwen3-omni-full-reference --deploy qwen3-omni-full-stress --prompts qwen3_omni; "
-        "sim Talkers words",
+        "sim Talkers words, speaking",
         "  qwen3-tts    talker -> code2wav; talker's preprocess under test",
         "               real server: /v1/audio/speech, trace "
         "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker:Qwen3TTSTalkerForConditionalGeneration; "

@@ -331,3 +331,49 @@ def test_conform_beside_a_run_puts_each_path_beside_its_own_conform_row(tmp_path
     # the streamed path: a chunked prefill alone shifts the decode rows (conform: differs), the full payload conforms
     assert table[4] == ("| non-zero-offset chunk | conforms | differs @28 | 2605 spans, 687 misaligned; 14 requests, "
                         "worst p10-dog (WER 0.862, first wrong span step 412 c=47 n=1) | 2539 spans, 0 misaligned |")
+
+
+# --------------------------------------------------------------------------- the speaking sim Talker (issue 44 item 4)
+
+SPEAKING_STRESS = {  # prompts/qwen3_omni_cpu.yaml under qwen3-omni-cpu-stress, the sim's speaking Talker
+    ("omni3-0.30.0", "o01-tea"): "Hat the water until it is hot but not boiling, then steep the tea well.",
+    ("omni3-0.30.0", "o02-plants"): "Wnter air is dry and the <unk> give plants more light now.",
+    ("omni3-0.30.0", "o03-run"): "Bgin with short runs mixed on three or four days each week.",
+    ("omni3-0.30.0", "o04-stars"): "Sars are tiny points of <unk> air bends their light around.",
+}
+
+
+def test_the_speaking_sim_talker_says_what_the_real_server_says(tmp_path):
+    """``--sim-talker speaking``: the Thinker tokenizes like the tiny checkpoint (``P`` = 38, the real server's),
+    the Talker follows the speaking rules. The fix says every reply exactly under stress (its codec stream is
+    ``encode_reply``, as on the real server); the release loses each reply's second byte after the chunked
+    prefill (the streamed rows' counter shifted) and, once preempted, more: its first request says "Hat the
+    water ...", the words the real server's Talker said before it crashed (docs/families/qwen3_omni.md)."""
+    from harness.families.qwen3_omni import speaking as sp
+    from harness.records import read_requests
+
+    res = run_cli("run", "--family", "qwen3-omni", "--sim-talker", "speaking", "--arm", "omni3-0.30.0", "--arm",
+                  "omni3-fix", "--deploy", "qwen3-omni-cpu-stress", "--prompts", "qwen3_omni_cpu", "--asr", "none",
+                  "--quiet", "--no-cache", "--out", str(tmp_path), "--run-id", "sp")
+    assert res.exit_code == 0, res.stderr[-3000:]
+    prompts = {p.id: p for p in load_prompts("qwen3_omni_cpu").prompts}
+    recs = {(r.arm, r.prompt_id): r for r in read_requests(tmp_path / "sp")}
+    assert len(recs) == 8 and all(r.talker_prompt_len == 38 and r.error is None for r in recs.values())
+    for pid, p in prompts.items():
+        fix = recs[("omni3-fix", pid)]
+        assert (fix.codec_tokens, fix.oracle_transcript, fix.oracle_wer) == (sp.encode_reply(p.reply), p.reply, 0.0)
+        assert fix.chunk_frames_sent == [4, 25, 25, 20] and fix.chunk_violations == 0, pid
+        assert recs[("omni3-0.30.0", pid)].oracle_transcript == SPEAKING_STRESS[("omni3-0.30.0", pid)], pid
+    assert sum(r.preemptions for r in recs.values() if r.arm == "omni3-fix") == 3
+
+
+def test_the_speaking_sim_talker_refuses_a_question_the_tiny_tokenizer_reads_otherwise(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("family: qwen3-omni\nsystem_prompt: hi\nprompts:\n  - id: a\n    user: ask the assistant\n"
+                    "    reply: Fine.\n")
+    res = run_cli("run", "--family", "qwen3-omni", "--sim-talker", "speaking", "--deploy", "qwen3-omni-cpu-reference",
+                  "--arm", "omni3-fix", "--prompts", str(path), "--asr", "none", "--out", str(tmp_path / "o"))
+    assert res.exit_code == 2
+    assert res.stderr.strip().splitlines() == [
+        f"omni-stress: error: {path}: prompts[0].user: the text 'ask the assistant' holds 'assistant', which the tiny "
+        "tokenizer reads as one token (prompt 'a'; --sim-talker speaking)"]

@@ -23,8 +23,10 @@ vLLM-Omni's flagship omni model. What is specific to this family and where it li
   CPU deploys ``qwen3-omni-cpu-{reference,stress}`` (streaming) and ``qwen3-omni-cpu-full-{reference,stress}``,
   prompt set ``qwen3_omni_cpu``.
 
-Not here yet: the worker's contract check for this family's rows (the real server traces at ``spans``) and
-a speaking sim Talker (the ``words`` Talker is this family's only sim Talker).
+* the sim's ``speaking`` Talker (``sim._speaking_cell``): the tiny checkpoint's tokenizer and rules, so
+  ``omni-stress fidelity`` compares codec streams request by request with the real server.
+
+Not here yet: the worker's contract check for this family's rows (the real server traces at ``spans``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from harness.family import Family
+from harness.speaking.rules import blind_spots
 
 # the default tiny checkpoint: the speaking one (0.30.0 on CPU said the forced reply, both Thinker-to-Talker paths:
 # docs/families/qwen3_omni.md)
@@ -52,9 +55,11 @@ class Qwen3Omni(Family):
     default_deploys = ("qwen3-omni-reference", "qwen3-omni-stress", "qwen3-omni-full-reference",
                        "qwen3-omni-full-stress")
     default_prompts = "qwen3_omni"
-    sim_talkers = ("words",)
+    sim_talkers = ("words", "speaking")
     text_input = False
-    speaking_blind_spots = "no speaking Talker for qwen3-omni: its sim speaks with the words Talker only"
+    # what the speaking Talker (``speaking``) cannot hear: only the misaligned columns count wrong rows there
+    speaking_blind_spots = blind_spots(tag_bits=2, span="reply", eos="tts_eos", pad="tts_pad",
+                                       elsewhere="the user turn, the assistant header and tts_pad rows before P-2")
     gate_rules = "gates-qwen3-omni"
     serve_missing = None
 

@@ -58,7 +58,7 @@ from harness.sim.cell import SimCell
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, CodecVocab, collapse, oracle_transcript
 from harness.sim.rows import DIM, NONE, RowSpace
 from harness.sim.runner import SimRunner
-from harness.sim.talker import SimTalker
+from harness.sim.talker import SimTalker, TalkerKV
 from harness.tokenizer import tokenize
 
 # Qwen3-Omni's tokenizer ids of the ChatML template (the release reads them from its config)
@@ -174,14 +174,24 @@ class OmniRequest:
         return self.thinker_start + math.ceil((2 + j) * self.steps_per_token)
 
 
-def run_thinker(prompts: PromptSet, space: RowSpace, specials: Specials, deploy: Deploy) -> list[OmniRequest]:
+def byte_tokens(text: str) -> list[str]:
+    """The speaking checkpoint's tokens of a text: one per UTF-8 byte (``harness.tokenizer.token_byte`` reads them)."""
+    from harness.families.qwen3_omni import speaking
+
+    return [chr(b) for b in speaking.text_token_ids(text)]
+
+
+def run_thinker(prompts: PromptSet, space: RowSpace, specials: Specials, deploy: Deploy,
+                tokenizer: Any = tokenize, newline: str | None = None) -> list[OmniRequest]:
     """The scripted Thinker's requests, with their arrival steps under ``load.mode: all`` (the Thinker's
-    ``max_num_seqs`` sequences, first come first served; other loads: ``harness.sim.load.Arrivals``)."""
+    ``max_num_seqs`` sequences, first come first served; other loads: ``harness.sim.load.Arrivals``).
+    ``tokenizer``: the sim's word rule or the speaking checkpoint's bytes (:func:`byte_tokens`); ``newline``:
+    what the template's ``\n`` rows say (the speaking checkpoint's ``\n`` is a byte; the words Talker's silent)."""
     s = deploy.sim.thinker_steps_per_token
     vocab: dict[str, int] = {}
 
     def words(text: str) -> tuple[list[str], list[int]]:
-        toks = tokenize(text)
+        toks = tokenizer(text)
         return toks, [vocab.setdefault(t, WORD_ID_BASE + len(vocab)) for t in toks]
 
     free_at = [0] * max(1, deploy.thinker.max_num_seqs)
@@ -200,7 +210,7 @@ def run_thinker(prompts: PromptSet, space: RowSpace, specials: Specials, deploy:
         assistant = [("<|im_start|>", IM_START), ("assistant", ASSISTANT), ("\n", NEWLINE)]
         template = head + user + assistant
         # a prompt row speaks its word (the user's words) or is silent (the template tokens)
-        spoken = [t if i in range(len(head) + 3, len(head) + 3 + len(user_toks)) else None
+        spoken = [t if i in range(len(head) + 3, len(head) + 3 + len(user_toks)) else newline if t == "\n" else None
                   for i, (t, _) in enumerate(template)]
         p_rows, p_first = space.make("prompt", spoken, rid)
         o_rows, o_first = space.make("output", list(reply_toks), rid)
@@ -342,9 +352,11 @@ class OmniContract(TTSContract):
     layout is Qwen3-TTS's (``r_{k+1}``, ``tts_eos``, ``tts_pad`` on the position's own codec id), so
     ``TTSContract``'s arithmetic applies to ``OmniRequest``'s fields; only the speaker ids differ."""
 
-    def new_kv(self, out: OmniRequest, capacity: int) -> TTSKV:
-        return TTSKV(out.request_id, out.P, SPEAKERS[out.speaker], out.output_first_id, capacity,
-                     pad_id=self.pad_id, bos_id=self.bos_id)
+    def new_kv(self, out: OmniRequest, capacity: int) -> TalkerKV:
+        if self.kv_class is TTSKV:
+            return TTSKV(out.request_id, out.P, SPEAKERS[out.speaker], out.output_first_id, capacity,
+                         pad_id=self.pad_id, bos_id=self.bos_id)
+        return self.kv_class(out.request_id, out.P, SPEAKERS[out.speaker], out.output_first_id, capacity)
 
 
 def check_deploy(deploy: Deploy) -> None:
@@ -362,12 +374,15 @@ def check_deploy(deploy: Deploy) -> None:
 
 
 def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_mode: str) -> SimCell:
-    """``talker_mode``: ``words`` (the words Talker with the Qwen3 start rows), the only one this family has."""
-    if talker_mode != "words":
-        raise UserError(f"--sim-talker {talker_mode!r}: unknown sim Talker for qwen3-omni (choose words)")
+    """``talker_mode``: ``words`` (the words Talker with the Qwen3 start rows) or ``speaking`` (the speaking tiny
+    Qwen3-Omni's rules, ``harness.families.qwen3_omni.speaking``, and its tokenizer: one row per byte)."""
+    if talker_mode not in ("words", "speaking"):
+        raise UserError(f"--sim-talker {talker_mode!r}: unknown sim Talker for qwen3-omni (choose words or speaking)")
     check_deploy(deploy)
     space = BF16RowSpace(seed)
     specials = Specials.make(space)
+    if talker_mode == "speaking":
+        return _speaking_cell(impl, deploy, prompts, space, specials)
     requests = run_thinker(prompts, space, specials, deploy)
     model = bind_arm(impl, space, deploy.async_chunk, deploy.talker.model_runner)
     frames = deploy.sim.frames_per_text_token
@@ -384,10 +399,45 @@ def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_
                    contract=OmniContract(specials), stop_token_ids=[CODEC_EOS], speak=speak, runner_class=OmniRunner)
 
 
+def _speaking_cell(impl: Any, deploy: Deploy, prompts: PromptSet, space: RowSpace, specials: Specials) -> SimCell:
+    """The ``speaking`` Talker's cell: the Thinker's rows made from the tiny tokenizer's bytes (so ``P`` is the real
+    server's), the Talker following ``speaking.next_code`` over the rows each KV position holds now (a replay's
+    rewrite included, ``SpeakingKV``), the codec stream read back by ``speaking.decode`` (the real backend's oracle)."""
+    from harness.families.qwen3_omni import speaking
+    from harness.sim.speaking_talker import SpeakingKV, SpeakingTalker, speech_units, spoken_codes
+
+    requests = run_thinker(prompts, space, specials, deploy, byte_tokens, newline="\n")
+    model = bind_arm(impl, space, deploy.async_chunk, deploy.talker.model_runner)
+    frames = deploy.sim.frames_per_text_token
+    talker = SpeakingTalker(space, speaking, byte_kinds=("prompt", "output"))
+    talker.freeze()
+
+    def speak(codes: list[int]) -> tuple[list[int], str, list[str]]:
+        codes = spoken_codes(codes, speaking.CODEC_EOS)
+        transcript = speaking.decode(codes).text
+        return codes, transcript, speech_units(transcript, frames, speaking.UNINTELLIGIBLE)
+
+    return SimCell(requests=requests, token_ids={}, space=space, model=model, talker=talker,
+                   contract=OmniContract(specials, SpeakingKV), stop_token_ids=[speaking.CODEC_EOS], speak=speak,
+                   runner_class=OmniRunner)
+
+
 def check_prompts(prompts: PromptSet, talker_mode: str) -> None:
-    """``words``: each reply as the words Talker says it must score WER 0 (``harness.sim.talker.check_words``)."""
+    """``words``: each reply as the words Talker says it must score WER 0 (``harness.sim.talker.check_words``).
+    ``speaking``: every question and reply must be one the tiny tokenizer turns into one token per byte."""
+    if talker_mode == "speaking":
+        from harness.families.qwen3_omni.speaking import check_text
+
+        for i, prompt in enumerate(prompts.prompts):
+            for key, text in (("user", prompt.user), ("reply", prompt.reply)):
+                try:
+                    check_text(text)
+                except ValueError as exc:
+                    raise ConfigError(f"{prompts.path}: prompts[{i}].{key}: {exc} (prompt {prompt.id!r}; "
+                                      "--sim-talker speaking)") from None
+        return
     if talker_mode != "words":
-        raise ConfigError(f"--sim-talker {talker_mode}: unknown sim Talker for qwen3-omni (choose words)")
+        raise ConfigError(f"--sim-talker {talker_mode}: unknown sim Talker for qwen3-omni (choose words or speaking)")
     from harness.sim.talker import check_words
 
     check_words(prompts)

@@ -174,3 +174,26 @@ def test_conform_beside_the_real_run_puts_the_servers_evidence_next_to_each_verd
                       "decode after a replay (conform: restart after preemption)"):
         assert re.fullmatch(r"\d+ spans, rows not checked; [1-4] requests, worst o0\d-\w+ \(WER 0\.000, first such "
                             r"span step \d+ c=\d+ n=\d+\)", rows[situation][col]), (situation, rows[situation][col])
+
+
+def test_the_speaking_sim_says_what_the_server_said_request_by_request(real_run: Path, tmp_path: Path) -> None:
+    """Issue 44 item 4: the same arms, deploys and prompts on the sim's speaking Talker, then ``fidelity``: every
+    request the fix answered and every unstressed request has the identical codec stream and Code2Wav windows on
+    both sides, whatever the schedules (the sim and the server preempt differently under stress)."""
+    sim = subprocess.run([*CLI, "run", "--family", "qwen3-omni", "--sim-talker", "speaking", "--arm", RELEASE, "--arm",
+                          FIX, "--deploy", REF, "--deploy", STRESS, "--prompts", PROMPTS, "--asr", "none", "--quiet",
+                          "--no-cache", "--out", str(tmp_path), "--run-id", "sim"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    out = tmp_path / "fidelity.json"
+    fid = subprocess.run([*CLI, "fidelity", str(tmp_path / "sim"), str(real_run), "--json", str(out)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert fid.returncode == 0, fid.stderr[-3000:]
+    data = json.loads(out.read_text())
+    by_cell = {(q["arm"], q["deploy"], q["prompt_id"]): q for q in data["requests"]}
+    assert len(by_cell) == 16 and not data["only_sim"] and not data["only_real"]
+    for arm, deploy in _answered_cells():
+        for pid in ("o01-tea", "o02-plants", "o03-run", "o04-stars"):
+            q = by_cell[(arm, deploy, pid)]
+            assert (q["same_codec_tokens"], q["windows"]) == (True, "same"), (arm, deploy, pid, q["first_code_difference"])
+            assert q["chunk_frames_sent"] == {"sim": WINDOWS, "real": WINDOWS}, (arm, deploy, pid)

@@ -46,13 +46,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from harness.families.qwen3_omni.tiny_model import CODEC, ROLE_TOKENS, SPEAKERS, SPECIAL_TOKENS  # noqa: F401 - API
-from harness.families.qwen3_omni.tiny_model import CODEBOOK as CODE2WAV_CODEBOOK
-from harness.families.qwen3_omni.tiny_model import TALKER_VOCAB
 from harness.speaking.rules import BYTES, END_POSITIONS, EOS_MARK, PAD_MARK  # noqa: F401 - part of this module's API
 from harness.speaking.rules import UNINTELLIGIBLE, Spoken, Table  # noqa: F401 - part of this module's API
 from harness.speaking import rules
 
+# The checkpoint's ids (``harness.families.qwen3_omni.tiny_model`` builds it with them):
+# the role words, single tokens on Qwen's ids (0.30.0 qwen3_omni.py l.1050-1084 and
+# stage_input_processors/qwen3_omni.py l.80-83 read the role id after <|im_start|>)
+ROLE_TOKENS = {"user": 872, "system": 8948, "assistant": 77091}
+# Qwen3-Omni's added tokens on their ids (its tokenizer_config.json)
+SPECIAL_TOKENS = {
+    "<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|object_ref_start|>": 151646,
+    "<|object_ref_end|>": 151647, "<|box_start|>": 151648, "<|box_end|>": 151649, "<|quad_start|>": 151650,
+    "<|quad_end|>": 151651, "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655, "<|video_pad|>": 151656, "<tool_call>": 151657, "</tool_call>": 151658,
+    "<|fim_prefix|>": 151659, "<|fim_middle|>": 151660, "<|fim_suffix|>": 151661, "<|fim_pad|>": 151662,
+    "<|repo_name|>": 151663, "<|file_sep|>": 151664, "<tool_response>": 151665, "</tool_response>": 151666,
+    "<think>": 151667, "</think>": 151668, "<|audio_start|>": 151669, "<|audio_end|>": 151670,
+    "<tts_pad>": 151671, "<tts_text_bos>": 151672, "<tts_text_eod>": 151673, "<tts_text_bos_single>": 151674,
+    "<|audio_pad|>": 151675,
+}
+# Qwen3-Omni's codec ids (its talker_config)
+CODEC = {"codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150, "codec_nothink_id": 2155,
+         "codec_think_bos_id": 2156, "codec_think_eos_id": 2157}
+SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
+TALKER_VOCAB = 3072
+CODE2WAV_CODEBOOK = 2048  # Code2Wav's codebook
 TAGS = 4  # the previous byte's low 2 bits: 1024 speech ids, below the release's suppressed top 1024
 BABBLE = 1024  # rule 1: a Talker that never saw a codec-BOS row
 SILENCE = 1025  # rule 3: said at tts_eos and at the first tts_pad

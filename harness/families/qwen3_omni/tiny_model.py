@@ -51,6 +51,9 @@ from harness.speaking.checkpoint import (
     write_marker,
 )
 from harness.speaking.weights import byte_chars
+from harness.families.qwen3_omni.speaking import (  # noqa: F401 - the ids the rules name, part of this module's API
+    CODE2WAV_CODEBOOK as CODEBOOK, CODEC, ROLE_TOKENS, SPEAKERS, SPECIAL_TOKENS, TALKER_VOCAB,
+)
 
 HIDDEN = 64
 HEAD_DIM = 32
@@ -67,32 +70,11 @@ INIT_STD = 0.02
 ACCEPT_HIDDEN_LAYER = 0
 ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [6, 5, 5], "interleaved": True,
         "mrope_interleaved": True}
-# the role words, single tokens on Qwen's ids (0.30.0 qwen3_omni.py l.1050-1084 and
-# stage_input_processors/qwen3_omni.py l.80-83 read the role id after <|im_start|>)
-ROLE_TOKENS = {"user": 872, "system": 8948, "assistant": 77091}
-# Qwen3-Omni's added tokens on their ids (its tokenizer_config.json)
-SPECIAL_TOKENS = {
-    "<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|object_ref_start|>": 151646,
-    "<|object_ref_end|>": 151647, "<|box_start|>": 151648, "<|box_end|>": 151649, "<|quad_start|>": 151650,
-    "<|quad_end|>": 151651, "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654,
-    "<|image_pad|>": 151655, "<|video_pad|>": 151656, "<tool_call>": 151657, "</tool_call>": 151658,
-    "<|fim_prefix|>": 151659, "<|fim_middle|>": 151660, "<|fim_suffix|>": 151661, "<|fim_pad|>": 151662,
-    "<|repo_name|>": 151663, "<|file_sep|>": 151664, "<tool_response>": 151665, "</tool_response>": 151666,
-    "<think>": 151667, "</think>": 151668, "<|audio_start|>": 151669, "<|audio_end|>": 151670,
-    "<tts_pad>": 151671, "<tts_text_bos>": 151672, "<tts_text_eod>": 151673, "<tts_text_bos_single>": 151674,
-    "<|audio_pad|>": 151675,
-}
 EXTRA_SPECIAL_TOKENS = {  # what Qwen3-Omni's processor reads off its tokenizer (``tokenizer.image_token``, ...)
     "image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>", "video_token": "<|video_pad|>",
     "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
     "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
 }
-# Qwen3-Omni's codec ids (its talker_config)
-CODEC = {"codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150, "codec_nothink_id": 2155,
-         "codec_think_bos_id": 2156, "codec_think_eos_id": 2157}
-SPEAKERS = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
-TALKER_VOCAB = 3072
-CODEBOOK = 2048
 NUM_CODE_GROUPS = 16
 # the vision processors' patching matches the vision config (patch 16, merge 2), as Qwen3-Omni's own
 VISION_PROCESSOR = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5],

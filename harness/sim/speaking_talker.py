@@ -38,6 +38,7 @@ syllable; babble ids carry no words, so a babbling request's WAV is silence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -155,3 +156,18 @@ def speech_units(transcript: str, frames_per_word: int, unintelligible: str) -> 
         else:
             units.extend(tok if is_spoken(tok) else PAUSE for tok in tokenize(word))  # as tts.units_from_text
     return units
+
+
+def speaking_parts(space: RowSpace, rules: ModuleType, frames_per_word: int,
+                   byte_kinds: tuple[str, ...]) -> tuple[SpeakingTalker, Callable[[list[int]], tuple[list[int], str, list[str]]]]:
+    """A family's speaking sim cell's Talker (frozen) and its ``speak``: the codec stream up to codec EOS, read
+    back by the rules' ``decode`` (the real backend's oracle), spoken as ``speech_units`` for the sim's TTS."""
+    talker = SpeakingTalker(space, rules, byte_kinds=byte_kinds)
+    talker.freeze()
+
+    def speak(codes: list[int]) -> tuple[list[int], str, list[str]]:
+        codes = spoken_codes(codes, rules.CODEC_EOS)
+        transcript = rules.decode(codes).text
+        return codes, transcript, speech_units(transcript, frames_per_word, rules.UNINTELLIGIBLE)
+
+    return talker, speak

@@ -33,20 +33,15 @@ def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_
     model = bind_arm(impl, space)
     frames = deploy.sim.frames_per_text_token
     if talker_mode == "speaking":
-        from harness.sim.speaking_talker import SpeakingKV, SpeakingTalker, speech_units, spoken_codes
+        from harness.sim.speaking_talker import SpeakingKV, speaking_parts
         from harness.families.qwen2_5_omni import speaking
         from harness.tokenizer import byte_tokenize
 
         outputs = run_thinker(prompts, space, deploy.sim.thinker_steps_per_token, byte_tokenize,
                               deploy.thinker.max_num_seqs)
-        talker: Any = SpeakingTalker(space, speaking)
+        # the speaking model's oracle: its codec stream read back through the table
+        talker, speak = speaking_parts(space, speaking, frames, byte_kinds=("prompt", "output"))
         kv_class: type[TalkerKV] = SpeakingKV
-
-        def speak(codes: list[int]) -> tuple[list[int], str, list[str]]:
-            # the speaking model's oracle: its codec stream read back through the table
-            codes = spoken_codes(codes, speaking.CODEC_EOS)
-            transcript = speaking.decode(codes).text
-            return codes, transcript, speech_units(transcript, frames, speaking.UNINTELLIGIBLE)
     elif talker_mode == "words":
         from harness.sim.talker import SimTalker
 
@@ -55,6 +50,7 @@ def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_
         vocab = CodecVocab.build(t for o in outputs for t in o.prompt_tokens + o.reply_tokens)
         sampling = SamplingSettings(**{**deploy.sampling.__dict__, "seed": seed})
         talker = SimTalker(space, vocab, sampling, frames)
+        talker.freeze()
         kv_class = TalkerKV
 
         def speak(codes: list[int]) -> tuple[list[int], str, list[str]]:
@@ -63,7 +59,6 @@ def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_
     else:
         raise UserError(f"--sim-talker {talker_mode!r}: unknown sim Talker (choose words or speaking)")
     token_ids = token_id_table(outputs)
-    talker.freeze()
     return SimCell(requests=outputs, token_ids=token_ids, space=space, model=model, talker=talker,
                    contract=SimContract(model, space, kv_class), stop_token_ids=[CODEC_EOS], speak=speak)
 

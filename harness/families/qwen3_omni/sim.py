@@ -404,18 +404,12 @@ def _speaking_cell(impl: Any, deploy: Deploy, prompts: PromptSet, space: RowSpac
     server's), the Talker following ``speaking.next_code`` over the rows each KV position holds now (a replay's
     rewrite included, ``SpeakingKV``), the codec stream read back by ``speaking.decode`` (the real backend's oracle)."""
     from harness.families.qwen3_omni import speaking
-    from harness.sim.speaking_talker import SpeakingKV, SpeakingTalker, speech_units, spoken_codes
+    from harness.sim.speaking_talker import SpeakingKV, speaking_parts
 
     requests = run_thinker(prompts, space, specials, deploy, byte_tokens, newline="\n")
     model = bind_arm(impl, space, deploy.async_chunk, deploy.talker.model_runner)
     frames = deploy.sim.frames_per_text_token
-    talker = SpeakingTalker(space, speaking, byte_kinds=("prompt", "output"))
-    talker.freeze()
-
-    def speak(codes: list[int]) -> tuple[list[int], str, list[str]]:
-        codes = spoken_codes(codes, speaking.CODEC_EOS)
-        transcript = speaking.decode(codes).text
-        return codes, transcript, speech_units(transcript, frames, speaking.UNINTELLIGIBLE)
+    talker, speak = speaking_parts(space, speaking, frames, byte_kinds=("prompt", "output"))
 
     return SimCell(requests=requests, token_ids={}, space=space, model=model, talker=talker,
                    contract=OmniContract(specials, SpeakingKV), stop_token_ids=[speaking.CODEC_EOS], speak=speak,

@@ -351,19 +351,13 @@ def _speaking_cell(impl: Any, deploy: Deploy, prompts: PromptSet, space: RowSpac
     ``speaking.next_code`` over the rows each KV position holds now (a replay's rewrite included,
     ``SpeakingKV``), the codec stream read back by ``speaking.decode`` (the real backend's oracle)."""
     from harness.families.qwen3_tts import speaking
-    from harness.sim.speaking_talker import SpeakingKV, SpeakingTalker, speech_units, spoken_codes
+    from harness.sim.speaking_talker import SpeakingKV, speaking_parts
 
     specials = Specials.make(space, SPEAKING_ROLE_WORDS)
     requests = make_requests(prompts, space, specials, byte_tokens)
     model = bind_arm(impl, space, specials, requests, deploy.talker.model_runner)
     frames = deploy.sim.frames_per_text_token
-    talker = SpeakingTalker(space, speaking, byte_kinds=("output", "role"))
-    talker.freeze()
-
-    def speak(codes: list[int]) -> tuple[list[int], str, list[str]]:
-        codes = spoken_codes(codes, speaking.CODEC_EOS)
-        transcript = speaking.decode(codes).text
-        return codes, transcript, speech_units(transcript, frames, speaking.UNINTELLIGIBLE)
+    talker, speak = speaking_parts(space, speaking, frames, byte_kinds=("output", "role"))
 
     return SimCell(requests=requests, token_ids={}, space=space, model=model, talker=talker,
                    contract=TTSContract(specials, SpeakingKV), stop_token_ids=[speaking.CODEC_EOS], speak=speak,

@@ -125,6 +125,32 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model
 
 
+def build_tiny(tmp: Path, family: str, label: str) -> Path:
+    """``omni-stress tiny-model`` for ``family`` in the real environment, under ``tmp``; the time on stderr."""
+    model = tmp / f"tiny-{family}"
+    t0 = time.monotonic()
+    built = subprocess.run([sys.executable, "-m", "harness.cli", "tiny-model", str(model), "--family", family,
+                            "--python", str(REAL_PY)], cwd=tmp, capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stderr[-2000:]
+    sys.stderr.write(f"[{label}] tiny model: {time.monotonic() - t0:.1f} s\n")
+    return model
+
+
+def run_real(tmp: Path, model: Path, family: str, run_id: str, *args: str, label: str, cwd: Path | None = None,
+             timeout: float = 2700) -> Path:
+    """``omni-stress run --backend vllm-omni --stream --asr none`` of ``model`` on CPU, the run in ``tmp/run_id``
+    (``args``: arms, deploys, prompts); the time and the run's table on stderr."""
+    t0 = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python",
+         str(REAL_PY), "--model", str(model), "--family", family, *args, "--stream", "--asr", "none", "--out",
+         str(tmp), "--run-id", run_id, "--quiet", "--health-timeout", "900", "--request-timeout", "900"],
+        cwd=cwd or tmp, capture_output=True, text=True, timeout=timeout)
+    sys.stderr.write(f"[{label}] run {run_id}: {time.monotonic() - t0:.1f} s\n{run.stdout}\n")
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
+    return tmp / run_id
+
+
 def records_by_cell(run_dir: Path) -> dict[tuple[str, str], dict[str, Any]]:
     """A run's request records by (arm, deploy), then by prompt id."""
     from harness.records import read_requests

@@ -26,7 +26,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,7 @@ import pytest
 from harness.config import load_prompts
 from harness.families.qwen3_omni import speaking as sp
 
-from conftest import REAL_PY, records_by_cell, require_real_env, spans_by_cell
+from conftest import build_tiny, records_by_cell, require_real_env, run_real, spans_by_cell
 
 CLI = [sys.executable, "-m", "harness.cli"]
 RELEASE, FIX = "omni3-0.30.0", "omni3-fix"
@@ -53,22 +52,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     require_real_env()
     tmp = tmp_path_factory.mktemp("omni3-real")
-    model = tmp / "tiny-omni3"
-    t0 = time.monotonic()
-    built = subprocess.run([*CLI, "tiny-model", str(model), "--family", "qwen3-omni", "--python", str(REAL_PY)],
-                           cwd=tmp, capture_output=True, text=True, timeout=900)
-    assert built.returncode == 0, built.stderr[-2000:]
-    sys.stderr.write(f"[omni3 e2e] tiny model: {time.monotonic() - t0:.1f} s\n")
-    t0 = time.monotonic()
-    run = subprocess.run(
-        [*CLI, "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
-         "--model", str(model), "--family", "qwen3-omni", "--arm", RELEASE, "--arm", FIX, "--deploy", REF,
-         "--deploy", STRESS, "--prompts", PROMPTS, "--stream", "--asr", "none", "--out", str(tmp),
-         "--run-id", "real", "--quiet", "--health-timeout", "900", "--request-timeout", "900"],
-        cwd=tmp, capture_output=True, text=True, timeout=2700)
-    sys.stderr.write(f"[omni3 e2e] run: {time.monotonic() - t0:.1f} s\n{run.stdout}\n")
-    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
-    return tmp / "real"
+    model = build_tiny(tmp, "qwen3-omni", "omni3 e2e")
+    return run_real(tmp, model, "qwen3-omni", "real", "--arm", RELEASE, "--arm", FIX, "--deploy", REF, "--deploy",
+                    STRESS, "--prompts", PROMPTS, label="omni3 e2e")
 
 
 

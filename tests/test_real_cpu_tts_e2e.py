@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from harness.config import load_prompts
 from harness.families.qwen3_tts import speaking as sp
 from harness.records import read_requests
 
-from conftest import REAL_PY, records_by_cell, require_real_env, spans_by_cell
+from conftest import build_tiny, records_by_cell, require_real_env, run_real, spans_by_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "harness.cli"]
@@ -43,31 +42,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     require_real_env()
     tmp = tmp_path_factory.mktemp("tts-real")
-    model = tmp / "tiny-tts"
-    t0 = time.monotonic()
-    built = subprocess.run([*CLI, "tiny-model", str(model), "--family", "qwen3-tts", "--python", str(REAL_PY)],
-                           cwd=tmp, capture_output=True, text=True, timeout=900)
-    assert built.returncode == 0, built.stderr[-2000:]
-    sys.stderr.write(f"[tts e2e] tiny model: {time.monotonic() - t0:.1f} s\n")
-    t0 = time.monotonic()
-    run = subprocess.run(
-        [*CLI, "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
-         "--model", str(model), "--family", "qwen3-tts", "--arm", ARMS[0], "--arm", ARMS[1], "--deploy", REF,
-         "--deploy", STRESS, "--prompts", PROMPTS, "--stream", "--asr", "none", "--out", str(tmp),
-         "--run-id", "real", "--quiet", "--health-timeout", "900", "--request-timeout", "900"],
-        cwd=tmp, capture_output=True, text=True, timeout=2700)
-    sys.stderr.write(f"[tts e2e] run: {time.monotonic() - t0:.1f} s\n{run.stdout}\n")
-    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
-    t0 = time.monotonic()  # a chunker that corrupts the windows: one cell, unpreempted (cwd: its module imports)
-    run = subprocess.run(
-        [*CLI, "run", "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
-         "--model", str(model), "--family", "qwen3-tts", "--arms-file", str(CHUNKER_ARMS), "--arm", DROPS,
-         "--deploy", REF, "--prompts", PROMPTS, "--stream", "--asr", "none", "--out", str(tmp), "--run-id", "drops",
-         "--quiet", "--health-timeout", "900", "--request-timeout", "900"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    sys.stderr.write(f"[tts e2e] corrupting chunker run: {time.monotonic() - t0:.1f} s\n")
-    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
-    return tmp / "real"
+    model = build_tiny(tmp, "qwen3-tts", "tts e2e")
+    real = run_real(tmp, model, "qwen3-tts", "real", "--arm", ARMS[0], "--arm", ARMS[1], "--deploy", REF, "--deploy",
+                    STRESS, "--prompts", PROMPTS, label="tts e2e")
+    # a chunker that corrupts the windows: one cell, unpreempted (cwd: its module imports)
+    run_real(tmp, model, "qwen3-tts", "drops", "--arms-file", str(CHUNKER_ARMS), "--arm", DROPS, "--deploy", REF,
+             "--prompts", PROMPTS, label="tts e2e", cwd=ROOT, timeout=1800)
+    return real
 
 
 

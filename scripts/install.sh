@@ -18,8 +18,7 @@ fi
 # pip resolves torchvision/torchaudio/torchcodec builds that do not load against the CPU torch and
 # break `import vllm` ("operator torchvision::nms does not exist"); vLLM runs without them.
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-# triton (1 GB, pulled in by openai-whisper and xgrammar) has no CPU backend: vLLM disables it on a CPU
-# machine (vllm.triton_utils.HAS_TRITON is False) and whisper/xgrammar import it only inside try blocks.
-# Removed so that the two environments fit a smaller disk (CI's machine once ran out of space installing).
-"${PIP[@]}" uninstall -q -y triton 2>/dev/null || true
+# triton stays here (1 GB, pulled in by openai-whisper and xgrammar): without it torch warns "Triton not
+# available" on stderr in every sim worker that imports vLLM, which a --quiet run must not print. The real
+# environment drops it (scripts/install-real-cpu.sh): its servers write to their own logs.
 .venv/bin/python -c "import vllm.v1.core.sched.scheduler, faster_whisper, espeakng_loader, ray; print('omni-stress: install ok')"

@@ -377,3 +377,11 @@ def test_the_speaking_sim_talker_refuses_a_question_the_tiny_tokenizer_reads_oth
     assert res.stderr.strip().splitlines() == [
         f"omni-stress: error: {path}: prompts[0].user: the text 'ask the assistant' holds 'assistant', which the tiny "
         "tokenizer reads as one token (prompt 'a'; --sim-talker speaking)"]
+    path.write_text("family: qwen3-omni\nsystem_prompt: Serve the user.\nprompts:\n  - id: a\n    user: Hi.\n"
+                    "    reply: Fine.\n")
+    res = run_cli("run", "--family", "qwen3-omni", "--sim-talker", "speaking", "--deploy", "qwen3-omni-cpu-reference",
+                  "--arm", "omni3-fix", "--prompts", str(path), "--asr", "none", "--out", str(tmp_path / "o"))
+    assert res.exit_code == 2
+    assert res.stderr.strip().splitlines() == [
+        f"omni-stress: error: {path}: system_prompt: the text 'Serve the user.' holds 'user', which the tiny "
+        "tokenizer reads as one token (--sim-talker speaking)"]

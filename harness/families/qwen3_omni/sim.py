@@ -422,6 +422,11 @@ def check_prompts(prompts: PromptSet, talker_mode: str) -> None:
     if talker_mode == "speaking":
         from harness.families.qwen3_omni.speaking import check_text
 
+        if prompts.system_prompt:  # the Thinker reads it too, byte by byte
+            try:
+                check_text(prompts.system_prompt)
+            except ValueError as exc:
+                raise ConfigError(f"{prompts.path}: system_prompt: {exc} (--sim-talker speaking)") from None
         for i, prompt in enumerate(prompts.prompts):
             for key, text in (("user", prompt.user), ("reply", prompt.reply)):
                 try:

@@ -30,6 +30,26 @@ def top_prob(logits: Any, temperature: float = 0.9, top_k: int = 40, top_p: floa
     return float(kept[0] / kept.sum())
 
 
+def score_case(logits: Any, kv: Any, first: int, rules: Any, top_k: int = 50) -> dict[str, Any]:
+    """Argmax of ``logits`` vs the rules (``rules.say``) at every sampled position ``m >= first`` of the rule rows
+    ``kv``: the positions said wrong (the first five), the smallest margin and top-``k`` probability, what the
+    argmax stream reads back as (``rules.decode``). Shared by the Qwen3 families' self-checks."""
+    wrong, margins, probs, said = [], [], [], []
+    for m in range(first, len(kv)):
+        want = rules.say(kv, m)
+        row = logits[m]
+        got = int(row.argmax())
+        other = row.clone()
+        other[want] = float("-inf")
+        margins.append(float(row[want] - other.max()))
+        probs.append(top_prob(row, top_k=top_k))
+        if got != want:
+            wrong.append({"position": m, "want": want, "got": got})
+        said.append(got)
+    return {"ok": not wrong, "wrong": wrong[:5], "min_margin": round(min(margins), 3),
+            "min_prob": min(probs), "said": rules.decode(said).text}
+
+
 def check_main(argv: list[str] | None, prog: str, run: Callable[[Path, str], dict[str, Any]],
                refuse: Callable[[Path], str | None] | None = None) -> int:
     """``python -m PROG MODEL_DIR [--dtype bfloat16|float32]``: ``run(MODEL_DIR, dtype)``'s results as one

@@ -33,7 +33,7 @@ from typing import Any
 
 from harness.families.qwen3_omni import speaking as sp
 from harness.families.qwen3_tts.speaking_check import Talker as TTSTalker
-from harness.speaking.selfcheck import check_main, summarize, top_prob
+from harness.speaking.selfcheck import check_main, score_case, summarize
 
 USER = "Say hello."
 TEXT = "Heat the water until it is hot, then wait two minutes."
@@ -126,22 +126,7 @@ class Talker(TTSTalker):
 
 def check_case(talker: Talker, rows: list[Tok], first: int, offset: int = 0) -> dict[str, Any]:
     """Argmax vs the rule at every sampled position ``m >= first``; the smallest margin and probability."""
-    logits = talker.logits(rows, offset)
-    kv = rule_rows(rows)
-    wrong, margins, probs, said = [], [], [], []
-    for m in range(first, len(rows)):
-        want = sp.say(kv, m)
-        row = logits[m]
-        got = int(row.argmax())
-        other = row.clone()
-        other[want] = float("-inf")
-        margins.append(float(row[want] - other.max()))
-        probs.append(top_prob(row, top_k=50))
-        if got != want:
-            wrong.append({"position": m, "want": want, "got": got})
-        said.append(got)
-    return {"ok": not wrong, "wrong": wrong[:5], "min_margin": round(min(margins), 3),
-            "min_prob": min(probs), "said": sp.decode(said).text}
+    return score_case(talker.logits(rows, offset), rule_rows(rows), first, sp)
 
 
 def cases(user: str = USER, text: str = TEXT) -> dict[str, tuple[list[Tok], int]]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.families.qwen3_tts import speaking as sp
-from harness.speaking.selfcheck import check_main, summarize, top_prob
+from harness.speaking.selfcheck import check_main, score_case, summarize
 
 TEXT = "Heat the water until it is hot, then wait two minutes."
 Tok = tuple[int | None, int | None]  # (text token id or None, codec id or None): one input row
@@ -169,24 +169,8 @@ class Talker:
 
 
 def check_case(talker: Talker, rows: list[Tok], offset: int = 0) -> dict[str, Any]:
-    """Argmax vs the rule at every sampled position; the smallest margin and probability."""
-    logits = talker.logits(rows, offset)
-    kv = rule_rows(rows)
-    P = sp.PROMPT_LEN
-    wrong, margins, probs, said = [], [], [], []
-    for m in range(P - 1, len(rows)):
-        want = sp.say(kv, m)
-        row = logits[m]
-        got = int(row.argmax())
-        other = row.clone()
-        other[want] = float("-inf")
-        margins.append(float(row[want] - other.max()))
-        probs.append(top_prob(row, top_k=50))
-        if got != want:
-            wrong.append({"position": m, "want": want, "got": got})
-        said.append(got)
-    return {"ok": not wrong, "wrong": wrong[:5], "min_margin": round(min(margins), 3),
-            "min_prob": min(probs), "said": sp.decode(said).text}
+    """Argmax vs the rule at every sampled position (from ``P - 1``); the smallest margin and probability."""
+    return score_case(talker.logits(rows, offset), rule_rows(rows), sp.PROMPT_LEN - 1, sp)
 
 
 def cases() -> dict[str, tuple[list[Tok], int]]:

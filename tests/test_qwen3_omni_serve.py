@@ -11,11 +11,12 @@ import yaml
 
 from harness.config import load_deploy, load_prompts
 from harness.families.qwen3_omni import serve
+from harness.serve.deploy_args import VENDOR_DEPLOY_DIR
 from harness.stream_metrics import stream_failure
 
 from clikit import _cli_in
 
-SHIPPED = yaml.safe_load(serve.RELEASE_DEPLOY_YAML.read_text())
+SHIPPED = yaml.safe_load((VENDOR_DEPLOY_DIR / serve.RELEASE_DEPLOY).read_text())
 
 
 def test_the_cpu_stress_deploy_is_the_release_yaml_with_the_deploys_talker_and_the_cpu_profile():

@@ -68,9 +68,12 @@ stage engine fields), so a deploy with ``speculative:`` is refused for the real 
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from harness.config import Deploy
@@ -169,6 +172,23 @@ def translate_deploy(deploy: Deploy, platform: str = "gpu", speaking: bool = Fal
         cli_args=("--stage-overrides", stage_overrides_json(overrides), async_flag),
         platform=platform, env=env,
     )
+
+
+VENDOR_DEPLOY_DIR = Path(__file__).resolve().parents[1] / "conform" / "vendor" / "vllm-omni-0.30.0" / "vllm_omni" / "deploy"
+
+
+def release_deploy(name: str) -> dict[str, Any]:
+    """The release's own ``deploy/<name>`` (vendored for ``conform``), parsed once per process: a deploy YAML is
+    built per cell and its connector rule read per record, so each caller gets its own copy to change."""
+    return copy.deepcopy(_parsed_release_deploy(name))
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed_release_deploy(name: str) -> dict[str, Any]:
+    import yaml
+
+    parsed: dict[str, Any] = yaml.safe_load((VENDOR_DEPLOY_DIR / name).read_text(encoding="utf-8"))
+    return parsed
 
 
 def talker_stage(talker: Any) -> dict[str, Any]:

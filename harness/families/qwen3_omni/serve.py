@@ -27,7 +27,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from harness.physics import QWEN3_TTS_UPSAMPLE
@@ -49,17 +48,14 @@ CPU_MOE_BACKEND = "auto"  # the shipped "triton" has no CPU kernel; "auto" picks
 # tiny tokenizer fit many times over; the shipped 32,768-token budget (the model's 65,536 positions) sizes CPU
 # buffers for nothing
 CPU_THINKER_TOKENS = 4096
-TRACE_LEVEL = "spans"  # the worker's contract check knows Qwen2.5-Omni's rows only (module docstring)
-
-RELEASE_DEPLOY_YAML = (Path(__file__).resolve().parents[2] / "conform" / "vendor" / "vllm-omni-0.30.0" / "vllm_omni"
-                       / "deploy" / "qwen3_omni_moe.yaml")
-
+TRACE_LEVEL = "spans"
+RELEASE_DEPLOY = "qwen3_omni_moe.yaml"  # the release's deploy this family's YAML starts from  # the worker's contract check knows Qwen2.5-Omni's rows only (module docstring)
 
 def release_deploy() -> dict[str, Any]:
-    """The release's ``deploy/qwen3_omni_moe.yaml`` as shipped (vendored)."""
-    import yaml
+    """The release's ``deploy/qwen3_omni_moe.yaml`` as shipped (vendored), a copy of its own."""
+    from harness.serve.deploy_args import release_deploy as vendored
 
-    return yaml.safe_load(RELEASE_DEPLOY_YAML.read_text(encoding="utf-8"))
+    return vendored(RELEASE_DEPLOY)
 
 
 def deploy_yaml(deploy: Any, platform: str, speaking: bool) -> dict[str, Any]:

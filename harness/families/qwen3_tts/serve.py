@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
 from harness.families.qwen3_tts.contract import flatten_payload
@@ -114,15 +113,14 @@ def deploy_yaml(deploy: Any, platform: str) -> dict[str, Any]:
 # The release's own deploy YAML, vendored for ``conform``: an ``async_chunk: true`` deploy takes its connector
 # settings (SharedMemoryConnector, codec_chunk_frames 25, codec_left_context_frames 72, initial_codec_chunk_frames
 # 1, ...) from there, so they are the release's and not restated here (issue 42).
-RELEASE_DEPLOY_YAML = (Path(__file__).resolve().parents[2] / "conform" / "vendor" / "vllm-omni-0.30.0" / "vllm_omni"
-                       / "deploy" / "qwen3_tts.yaml")
+RELEASE_DEPLOY = "qwen3_tts.yaml"  # the release's deploy the streaming connectors are read from
 
 
 def release_streaming() -> dict[str, Any]:
     """The release's ``connectors:`` and the connectors its Talker sends on and its Code2Wav reads from."""
-    import yaml
+    from harness.serve.deploy_args import release_deploy
 
-    shipped = yaml.safe_load(RELEASE_DEPLOY_YAML.read_text(encoding="utf-8"))
+    shipped = release_deploy(RELEASE_DEPLOY)
     stages = {stage["stage_id"]: stage for stage in shipped["stages"]}
     return {"connectors": shipped["connectors"], "output_connectors": stages[0]["output_connectors"],
             "input_connectors": stages[1]["input_connectors"]}

@@ -46,7 +46,7 @@ def _cell(arm_name: str, deploy: str, prompts_n: int = 1):
     ps = load_prompts("qwen3_tts")
     ps = replace(ps, prompts=ps.prompts[:prompts_n])
     cell = get_family(d.family).sim_cell(load_impl(arm), d, ps, 42, "words")
-    runner = cell.runner_class(cell.model, cell.space, (arm_name, deploy, 1), cell.contract)
+    runner = cell.runner_class(cell.model, cell.space, (arm_name, deploy, 1), cell.contract, d.talker.model_runner)
     out = cell.requests[0]
     runner.add_request(out, out.payload({}), 4096)
     return cell, runner, out

@@ -85,7 +85,6 @@ class Adapter:
     class_name: str = ""
     entries: tuple[str, ...] = ("talker_preprocess",)
     module_name: str = ""
-    decode_batch_hook: str | None = None  # the runner calls this for one-token decode spans, if set
     has_mtp: bool = False  # the runner's talker_mtp path: decode n == 1 adds update["mtp_inputs"][1]
     codec_vocab: int = 2048  # teacher-forced tokens are drawn below this
     hidden: int = 64
@@ -111,11 +110,12 @@ class Adapter:
     # ------------------------------------------------------------------ loading
     def load(self, spec: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> tuple[Any, Provenance]:
         """The implementation (a class to mix into the stand-in) and where it came from."""
+        from harness.sim.hooks import RUNNER_HOOKS
         from harness.talkers.upstream import build_mixin
 
         source = read_model_source(spec, self.member, base_dir, wheel_dir)
         mixin = build_mixin(source, self.stand_in_class(), class_name=self.class_name, entries=self.entries,
-                            module_name=self.module_name, shims=self.all_shims())
+                            module_name=self.module_name, shims=self.all_shims(), optional=RUNNER_HOOKS)
         info = mixin.omni_stress_upstream
         prov = Provenance(self.name, f"vLLM-Omni {source.version or '?'} {Path(self.member).name} "
                                      f"(sha256 {source.sha256[:12]})",
@@ -162,16 +162,21 @@ class Adapter:
         return model.talker.embed_input_ids(ids).float()
 
     def preprocess(self, model: Any, ids: torch.Tensor, embeds: torch.Tensor, info: dict[str, Any],
-                   is_prefill: bool) -> PreprocessResult:
-        """One call as vLLM-Omni 0.30.0's ``_preprocess`` makes it (gpu_model_runner.py l.1760-1920)."""
+                   is_prefill: bool, runner: str = "v1") -> PreprocessResult:
+        """One call as vLLM-Omni 0.30.0's runner makes it (V1: gpu_model_runner.py l.1760-1920; MRV2:
+        omni_model_state.py): a one-token decode goes to the decode hook ``runner`` resolves where the model
+        defines one (``harness.sim.hooks``), every other span to the model's per-span hook."""
+        from harness.sim import hooks
+
         n = int(ids.shape[0])
-        if self.decode_batch_hook and n == 1 and not is_prefill:
-            hook = getattr(model, self.decode_batch_hook)
-            if self.has_mtp:
-                out_ids, rows, _past, text_step, updates = hook(input_ids=ids, req_infos=[info])
-                return PreprocessResult(out_ids, rows, updates[0], text_step[0:1])
-            out_ids, rows, updates = hook(input_ids=ids, req_infos=[info])
-            return PreprocessResult(out_ids, rows, updates[0])
+        decode = hooks.decode_hook(model, runner) if n == 1 and not is_prefill else None
+        if decode is not None:
+            out_ids, rows, _past, text_step, updates = hooks.unpack_decode(
+                decode(input_ids=ids, input_embeds=embeds, req_infos=[info]))
+            if len(updates) != 1:
+                raise ValueError(f"the batched decode hook returned {len(updates)} updates for 1 request")
+            step = text_step[0:1] if self.has_mtp and text_step is not None else None
+            return PreprocessResult(out_ids, rows, updates[0], step)
         out_ids, rows, update = getattr(model, self.entries[0])(input_ids=ids, input_embeds=embeds, **info)
         text_step = None
         if self.has_mtp and n == 1 and not is_prefill and isinstance(update, dict) and "mtp_inputs" in update:

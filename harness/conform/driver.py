@@ -54,6 +54,20 @@ class ConformRunner(SimRunner):
         self.calls: dict[str, int] = {}  # calls per request so far (the connector's per-call deliveries)
         self.streams: dict[str, dict[str, Any]] = {}  # per-request delivery state (adapter.deliver)
         self.persist: torch.Tensor | None = None  # V1's persistent inputs_embeds buffer (adapter.stale_rows)
+        self.batch_error: str | None = None  # the step's batch hook failed: the step's spans fail with it
+
+    def begin_step(self, req_ids: list[str], prefill_ids: list[str]) -> None:  # type: ignore[override]
+        """The model's batch hook before the step's spans, as the runner calls it (``harness.sim.hooks``)."""
+        from harness.sim import hooks
+
+        self.batch_error = None
+        try:
+            armcall.call(hooks.prefill_batch, model=self.model, runner=self.runner, req_ids=req_ids,
+                         buffers=self.buffer, prefill_ids=prefill_ids, device=torch.device("cpu"))
+        except armcall.ArmFailure as exc:
+            self.batch_error = str(exc)[:300]
+        except Exception as exc:  # the model's failure is this step's result
+            self.batch_error = f"{type(exc).__name__}: {exc}"[:300]
 
     def add(self, req: ConformRequest) -> None:
         self.buffer[req.request_id] = _copy_payload(req.payload)
@@ -95,6 +109,8 @@ class ConformRunner(SimRunner):
         req_infos["_omni_is_prefill"] = c < P
         req_infos["_omni_max_tokens"] = max_tokens
         req_infos["_omni_seed"] = 42
+        if self.batch_error is not None:
+            return Feed(schedule, rid, step, P, c, n, replay, None, None, span_ids, self.batch_error)
         received = self.adapter.embed(self.model, span_ids)
         start = self._starting_rows(received, offset)
         if start is not None:
@@ -103,7 +119,7 @@ class ConformRunner(SimRunner):
             # fenced as the sim fences an arm's call (harness.sim.armcall): a call past --arm-timeout, a
             # KeyboardInterrupt or sys.exit the hook raises itself fail this schedule, not the command
             out = armcall.call(self.adapter.preprocess, model=self.model, ids=span_ids.clone(),
-                               embeds=received.clone(), info=req_infos, is_prefill=c < P)
+                               embeds=received.clone(), info=req_infos, is_prefill=c < P, runner=self.runner)
             rows = int(out.rows.shape[0])
             self._update_buffer(rid, out.update)
         except armcall.ArmFailure as exc:
@@ -138,6 +154,7 @@ def run_forced(adapter: Adapter, impl: Any, req: ConformRequest, schedule: Sched
             replay += 1
             runner.preempted(req)
             continue
+        runner.begin_step([req.request_id], [req.request_id] if c < req.P else [])
         feed = runner.feed(req, c, n, step, schedule.name, replay)
         feeds.append(feed)
         if feed.error is not None:
@@ -188,12 +205,16 @@ def run_deploy(adapter: Adapter, impl: Any, requests: list[ConformRequest], depl
         failed: list[str] = []
         drafts_by_req = sched.scheduled_spec_decode_tokens
         offset = 0  # the span's rows in the step's flattened batch (V1's persistent buffer)
+        for rid in sched.num_scheduled_tokens:
+            q = live[rid]
+            if q.num_preemptions != seen_preemptions.get(rid, 0):  # resumed after a preemption
+                seen_preemptions[rid] = q.num_preemptions
+                runner.preempted(by_id[rid])
+        runner.begin_step(list(sched.num_scheduled_tokens),
+                          [rid for rid in sched.num_scheduled_tokens if before[rid] < by_id[rid].P])
         for rid, n in sched.num_scheduled_tokens.items():
             q, r = live[rid], by_id[rid]
             c = before[rid]
-            if q.num_preemptions != seen_preemptions.get(rid, 0):  # resumed after a preemption
-                seen_preemptions[rid] = q.num_preemptions
-                runner.preempted(r)
             drafts = len(drafts_by_req.get(rid, ()))
             feed = runner.feed(r, c, n, step, f"vllm:{deploy.name}", q.num_preemptions, len(r.generated), offset)
             offset += n

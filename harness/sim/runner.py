@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from harness.contract import span_flags
+from harness.errors import UserError
 from harness.records import SpanRecord
-from harness.sim import armcall
+from harness.sim import armcall, hooks
 from harness.sim.cell import SimContract
 from harness.sim.rows import RowSpace
 
@@ -35,10 +36,23 @@ class CallResult:
 
 
 class SimRunner:
-    def __init__(self, model: Any, space: RowSpace, cell: tuple[str, str, int], contract: SimContract) -> None:
+    # the family's one-token decodes take the runner's talker_mtp path: the decode hook's text step is added
+    # to the position's codec row (Qwen3-TTS, Qwen3-Omni); Qwen2.5-Omni's Talker has no such path
+    text_step_added = False
+
+    def __init__(self, model: Any, space: RowSpace, cell: tuple[str, str, int], contract: SimContract,
+                 kind: str = "v1") -> None:
         """``contract``: the family's (``harness.sim.cell.SimContract``): the per-request KV the Talker
-        reads and the misaligned positions of each span."""
+        reads and the misaligned positions of each span. ``kind``: the model runner (``v1``, or ``v2``:
+        MRV2), which decides the hooks called besides the per-span one (``harness.sim.hooks``)."""
         self.model, self.space, self.cell, self.contract = model, space, cell, contract
+        self.kind = kind
+        why = hooks.refuse_unmodelled(model)
+        if why:
+            raise UserError(f"arm {cell[0]!r}: {why}")
+        self._decode_hook = hooks.decode_hook(model, kind)
+        self._batch_hook = callable(getattr(model, hooks.PREFILL_BATCH_HOOK[hooks.kind(kind)], None))
+        self._batch_error: str | None = None  # the step's batch hook failed: every span of the step fails with it
         self.buffer: dict[str, dict[str, Any]] = {}
         self.kv: dict[str, Any] = {}
         self.thinker: dict[str, Any] = {}
@@ -65,11 +79,36 @@ class SimRunner:
         this only for v2."""
         self.buffer[out.request_id] = payload
 
+    def begin_step(self, scheduled: list[tuple[str, int, int]]) -> None:
+        """Before the step's per-request calls: the model's batch hook, if it defines one, as the runner
+        calls it (``harness.sim.hooks.prefill_batch``). ``scheduled``: ``(request, c, n)`` of the step's spans."""
+        self._batch_error = None
+        if not self._batch_hook:
+            return
+        prefill = [rid for rid, c, _n in scheduled if c < self.thinker[rid].P]
+        try:
+            armcall.call(hooks.prefill_batch, model=self.model, runner=self.kind, req_ids=[r for r, _c, _n in scheduled],
+                         buffers=self.buffer, prefill_ids=prefill, device=torch.device("cpu"))
+        except armcall.ArmFailure as exc:
+            self._batch_error = str(exc)
+
     def invoke(self, span_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_infos: dict[str, Any],
                is_prefill: bool, n: int) -> Any:
-        """The runner's call of the family's hook for one span, fenced (``armcall``): ``(ids, rows,
-        update_dict)``. Qwen2.5-Omni's runner calls ``talker_preprocess`` for every span; a family whose
-        runner path differs (Qwen3-TTS: a batched decode hook and the MTP text row) overrides this."""
+        """The runner's call for one span, fenced (``armcall``): ``(ids, rows, update_dict)``. A one-token
+        decode goes to the decode hook the runner resolves (``harness.sim.hooks.decode_hook``: V1's
+        ``preprocess_decode_batch``, MRV2's ``preprocess_decode_batch_mrv2`` first) as a batch of one, where
+        the model defines one; every other span to the family's per-span hook (:meth:`invoke_span`)."""
+        if self._batch_error is not None:
+            raise armcall.ArmFailure(self._batch_error)
+        if n == 1 and not is_prefill and self._decode_hook is not None:
+            return armcall.call(_decode_batch_of_one, hook=self._decode_hook, span_ids=span_ids,
+                                inputs_embeds=inputs_embeds, req_infos=req_infos, add_text=self.text_step_added)
+        return self.invoke_span(span_ids, inputs_embeds, req_infos, is_prefill, n)
+
+    def invoke_span(self, span_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_infos: dict[str, Any],
+                    is_prefill: bool, n: int) -> Any:
+        """The family's per-span hook. Qwen2.5-Omni's runner calls ``talker_preprocess`` for every span; a
+        family whose runner path differs (the MTP text row of Qwen3-TTS and Qwen3-Omni) overrides this."""
         return armcall.call(self.model.talker_preprocess, input_ids=span_ids, input_embeds=inputs_embeds,
                             **req_infos)
 
@@ -159,3 +198,16 @@ class SimRunner:
                              misaligned_text=text, misaligned_end=end, misaligned=text + end, error=None,
                              **self._decode_flags)
         return span
+
+
+def _decode_batch_of_one(hook: Any, span_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_infos: dict[str, Any],
+                         add_text: bool) -> tuple[Any, Any, Any]:
+    """The runner's flush of its decode batch for one request: the hook's row for the position, plus its
+    ``text_step`` row where the family's decode runs the MTP path (``add_text``)."""
+    result = hook(input_ids=span_ids, input_embeds=inputs_embeds, req_infos=[req_infos])
+    ids, rows, _past_hidden, text_step, updates = hooks.unpack_decode(result)
+    if len(updates) != 1:
+        raise ValueError(f"the batched decode hook returned {len(updates)} updates for 1 request")
+    if add_text and text_step is not None:
+        rows = rows.reshape(1, -1) + text_step.reshape(1, -1).to(rows.dtype)
+    return ids, rows, updates[0]

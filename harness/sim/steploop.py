@@ -80,7 +80,8 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
     drafter = Drafter(talker, spec.num_speculative_tokens, spec.acceptance_rate, seed) if spec else None
     verify_steps: dict[str, list[int]] = {o.request_id: [] for o in outputs}
     cell.model.profile_run(resolved.max_num_batched_tokens)
-    runner = (cell.runner_class or SimRunner)(cell.model, cell.space, (arm.name, deploy.name, repeat), cell.contract)
+    runner = (cell.runner_class or SimRunner)(cell.model, cell.space, (arm.name, deploy.name, repeat), cell.contract,
+                                              deploy.talker.model_runner)
     mrv2 = deploy.talker.model_runner == "v2"  # a resumed request starts from its payload again (SimRunner.resumed)
     resumed_at: dict[str, int] = {}  # preemptions of each request its buffer has been rebuilt for
 
@@ -153,12 +154,16 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
         sampled: list[list[int]] = []
         failed: list[str] = []
         drafts_by_req = sched_out.scheduled_spec_decode_tokens
+        if mrv2:  # MRV2 rebuilds a resumed request's buffer before the step's hooks run
+            for rid in sched_out.num_scheduled_tokens:
+                req = live[rid]
+                if req.num_preemptions != resumed_at.get(rid, 0):
+                    resumed_at[rid] = req.num_preemptions
+                    runner.resumed(by_id[rid], by_id[rid].payload(token_ids))
+        runner.begin_step([(rid, before[rid], n) for rid, n in sched_out.num_scheduled_tokens.items()])
         for rid, n in sched_out.num_scheduled_tokens.items():
             req = live[rid]
             c = before[rid]
-            if mrv2 and req.num_preemptions != resumed_at.get(rid, 0):
-                resumed_at[rid] = req.num_preemptions
-                runner.resumed(by_id[rid], by_id[rid].payload(token_ids))
             drafts = drafts_by_req.get(rid)
             drafts = list(drafts) if drafts else _NO_DRAFTS
             result = runner.call(req, c, n, step, drafts)

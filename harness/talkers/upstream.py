@@ -480,7 +480,7 @@ def build_functions(source: UpstreamSource, names: tuple[str, ...], *, module_na
 
 def build_mixin(source: UpstreamSource, environment: type, *, class_name: str = CLASS_NAME,
                 entries: tuple[str, ...] = (ENTRY,), module_name: str = MODULE_NAME,
-                shims: dict[tuple[str, str], Any] | None = None) -> type:
+                shims: dict[tuple[str, str], Any] | None = None, optional: tuple[str, ...] = ()) -> type:
     """A class holding upstream ``talker_preprocess`` and everything it reaches, ready for ``bind_arm``.
 
     ``environment``: the stand-in class the mixin will be bound onto (Qwen2.5-Omni's:
@@ -488,7 +488,8 @@ def build_mixin(source: UpstreamSource, environment: type, *, class_name: str = 
     ``self.<attr>`` the code reads must exist on an instance of it. ``class_name`` and
     ``entries`` (the hook methods, all required) default to Qwen2.5-Omni's; other models
     (``harness.conform``) name theirs. ``shims``: extra ``(module, name) -> object``
-    replacements for imported names the methods call.
+    replacements for imported names the methods call. ``optional``: more hooks, taken (with what they
+    reach) where the class defines them (the runners' batch hooks, ``harness.sim.hooks.RUNNER_HOOKS``).
     """
     CLASS_NAME = class_name  # noqa: N806 -- the module default, overridden for this build
     ENTRY = entries[0]  # noqa: N806
@@ -509,6 +510,8 @@ def build_mixin(source: UpstreamSource, environment: type, *, class_name: str = 
     for entry in entries:
         if not isinstance(members.get(entry), (ast.FunctionDef, ast.AsyncFunctionDef)):
             raise ConfigError(f"{where}: class {CLASS_NAME} has no method {entry}")
+    entries = entries + tuple(h for h in optional if h not in entries
+                              and isinstance(members.get(h), (ast.FunctionDef, ast.AsyncFunctionDef)))
     env_provides = {n for klass in environment.__mro__ if klass is not object for n in vars(klass)
                     if not n.startswith("__")}
 

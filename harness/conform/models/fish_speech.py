@@ -194,9 +194,9 @@ class FishSpeechAdapter(Adapter):
         return model.embed_input_ids(ids).float()
 
     def preprocess(self, model: Any, ids: torch.Tensor, embeds: torch.Tensor, info: dict[str, Any],
-                   is_prefill: bool) -> PreprocessResult:
+                   is_prefill: bool, runner: str = "v1") -> PreprocessResult:
         with _host_pinning():
-            return super().preprocess(model, ids, embeds, info, is_prefill)
+            return super().preprocess(model, ids, embeds, info, is_prefill, runner)
 
     def named_rows(self, model: Any) -> dict[str, torch.Tensor]:
         return {"the audio-pad embedding (<|audio_pad|>, the hook's padding)":

@@ -136,8 +136,8 @@ class GepardAdapter(Adapter):
         return model.embed_input_ids(ids).float()
 
     def preprocess(self, model: Any, ids: torch.Tensor, embeds: torch.Tensor, info: dict[str, Any],
-                   is_prefill: bool) -> PreprocessResult:
-        out = super().preprocess(model, ids, embeds, info, is_prefill)
+                   is_prefill: bool, runner: str = "v1") -> PreprocessResult:
+        out = super().preprocess(model, ids, embeds, info, is_prefill, runner)
         self._commit(model, int(info["_omni_num_computed_tokens"]) + int(ids.shape[0]) - 1)
         return out
 

@@ -44,6 +44,14 @@ class _PromptBuilderStandIn:
         return (tagged(prompt_len(text), HIDDEN, "qwen3-tts", "prompt", text),
                 tagged(words + 1, HIDDEN, "qwen3-tts", "trailing", text), None, None)
 
+    def preprocess_batch(self, *, req_ids: list[str], model_intermediate_buffer: dict[str, dict[str, Any]],
+                         device: Any) -> None:
+        """The runners' batch hook delegates here: the release's builder batches Base voice-clone work only
+        (reference texts and codes); these requests are CustomVoice, for which it stores nothing."""
+
+    def preprocess_infos_batch(self, *, req_infos: list[dict[str, Any]], device: Any) -> None:
+        """MRV2's form of :meth:`preprocess_batch`: the same."""
+
 
 def prompt_len(text: str) -> int:
     return 9 + len(text.split()) // 4
@@ -59,6 +67,8 @@ class Qwen3TTSStandIn:
         self._tts_pad_embed = tagged(1, HIDDEN, "qwen3-tts", "tts_pad")[0]
         self._codebook_vocab_size = 2048
         self._use_v2_model_runner = False
+        self._silence_ban_frames = 0  # the release's default: the batch hooks' x-vector bookkeeping is off
+        self._req_x_vector_only: dict[str, bool | None] = {}
         self.talker_config = SimpleNamespace(codec_pad_id=2148, num_code_groups=16)
 
     def embed_input_ids(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
@@ -79,7 +89,6 @@ class Qwen3TTSAdapter(Adapter):
     class_name = "Qwen3TTSTalkerForConditionalGeneration"
     module_name = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker"
     entries = ("preprocess", "preprocess_decode_batch")
-    decode_batch_hook = "preprocess_decode_batch"
     has_mtp = True
     codec_vocab = 2048
     hidden = HIDDEN

@@ -25,12 +25,13 @@ def load_upstream(arm: ArmSpec, wheel_dir: Path | None = None) -> type:
     ``--arm`` against the working directory.
     """
     from harness.families.qwen2_5_omni.model import SimTalkerModelBase
+    from harness.sim.hooks import RUNNER_HOOKS
 
     spec = arm.talker[len(PREFIX):] if is_upstream_spec(arm.talker) else arm.talker
     arms_file = Path(arm.source)
     base = arms_file.parent if arm.source not in ("--arm", "builtin") and arms_file.is_file() else Path.cwd()
     try:
-        return build_mixin(read_source(spec, base, wheel_dir), SimTalkerModelBase)
+        return build_mixin(read_source(spec, base, wheel_dir), SimTalkerModelBase, optional=RUNNER_HOOKS)
     except ConfigError as exc:
         raise ConfigError(f"arm {arm.name!r} (from {arm.source}): {exc}") from None
 

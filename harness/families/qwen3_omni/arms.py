@@ -51,13 +51,14 @@ def release_mixin(spec: str, base_dir: Path | None = None) -> type:
     key = (spec, str(base_dir))
     if key not in _RELEASES:
         from harness.families.qwen3_omni.sim import Qwen3OmniSimModel
+        from harness.sim.hooks import RUNNER_HOOKS
         from harness.talkers.release import RELEASE_SHIMS, read_model_source
         from harness.talkers.upstream import build_mixin
 
         source = read_model_source(spec, MEMBER, base_dir)
         shims = {**RELEASE_SHIMS, **_tool_speech_shims(spec, base_dir)}
         _RELEASES[key] = build_mixin(source, Qwen3OmniSimModel, class_name=CLASS_NAME, entries=ENTRIES,
-                                     module_name=MODULE_NAME, shims=shims)
+                                     module_name=MODULE_NAME, shims=shims, optional=RUNNER_HOOKS)
     return _RELEASES[key]
 
 

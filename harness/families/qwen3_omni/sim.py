@@ -306,8 +306,11 @@ class OmniRunner(SimRunner):
     """vLLM-Omni 0.30.0's runner around Qwen3-Omni's ``talker_preprocess`` (gpu_model_runner.py l.1760-1925),
     with the Thinker's chunks delivered as the connector does (the module docstring)."""
 
-    def __init__(self, model: Any, space: RowSpace, cell: tuple[str, str, int], contract: Any) -> None:
-        super().__init__(model, space, cell, contract)
+    text_step_added = True  # the talker_mtp path: a decode position runs with its codec row + text_step
+
+    def __init__(self, model: Any, space: RowSpace, cell: tuple[str, str, int], contract: Any,
+                 kind: str = "v1") -> None:
+        super().__init__(model, space, cell, contract, kind)
         self._step = 0
         self._called: set[str] = set()  # requests whose first call (chunk 0, the payload) is done
         self._next_chunk: dict[str, int] = {}
@@ -330,6 +333,10 @@ class OmniRunner(SimRunner):
                 self._update_buffer(rid, out.chunk(j))
                 self._next_chunk[rid] = j + 1
         self._called.add(rid)
+        return super().invoke(span_ids, inputs_embeds, req_infos, is_prefill, n)
+
+    def invoke_span(self, span_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_infos: dict[str, Any],
+                    is_prefill: bool, n: int) -> Any:
         hook = self.model.talker_preprocess
         if n == 1 and not is_prefill:  # the talker_mtp path, as Qwen3-TTS's runner takes it without the batched hook
             return armcall.call(_decode_scalar, hook=hook, span_ids=span_ids, inputs_embeds=inputs_embeds,

@@ -21,7 +21,7 @@ from harness.config import ArmSpec
 MEMBER = "vllm_omni/model_executor/models/qwen3_tts/qwen3_tts_talker.py"
 CLASS_NAME = "Qwen3TTSTalkerForConditionalGeneration"
 MODULE_NAME = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker"
-ENTRIES = ("preprocess", "preprocess_decode_batch")
+ENTRIES = ("preprocess", "preprocess_decode_batch")  # and the runners' other hooks it defines (RUNNER_HOOKS)
 PLUGIN_BASE = "0.30.0"  # the release a plugin arm's class is laid over
 
 _RELEASES: dict[tuple[str, str], type] = {}
@@ -33,11 +33,12 @@ def release_mixin(spec: str, base_dir: Path | None = None) -> type:
     if key not in _RELEASES:
         from harness.talkers.release import RELEASE_SHIMS, read_model_source
         from harness.families.qwen3_tts.sim import Qwen3TTSSimModel
+        from harness.sim.hooks import RUNNER_HOOKS
         from harness.talkers.upstream import build_mixin
 
         source = read_model_source(spec, MEMBER, base_dir)
         _RELEASES[key] = build_mixin(source, Qwen3TTSSimModel, class_name=CLASS_NAME, entries=ENTRIES,
-                                     module_name=MODULE_NAME, shims=RELEASE_SHIMS)
+                                     module_name=MODULE_NAME, shims=RELEASE_SHIMS, optional=RUNNER_HOOKS)
     return _RELEASES[key]
 
 

@@ -173,6 +173,15 @@ class _PromptBuilder:
                 raise ValueError(f"the sim's prompt builder knows no request with text {text[:40]!r}")
         return req.prompt_rows.clone(), req.trailing_rows.clone(), None, None
 
+    def preprocess_batch(self, *, req_ids: list[str], model_intermediate_buffer: dict[str, dict[str, Any]],
+                         device: Any) -> None:
+        """The runners' batch hook (the release's ``preprocess_batch`` delegates here): the release's builder
+        batches Base voice-clone work only (tokenised reference texts, reference codes); the sim's requests
+        are CustomVoice, for which it stores nothing."""
+
+    def preprocess_infos_batch(self, *, req_infos: list[dict[str, Any]], device: Any) -> None:
+        """MRV2's form of :meth:`preprocess_batch` (``preprocess_batch_mrv2`` delegates here): the same."""
+
 
 class Qwen3TTSSimModel:
     """What Qwen3-TTS's ``preprocess`` / ``preprocess_decode_batch`` touch, from the sim's rows; an arm's
@@ -192,6 +201,8 @@ class Qwen3TTSSimModel:
         self._tts_pad_embed = specials.pad[0].clone()
         self._codebook_vocab_size = CODEC_PAD  # content codes lie below the specials
         self._use_v2_model_runner = model_runner == "v2"
+        self._silence_ban_frames = 0  # the release's default (model_config.silence_ban_frames unset)
+        self._req_x_vector_only: dict[str, bool | None] = {}
         self.talker_config = SimpleNamespace(codec_pad_id=CODEC_PAD, codec_bos_id=CODEC_BOS, codec_eos_token_id=CODEC_EOS,
                                              num_code_groups=NUM_CODE_GROUPS)
 
@@ -215,32 +226,27 @@ def bind_arm(impl: Any, space: RowSpace, specials: Specials, requests: list[TTSR
 
 
 class TTSRunner(SimRunner):
-    """vLLM-Omni 0.30.0's runner around Qwen3-TTS's hooks (gpu_model_runner.py l.1760-1925)."""
+    """vLLM-Omni 0.30.0's runner around Qwen3-TTS's hooks (gpu_model_runner.py l.1760-1925; the batch hooks
+    and their order per model runner: ``harness.sim.hooks``)."""
 
-    def __init__(self, model: Any, space: RowSpace, cell: tuple[str, str, int], contract: Any) -> None:
-        super().__init__(model, space, cell, contract)
+    text_step_added = True  # the talker_mtp path: a decode position runs with its codec row + text_step
+
+    def __init__(self, model: Any, space: RowSpace, cell: tuple[str, str, int], contract: Any,
+                 kind: str = "v1") -> None:
+        super().__init__(model, space, cell, contract, kind)
         # a span starts from the stand-in's embeddings of its ids (the codec table), or an arm's own embed_input_ids
         if type(model).embed_input_ids is Qwen3TTSSimModel.embed_input_ids:
             self._embed = space.embed_numpy
         else:
             self._embed = lambda ids: model.embed_input_ids(torch.from_numpy(ids))
 
-    def invoke(self, span_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_infos: dict[str, Any],
-               is_prefill: bool, n: int) -> Any:
+    def invoke_span(self, span_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_infos: dict[str, Any],
+                    is_prefill: bool, n: int) -> Any:
         model = self.model
-        if n == 1 and not is_prefill:  # the talker_mtp path: the position runs with its row + text_step
-            batch = getattr(model, "preprocess_decode_batch", None)
-            if callable(batch):
-                return armcall.call(_decode_batch_of_one, hook=batch, span_ids=span_ids, req_infos=req_infos)
+        if n == 1 and not is_prefill:  # no batched decode hook: preprocess's mtp_inputs, the text step added
             return armcall.call(_decode_scalar, hook=model.preprocess, span_ids=span_ids,
                                 inputs_embeds=inputs_embeds, req_infos=req_infos)
         return armcall.call(model.preprocess, input_ids=span_ids, input_embeds=inputs_embeds, **req_infos)
-
-
-def _decode_batch_of_one(hook: Any, span_ids: torch.Tensor, req_infos: dict[str, Any]) -> tuple[Any, Any, Any]:
-    """``flush_decode_batch`` for one request: the hook's codec row plus its ``text_step`` row."""
-    ids, rows, _past_hidden, text_step, updates = hook(input_ids=span_ids, req_infos=[req_infos])
-    return ids, rows.reshape(1, -1) + text_step.reshape(1, -1).to(rows.dtype), updates[0]
 
 
 def _decode_scalar(hook: Any, span_ids: torch.Tensor, inputs_embeds: torch.Tensor,

@@ -417,3 +417,14 @@ def test_a_broken_calibration_means_could_not_check() -> None:
     assert m.exit_code == 2 and "calibration" in m.verdict()
     assert "BROKEN" in format_text(m) and json.loads(format_json(m))["exit_code"] == 2 and "<html>" in format_html(m)
     assert Matrix("vllm-omni:x", (), [up], []).exit_code == 0
+
+
+def test_only_the_checked_models_calibration_runs(tmp_path: Path) -> None:
+    """Issue 45, item 5: the Qwen2.5-Omni calibration arms check the oracle on Qwen2.5-Omni's stand-in; a run
+    that checks Qwen3-TTS alone does not run them (nor report a calibration)."""
+    js = tmp_path / "m.json"
+    out = _cli("--model", "qwen3-tts", "--deploy", "none", "--requests", "1", "--generated", "24", "--json", str(js))
+    assert "[conform] qwen2.5-omni" not in out.output and "calibration:" not in out.output
+    data = json.loads(js.read_text())
+    assert [m["model"] for m in data["models"]] == ["qwen3-tts", "qwen3-tts@mrv2"]  # one release: its matrix
+    assert data["calibration"] == {}

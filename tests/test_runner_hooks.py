@@ -152,3 +152,55 @@ def test_the_gate_catches_each_near_miss_on_the_runner_that_calls_its_hook(tmp_p
     assert len(verdict) == 1 and verdict[0].endswith(
         "-> FAIL (candidate-contract, candidate-reference-speaks, candidate-stress-matches-reference failed; "
         "arms stale (candidate), first (candidate)) (exit 1)"), verdict
+
+
+# --------------------------------------------------------------------------- item 2: the code predictor's input
+
+def test_the_past_hidden_state_is_checked_on_every_decode():
+    """Right rows, wrong ``past_hidden``: the position is misaligned (the sim carries the Talker's hidden state
+    per request and position, and the release's postprocess leaves the span's last one in the buffer)."""
+    assert _drive_decodes("harness.families.qwen3_tts.fix:Qwen3TTSFixedTalker", "qwen3-tts-stress") == (
+        [0, 0, 0, 0, 0], [1, 2, 3, 4])
+    # zeros: every decode; the text rows are right
+    assert _drive_decodes("tests.fixtures.tts_mutants:ZeroPastHidden", "qwen3-tts-stress") == (
+        [0, 1, 1, 1, 1], [1, 2, 3, 4])
+    # one call late: the first decode is right (nothing cached yet), every later one gets its predecessor's
+    assert _drive_decodes("tests.fixtures.tts_mutants:PastHiddenOfLastCall", "qwen3-tts-mrv2-stress") == (
+        [0, 0, 1, 1, 1], [1, 2, 3, 4])
+
+
+def _misaligned_by_cell(run_dir: Path) -> dict[tuple[str, str], tuple[int, int]]:
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for line in (run_dir / "requests.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        t, e = out.get((r["arm"], r["deploy"]), (0, 0))
+        out[(r["arm"], r["deploy"])] = (t + r["events"]["misaligned_text_positions"],
+                                         e + r["events"]["misaligned_end_positions"])
+    return out
+
+
+@pytest.mark.slow
+def test_the_gate_catches_a_wrong_code_predictor_input_in_both_mtp_families(tmp_path: Path):
+    res = run_cli("run", "--asr", "none", "--quiet", "--out", str(tmp_path), "--run-id", "tts",
+                  "--prompts", "qwen3_tts", "--arm", "tts-fix",
+                  "--arm", "zero=tests.fixtures.tts_mutants:ZeroPastHidden",
+                  "--arm", "late=tests.fixtures.tts_mutants:PastHiddenOfLastCall",
+                  "--deploy", "qwen3-tts-reference", "--deploy", "qwen3-tts-stress")
+    assert res.exit_code == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    mis = _misaligned_by_cell(tmp_path / "tts")
+    assert mis[("tts-fix", "qwen3-tts-reference")] == mis[("tts-fix", "qwen3-tts-stress")] == (0, 0)
+    for arm in ("zero", "late"):
+        for deploy in ("qwen3-tts-reference", "qwen3-tts-stress"):
+            text, end = mis[(arm, deploy)]
+            assert text > 100 and end > 100, (arm, deploy, text, end)
+    gate = run_cli("gate", str(tmp_path / "tts"))
+    verdict = [ln for ln in gate.stdout.splitlines() if "-> FAIL" in ln]
+    assert gate.exit_code == 1 and len(verdict) == 1, gate.stdout[-3000:]
+    assert verdict[0].endswith("arms zero (candidate), late (candidate)) (exit 1)"), verdict
+    res = run_cli("run", "--asr", "none", "--quiet", "--out", str(tmp_path), "--run-id", "omni3",
+                  "--prompts", "qwen3_omni", "--arm", "omni3-fix",
+                  "--arm", "stale=tests.fixtures.omni3_mutants:StalePastHidden", "--deploy", "qwen3-omni-reference")
+    assert res.exit_code == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    mis = _misaligned_by_cell(tmp_path / "omni3")
+    assert mis[("omni3-fix", "qwen3-omni-reference")] == (0, 0)
+    assert sum(mis[("stale", "qwen3-omni-reference")]) > 100

@@ -80,7 +80,9 @@ def command(models: tuple[str, ...], sources: tuple[str, ...], deploys: tuple[st
     names = tuple(dict.fromkeys(deploys)) if deploys else DEFAULT_DEPLOYS
     deploy_objs = tuple(load_deploy(d) for d in names if d != "none")
     selected = list(dict.fromkeys(models)) if models else list(UPSTREAM_MODELS)
-    calibration = [m for m in CALIBRATION if m not in selected]
+    # each calibration arm checks the oracle on its own model's stand-in: run only those of the models checked
+    checked = {m.split(":", 1)[0] for m in selected}
+    calibration = [m for m in CALIBRATION if m not in selected and m.split(":", 1)[0] in checked]
     logging.getLogger("vllm_omni").setLevel(logging.ERROR)  # upstream's warnings about missing GPU-side state
     import torch
 

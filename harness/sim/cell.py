@@ -42,6 +42,8 @@ class SimContract(Protocol):
 
     def new_kv(self, out: Any, capacity: int) -> Any: ...
 
+    def text_len(self, out: Any) -> int: ...  # the rows after the prompt up to text-EOS (misaligned_regions)
+
     def misaligned_one(self, kv: Any, out: Any, span_id: int, c: int, t_id: int, k_id: int) -> tuple[int, int]: ...
 
     def misaligned(self, kv: Any, out: Any, span_ids: np.ndarray, c: int, n: int, text_ids: np.ndarray,

@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from harness.contract import span_flags
+from harness.contract import misaligned_regions, span_flags
 from harness.errors import UserError
 from harness.records import SpanRecord
 from harness.sim import armcall, hooks
 from harness.sim.cell import SimContract
-from harness.sim.rows import RowSpace
+from harness.sim.rows import RowSpace, tagged_rows
 
 
 _new_span = object.__new__
@@ -53,6 +53,10 @@ class SimRunner:
         self._decode_hook = hooks.decode_hook(model, kind)
         self._batch_hook = callable(getattr(model, hooks.PREFILL_BATCH_HOOK[hooks.kind(kind)], None))
         self._batch_error: str | None = None  # the step's batch hook failed: every span of the step fails with it
+        # the Talker's hidden state per request and position (MTP families): what the release's postprocess
+        # leaves in the buffer as hidden_states.last, and what a decode must hand the code predictor
+        self.hidden: dict[str, torch.Tensor] = {}
+        self._past: list[Any] = []  # the past hidden state the decode path handed the code predictor, if any
         self.buffer: dict[str, dict[str, Any]] = {}
         self.kv: dict[str, Any] = {}
         self.thinker: dict[str, Any] = {}
@@ -68,6 +72,8 @@ class SimRunner:
         self.buffer[out.request_id] = payload
         self.thinker[out.request_id] = out
         self.kv[out.request_id] = self.contract.new_kv(out, capacity)
+        if self.text_step_added:
+            self.hidden[out.request_id] = hidden_rows(out.request_id, capacity)
 
     def remove_request(self, request_id: str) -> None:
         self.buffer.pop(request_id, None)
@@ -102,7 +108,8 @@ class SimRunner:
             raise armcall.ArmFailure(self._batch_error)
         if n == 1 and not is_prefill and self._decode_hook is not None:
             return armcall.call(_decode_batch_of_one, hook=self._decode_hook, span_ids=span_ids,
-                                inputs_embeds=inputs_embeds, req_infos=req_infos, add_text=self.text_step_added)
+                                inputs_embeds=inputs_embeds, req_infos=req_infos, add_text=self.text_step_added,
+                                sink=self._past)
         return self.invoke_span(span_ids, inputs_embeds, req_infos, is_prefill, n)
 
     def invoke_span(self, span_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_infos: dict[str, Any],
@@ -148,6 +155,7 @@ class SimRunner:
         # the Talker's embeddings of the span's ids: the codec table's rows, a new tensor per call
         inputs_embeds = (self._embed(ids_np) if self._embed is not None
                          else self.model.talker.embed_input_ids(span_ids))
+        self._past.clear()
         try:  # the arm's failure (an exception, sys.exit, a hang, bad rows) is this request's, not the run's
             result = self.invoke(span_ids, inputs_embeds, req_infos, c < P, n)
             try:
@@ -174,10 +182,17 @@ class SimRunner:
             final = inputs_embeds
         kv = self.kv[rid]
         out = self.thinker[rid]
+        hidden = self.hidden.get(rid)
+        if hidden is not None:  # the release's postprocess: the span's last position's hidden state, into the buffer
+            req_infos.setdefault("hidden_states", {})["last"] = hidden[c + n - 1]
         if n == 1:  # a decode step (or a one-token tail): scalar identification and check
             t_id, k_id = self.space.identify_one(final)
             kv.write_one(c, t_id, k_id)
             text, end = self.contract.misaligned_one(kv, out, int(ids[0]), c, t_id, k_id)
+            if self._past and c >= P and text + end == 0 and not _same_row(self._past[0], hidden[c - 1]):
+                # the code predictor got another position's hidden state (stale, zeroed, another request's):
+                # the position is misaligned although its row is right
+                text, end = misaligned_regions((c,), P, self.contract.text_len(out))
             if rows == 1 and c >= P:  # a decode span: its event flags are the same for every one
                 return CallResult(self._decode_span(rid, step, P, c, text, end), None)
         else:
@@ -201,13 +216,30 @@ class SimRunner:
 
 
 def _decode_batch_of_one(hook: Any, span_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_infos: dict[str, Any],
-                         add_text: bool) -> tuple[Any, Any, Any]:
+                         add_text: bool, sink: list[Any]) -> tuple[Any, Any, Any]:
     """The runner's flush of its decode batch for one request: the hook's row for the position, plus its
-    ``text_step`` row where the family's decode runs the MTP path (``add_text``)."""
+    ``text_step`` row where the family's decode runs the MTP path (``add_text``); the past hidden state it
+    hands the code predictor goes to ``sink``."""
     result = hook(input_ids=span_ids, input_embeds=inputs_embeds, req_infos=[req_infos])
-    ids, rows, _past_hidden, text_step, updates = hooks.unpack_decode(result)
+    ids, rows, past_hidden, text_step, updates = hooks.unpack_decode(result)
     if len(updates) != 1:
         raise ValueError(f"the batched decode hook returned {len(updates)} updates for 1 request")
     if add_text and text_step is not None:
         rows = rows.reshape(1, -1) + text_step.reshape(1, -1).to(rows.dtype)
+    if add_text and past_hidden is not None:
+        sink.append(past_hidden)
     return ids, rows, updates[0]
+
+
+def hidden_rows(request_id: str, count: int) -> torch.Tensor:
+    """The Talker's hidden state at each position of a request, ``[count, DIM]``: deterministic in the request
+    and distinct per position, so a past hidden state handed to the code predictor is checked exactly."""
+    return tagged_rows(count, 0, "talker-hidden", request_id)
+
+
+def _same_row(got: Any, want: torch.Tensor) -> bool:
+    """Whether the hook's past hidden state is exactly ``want`` (any shape holding one row, any float dtype
+    that holds it exactly)."""
+    if not isinstance(got, torch.Tensor) or got.numel() != want.numel():
+        return False
+    return bool(torch.equal(got.detach().reshape(-1).to(torch.float32).cpu(), want))

@@ -72,6 +72,10 @@ class SimContract:
         self.eos_id = int(space.identify(model.embed_text_eos_token)[0][0])
         self.pad_id = int(space.identify(model.embed_text_pad_token)[0][0])
 
+    def text_len(self, out: ThinkerOutput) -> int:
+        """``len(thinker_result[1:])``: the reply rows after the prompt before text-EOS (``misaligned_regions``)."""
+        return out.output_rows.shape[0] - 1
+
     def new_kv(self, out: ThinkerOutput, capacity: int) -> TalkerKV:
         return self.kv_class(out.request_id, out.P, self.spk_id, out.output_first_id, capacity)
 

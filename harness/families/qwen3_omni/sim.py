@@ -340,7 +340,7 @@ class OmniRunner(SimRunner):
         hook = self.model.talker_preprocess
         if n == 1 and not is_prefill:  # the talker_mtp path, as Qwen3-TTS's runner takes it without the batched hook
             return armcall.call(_decode_scalar, hook=hook, span_ids=span_ids, inputs_embeds=inputs_embeds,
-                                req_infos=req_infos)
+                                req_infos=req_infos, sink=self._past)
         return armcall.call(_drop_mtp, hook=hook, span_ids=span_ids, inputs_embeds=inputs_embeds, req_infos=req_infos)
 
 

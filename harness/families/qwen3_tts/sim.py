@@ -245,16 +245,18 @@ class TTSRunner(SimRunner):
         model = self.model
         if n == 1 and not is_prefill:  # no batched decode hook: preprocess's mtp_inputs, the text step added
             return armcall.call(_decode_scalar, hook=model.preprocess, span_ids=span_ids,
-                                inputs_embeds=inputs_embeds, req_infos=req_infos)
+                                inputs_embeds=inputs_embeds, req_infos=req_infos, sink=self._past)
         return armcall.call(model.preprocess, input_ids=span_ids, input_embeds=inputs_embeds, **req_infos)
 
 
 def _decode_scalar(hook: Any, span_ids: torch.Tensor, inputs_embeds: torch.Tensor,
-                   req_infos: dict[str, Any]) -> tuple[Any, Any, Any]:
+                   req_infos: dict[str, Any], sink: list[Any]) -> tuple[Any, Any, Any]:
     """A model without the batched hook: ``preprocess`` returns ``mtp_inputs`` in its update, which the
-    runner pops (l.1899-1905); the MTP forward then runs the position with the text step added."""
+    runner pops (l.1899-1905); the MTP forward then runs the position with the text step added, and the
+    code predictor with the past hidden state (to ``sink``)."""
     ids, rows, update = hook(input_ids=span_ids, input_embeds=inputs_embeds, **req_infos)
-    _past_hidden, text_step = update.pop("mtp_inputs")
+    past_hidden, text_step = update.pop("mtp_inputs")
+    sink.append(past_hidden)
     return ids, rows.reshape(1, -1) + text_step.reshape(1, -1).to(rows.dtype), update
 
 
@@ -280,6 +282,10 @@ class TTSContract:
         """``kv_class``: the words Talker's ``TTSKV`` (its start rows) or the speaking Talker's ``SpeakingKV``."""
         self.pad_id, self.bos_id, self.eos_id = specials.pad_id, specials.bos_id, specials.eos_id
         self.kv_class = kv_class
+
+    def text_len(self, out: TTSRequest) -> int:
+        """The text rows after the prompt up to ``tts_eos`` (``misaligned_regions``' ``reply_len``)."""
+        return out.T - 1
 
     def new_kv(self, out: TTSRequest, capacity: int) -> TalkerKV:
         spk = SPEAKER_CODECS[out.speaker.lower()]

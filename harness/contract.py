@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from harness.records import EventCounts, SpanRecord
 
 __all__ = ["EVENTS", "EVENT_FIELDS", "EVENT_COUNTS", "MISALIGNED_COUNTS", "span_flags", "SpanEvents", "classify_span",
-           "classify_spans", "event_count_columns", "misaligned_regions", "count_events", "span_regions",
+           "classify_spans", "event_count_columns", "misaligned_regions", "count_events", "ends_in_text", "span_regions",
            "ContractError", "require_metadata"]
 
 
@@ -69,14 +69,32 @@ def misaligned_regions(positions: Iterable[int] | np.ndarray, P: int, reply_len:
     return text, int(pos.size) - text
 
 
-def count_events(spans: Iterable[SpanRecord]) -> EventCounts:
-    """The events and misaligned positions of ``spans`` summed (``EVENT_COUNTS``, ``span_regions``).
+def ends_in_text(P: int, c: int, n: int, text_len: int) -> bool:
+    """Whether a span is a multi-position span whose end falls inside the text region: the next position
+    ``c + n`` lies past the prompt and still reads text (the reply rows up to text-EOS, ``p <= P + text_len``;
+    ``text_len`` as ``misaligned_regions``' ``reply_len``). A replay (or one of its chunks, or a verify span)
+    that ends there hands the decode that follows a text offset it must get right; one that ends past the
+    text does not test that."""
+    return n > 1 and P < c + n <= P + text_len
+
+
+def count_events(spans: Iterable[SpanRecord], text_len: int | None = None) -> EventCounts:
+    """The events and misaligned positions of ``spans`` (one request's) summed (``EVENT_COUNTS``,
+    ``span_regions``); with the request's ``text_len``, its multi-position spans ending inside the text region
+    (``ends_in_text``: ``replays_ending_in_text``; 0 without it).
 
     The flags are counted over whole columns (``classify_spans``): a request's thousand spans cost
     one array pass, not a thousand ``span_flags`` calls."""
+    spans = list(spans)
+    counts = _count_flags_and_regions(spans)
+    if text_len is not None:
+        counts.replays_ending_in_text = sum(ends_in_text(s.P, s.c, s.n, text_len) for s in spans if s.n > 1)
+    return counts
+
+
+def _count_flags_and_regions(spans: list[SpanRecord]) -> EventCounts:
     from harness.records import EventCounts
 
-    spans = list(spans)
     counts = EventCounts()
     cols = [[s.P for s in spans], [s.c for s in spans], [s.n for s in spans],
             [s.n if s.rows is None else s.rows for s in spans]]  # rows None claims no mismatch: as n rows

@@ -79,6 +79,10 @@ class Metric:
     per_request: bool = True
     compact: str | None = None
     tip: str | None = None
+    # counted per request by the backend that knows the request's text (``count_events(spans, text_len)``),
+    # not from the span columns alone: the tables and the gate read it from the records (the sim's; a real
+    # backend does not know the text length and does not measure it)
+    record: bool = False
 
 
 METRICS: tuple[Metric, ...] = (
@@ -90,6 +94,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("cross_boundary_replays", "replays crossing the prompt boundary", "Replays crossing the prompt boundary",
            "crossing replays", flags=("cross_boundary",), stress=True, stressed_point=True, plot=True,
            table="Cross-boundary replays", compact="Replays"),
+    Metric("replays_ending_in_text", "multi-position spans (replays, their chunks, verify spans) ending inside "
+           "the text region", "Replays ending in the text", "replays ending in text", record=True),
     Metric("multi_position_decode_spans", "multi-position decode spans", "Multi-position decode spans",
            "multi-position decode spans", flags=("multi_decode",), stressed_point=True, plot=True,
            table="Multi-position decode spans", compact="Multi-pos. decode"),
@@ -116,6 +122,8 @@ BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
 EVENT_COUNTS: dict[str, tuple[str, ...]] = {m.name: m.flags for m in METRICS if m.flags is not None}
 # EventCounts field -> the SpanRecord field summed into it (misaligned positions, by region).
 MISALIGNED_COUNTS: dict[str, str] = {m.name: m.span_field for m in METRICS if m.span_field is not None}
+# EventCounts fields the backend counts per request from what it knows of the text (Metric.record)
+RECORD_COUNTS: tuple[str, ...] = tuple(m.name for m in METRICS if m.record)
 GATED_COUNTS: tuple[str, ...] = tuple(m.name for m in METRICS if m.gate)
 STRESS_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.stress)
 STRESSED_POINT_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.stressed_point)

@@ -13,14 +13,15 @@ def test_event_counts_has_one_field_per_metric_in_order():
     assert [f.name for f in dataclasses.fields(EventCounts)] == [m.name for m in metrics.METRICS]
 
 
-def test_each_metric_counts_known_flags_or_a_span_field():
+def test_each_metric_counts_known_flags_or_a_span_field_or_is_the_records():
     for m in metrics.METRICS:
-        assert (m.flags is None) != (m.span_field is None), m.name
+        assert [m.flags is not None, m.span_field is not None, m.record].count(True) == 1, m.name
         assert set(m.flags or ()) <= set(metrics.EVENTS), m.name
     assert metrics.EVENT_COUNTS["prefill_row_count_mismatches"] == ("row_mismatch", "is_prefill")
     assert metrics.MISALIGNED_COUNTS == {"misaligned_positions": "misaligned",
                                          "misaligned_text_positions": "misaligned_text",
                                          "misaligned_end_positions": "misaligned_end"}
+    assert metrics.RECORD_COUNTS == ("replays_ending_in_text",)
 
 
 def test_the_gate_and_the_map_read_the_definitions():

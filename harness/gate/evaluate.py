@@ -18,6 +18,7 @@ from harness.report.summary import (
     worst_paired_delta,
 )
 
+from harness.metrics import RECORD_COUNTS
 from harness.gate.rules import (
     DETECTION_METRICS,
     METRICS,
@@ -127,6 +128,8 @@ def _metric_value(cell: CellSummary, metric: str, cells: list[CellSummary], thre
         return math.nan if value is None else value
     if metric in MISALIGNED_METRICS and not cell.misaligned_known:
         return math.nan  # the backend does not measure it
+    if metric in RECORD_COUNTS and cell.trace is not None:
+        return math.nan  # a real server's records do not know each request's text length
     return float(getattr(cell.events, metric))
 
 

@@ -36,6 +36,7 @@ from harness.backends import is_simulated
 from harness.contract import MISALIGNED_COUNTS, classify_spans, event_count_columns
 from harness.config import ConfigError, StreamingSlo, parse_slo
 from harness.errors import UserError
+from harness.metrics import RECORD_COUNTS
 from harness.roles import DEPLOY_ROLES, deploy_role
 from harness.records import (
     CRASHED_ERROR,
@@ -759,8 +760,17 @@ def request_events(run: Run) -> dict[tuple[str, str, int, str], EventCounts]:
     out: dict[tuple[str, str, int, str], EventCounts] = {}
     for rec in run.requests:
         counted = groups.get(rec.key)
-        out[rec.key] = counted[0] if counted else rec.events
+        out[rec.key] = _with_record_counts(counted[0], [rec]) if counted else rec.events
     return out
+
+
+def _with_record_counts(events: EventCounts, recs: Iterable[RequestRecord]) -> EventCounts:
+    """``events`` counted from spans, with the counts only the records hold (``RECORD_COUNTS``: the backend
+    counted them knowing each request's text) summed from ``recs``."""
+    recs = list(recs)
+    for name in RECORD_COUNTS:
+        setattr(events, name, sum(getattr(r.events, name) for r in recs))
+    return events
 
 
 def summarize_cells(run: Run) -> list[CellSummary]:
@@ -788,6 +798,7 @@ def summarize_cells(run: Run) -> list[CellSummary]:
         recs = by_cell[key]
         if key in span_cells:
             events, misaligned_known = span_cells[key]
+            events = _with_record_counts(events, recs)
             source = "spans"
         else:
             events, source = EventCounts(), "requests"
@@ -919,7 +930,7 @@ def event_problems(run: Run) -> list[str]:
         if counted is None or rec.events == counted[0]:  # dataclass equality: no asdict per record
             continue
         mine, theirs = asdict(rec.events), asdict(counted[0])
-        diff = [k for k in mine if mine[k] != theirs[k]]
+        diff = [k for k in mine if mine[k] != theirs[k] and k not in RECORD_COUNTS]  # those: the records' own
         if diff:
             wrong.append((rec, diff[0], mine[diff[0]], theirs[diff[0]]))
     if not wrong:

@@ -109,7 +109,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
             codec_tokens=codes, num_codec_tokens=len(codes),
             finish_reason=str(reason) if reason is not None else None,
             oracle_transcript=transcript, preemptions=req.num_preemptions,
-            events=count_events(spans_by_req[rid]), error=errors.get(rid),
+            events=count_events(spans_by_req[rid], cell.contract.text_len(out)), error=errors.get(rid),
             accepted_tokens_per_step=(round(sum(verify_steps[rid]) / len(verify_steps[rid]), 3)
                                       if verify_steps[rid] else None),
             wall_s=round(time.perf_counter() - started[rid], 4),

@@ -25,15 +25,17 @@ from harness.report.summary import CellSummary
 def cell(arm: str, deploy: str, repeat: int = 1, wer: float = 0.0, over: int = 0, chunks: int = 0,
          replays: int = 0, mismatches: int = 0, errors: int = 0, requests: int = 16,
          misaligned_known: bool = True, role: str = "candidate", text: int = 0, end: int = 0,
-         scores: list[float] | None = None) -> CellSummary:
+         scores: list[float] | None = None, in_text: int | None = None) -> CellSummary:
     """A cell whose scores have exactly this mean and this many requests over 0.5 (or exactly ``scores``),
-    one request record per score (prompts p00, p01, ...)."""
+    one request record per score (prompts p00, p01, ...). ``in_text``: its replays ending inside the text
+    region (default: every replay)."""
     if scores is None:
         scores = [0.9] * over + [0.0] * (requests - over)
         if requests:
             scores[-1] += wer * requests - sum(scores)
     ev = EventCounts(nonzero_offset_chunks=chunks, cross_boundary_replays=replays, row_count_mismatches=mismatches,
-                     misaligned_text_positions=text, misaligned_end_positions=end, misaligned_positions=text + end)
+                     misaligned_text_positions=text, misaligned_end_positions=end, misaligned_positions=text + end,
+                     replays_ending_in_text=replays if in_text is None else in_text)
     records = [RequestRecord(arm=arm, deploy=deploy, repeat=repeat, prompt_id=f"p{i:02d}", backend="sim",
                              reference_text="a b", wer=s) for i, s in enumerate(scores)]
     return CellSummary(arm=arm, deploy=deploy, repeat=repeat, requests=len(scores), scores=list(scores),
@@ -334,7 +336,8 @@ def write_gate_run(root: Path, cells: list[tuple[str, str, int, float, int, int]
         for i in range(prompts):
             ev = EventCounts(nonzero_offset_chunks=chunks if i == 0 else 0, cross_boundary_replays=replays if i == 0
                              else 0, misaligned_text_positions=10 if wer >= 0.5 else 0,
-                             misaligned_positions=10 if wer >= 0.5 else 0)
+                             misaligned_positions=10 if wer >= 0.5 else 0,
+                             replays_ending_in_text=replays if i == 0 else 0)
             w.write(RequestRecord(arm=arm, deploy=deploy, repeat=repeat, prompt_id=f"p{i}", backend="sim",
                                   reference_text="a b", wer=wer, events=ev))
     w.close()

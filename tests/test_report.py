@@ -76,9 +76,10 @@ def write_run(root: Path, name: str = "seed", whisper: bool = True, with_spans: 
     records, spans = [], []
     for n, key in enumerate(cells):
         arm, deploy, repeat = key
-        mean, over, _, _ = seed[key]
+        mean, over, _, cross = seed[key]
         for i, (pid, score) in enumerate(zip(PROMPTS, _scores(mean, over))):
-            ev = EventCounts(talker_calls=1, prefill_calls=1)
+            # each cross-boundary replay (span(0, P + 5)) ends 5 positions into the reply's text
+            ev = EventCounts(talker_calls=1, prefill_calls=1, replays_ending_in_text=cross // 16 + (i < cross % 16))
             records.append(RequestRecord(
                 arm=arm, deploy=deploy, repeat=repeat + repeat_offset, prompt_id=pid, backend="sim",
                 reference_text="hello there", num_codec_tokens=100 + i, finish_reason="stop",

@@ -44,7 +44,7 @@ from typing import Any
 from harness.config import DEPLOY_DIR, load_yaml
 from harness.errors import ConfigError, UserError, short_repr
 from harness.metrics import METRICS as COUNT_METRICS
-from harness.metrics import MISALIGNED_COUNTS, STRESS_METRICS
+from harness.metrics import MISALIGNED_COUNTS, RECORD_COUNTS, STRESS_METRICS
 from harness.roles import DEPLOY_ROLES
 from harness.streaming_figures import RATIO_METRICS, STREAM_METRICS
 from harness.report.summary import (
@@ -73,6 +73,8 @@ METRICS: dict[str, str] = {
 WER_METRICS = ("mean_wer", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer")
 REFERENCE_METRICS = ("wer_delta", "worst_paired_delta", *RATIO_METRICS)  # need reference_deploy
 MISALIGNED_METRICS = tuple(MISALIGNED_COUNTS)
+# Bounds that only say whether a stress deploy stressed: a map (harness.sweep.gate) judges that per point itself
+EVIDENCE_METRICS = (*STRESS_METRICS, *RECORD_COUNTS)
 # Bounds that show the bug is detected (an expect: fail rule needs one, and no max_ on a WER metric).
 DETECTION_METRICS = ("mean_wer", "requests_over", "wer_delta", "worst_paired_delta", "worst_of_repeats_mean_wer",
                      "worst_of_repeats_requests_over", "row_count_mismatches", *MISALIGNED_METRICS)
@@ -252,6 +254,9 @@ def _parse_rule(item: Any, where: str, source: str, default_ref: str | None) -> 
             elif given.limit < 1:
                 raise ConfigError(f"{source}: {where}.min_{metric}: must be >= 1 with stress: true "
                                   f"(a stress deploy that stressed nothing must fail)")
+    # the evidence counted from each request's text comes after the scheduler's own (a stress run that never
+    # chunked or replayed is named as such first)
+    bounds.sort(key=lambda b: b.op == "min" and b.metric in RECORD_COUNTS)
     if expect == "fail":
         if not any(f"min_{m}" in keys for m in DETECTION_METRICS):
             raise ConfigError(f"{source}: {where}: expect: fail needs a detection bound "

@@ -27,7 +27,6 @@ from typing import Any
 
 from harness.metrics import STRESSED_POINT_METRICS
 from harness.gate import (
-    STRESS_METRICS,
     WER_METRICS,
     Bound,
     CaseResult,
@@ -35,6 +34,7 @@ from harness.gate import (
     Rules,
     check,
 )
+from harness.gate.rules import EVIDENCE_METRICS
 from harness.report.summary import CellSummary
 
 WER_BOUND_METRICS = (*WER_METRICS, "requests_over", "worst_of_repeats_requests_over")
@@ -149,7 +149,7 @@ def _deploy_match(pattern: str, name: str) -> bool:
 
 
 def _without_stress_bounds(rule: Rule) -> Rule:
-    bounds = tuple(b for b in rule.bounds if not (b.op == "min" and b.metric in STRESS_METRICS))
+    bounds = tuple(b for b in rule.bounds if not (b.op == "min" and b.metric in EVIDENCE_METRICS))
     return dataclasses.replace(rule, bounds=bounds, stress=False)
 
 

@@ -280,7 +280,7 @@ def test_qwen3_tts_0_30_0_replays_from_a_running_offset_and_pads() -> None:
     r = _check("qwen3-tts")
     assert r.provenance.files[0]["methods"][:2] == ["preprocess", "preprocess_decode_batch"]
     assert r.provenance.files[0]["from_stand_in"] == ["embed_input_ids"]
-    P = 21
+    P = 9  # the release's CustomVoice prompt
     assert r.cells["chunk"].status == "conforms" and r.cells["tail"].status == "conforms"
     # the hook fills the span with codec rows (no text step): V1 hands Qwen3-TTS stale rows, not embeddings
     assert _first(r, "multi_decode") == (P + 4, P + 4, 3, "the bare embedding of its own id")
@@ -428,3 +428,21 @@ def test_only_the_checked_models_calibration_runs(tmp_path: Path) -> None:
     data = json.loads(js.read_text())
     assert [m["model"] for m in data["models"]] == ["qwen3-tts", "qwen3-tts@mrv2"]  # one release: its matrix
     assert data["calibration"] == {}
+
+
+def test_qwen3_tts_is_checked_in_the_releases_layout_under_its_own_deploys(tmp_path: Path) -> None:
+    """Issue 45, item 5: the stand-in's prompt is the release's CustomVoice prompt (9 rows, the text's other
+    tokens plus tts_eos queued), and the reference / stress columns run the Qwen3-TTS deploys (their MRV2
+    twins for the MRV2 row), where the release's replay bugs show at the positions the sim finds."""
+    js = tmp_path / "m.json"
+    out = _cli("--model", "qwen3-tts", "--json", str(js))  # 4 requests x 480 generated positions: 42 KV blocks preempt
+    assert out.exit_code == 1, out.output
+    assert out.output.count("reference rows for 4 requests (P 9-9, 480 generated positions)") == 2
+    v1, mrv2 = [ln.strip() for ln in out.output.splitlines() if "qwen3-tts: vLLM stress deploy:" in ln]
+    assert v1 == "[conform]   qwen3-tts: vLLM stress deploy: differs @0"  # V1: the replayed prompt gets tts_pad
+    assert mrv2 == "[conform]   qwen3-tts: vLLM stress deploy: differs @9"  # MRV2: the replayed generated rows
+    ran = {m["model"]: {k: m["cells"][k]["detail"].split("[ran ")[1].split(":")[0]
+                        for k in ("vllm:reference", "vllm:stress")} for m in json.loads(js.read_text())["models"]}
+    assert ran == {"qwen3-tts": {"vllm:reference": "qwen3-tts-reference", "vllm:stress": "qwen3-tts-stress"},
+                   "qwen3-tts@mrv2": {"vllm:reference": "qwen3-tts-mrv2-reference",
+                                      "vllm:stress": "qwen3-tts-mrv2-stress"}}

@@ -301,7 +301,7 @@ def test_plugin_arms_for_any_model(tmp_path: Path, monkeypatch: Any) -> None:
 
 def test_mrv2_rebuilds_the_buffer_on_resume_and_moves_qwen3_tts_failure_to_P() -> None:
     v2 = check_model(MODELS["qwen3-tts"](), "0.30.0", (), requests=1, forced_generated=GEN, runner="v2")
-    P = 21
+    P = 9  # the release's CustomVoice prompt (issue 45 item 5; was 21 = 9 + words // 4)
     assert v2.model == "qwen3-tts@mrv2"
     # a fresh buffer: the replayed prompt is right again, but the generated positions inside the replay span
     # get tts_pad where the reference gives trailing_text row 0 (V1 fails at position 0 instead)

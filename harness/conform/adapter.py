@@ -106,6 +106,16 @@ class Adapter:
     unmodelled_modes: dict[tuple[str, bool | None], str] = {}
     # modes checked although no shipped deploy uses them (Qwen3-Omni's async_chunk: false full-payload path)
     extra_modes: tuple[tuple[str, bool | None], ...] = ()
+    # the model's family's own deploys, run in place of the shipped deploy of the same role (the columns
+    # "vllm:reference" / "vllm:stress" are Qwen2.5-Omni's deploys): {(runner, deploy name): its own deploy}
+    own_deploys: dict[tuple[str, str], str] = {}
+
+    def own_deploy(self, deploy: Any, runner: str) -> Any:
+        """The deploy ``deploy``'s column runs for this model under ``runner``: the family's own, else itself."""
+        from harness.config import load_deploy
+
+        name = self.own_deploys.get((runner, deploy.name))
+        return deploy if name is None else load_deploy(name)
 
     # ------------------------------------------------------------------ loading
     def load(self, spec: str, base_dir: Path | None = None, wheel_dir: Path | None = None) -> tuple[Any, Provenance]:

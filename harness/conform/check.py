@@ -177,13 +177,14 @@ def check_model(adapter: Adapter, source: str, deploys: tuple[Deploy, ...] | Non
     say(f"{adapter.name}: forced schedules done")
     vllm_runs: list[tuple[str, list[Feed]]] = []
     for d in deploys:
-        feeds, counts = run_deploy(adapter, impl, [_truncate(r, deploy_generated) for r in reqs], d,
+        ran = adapter.own_deploy(d, runner)  # the model family's own deploy of that role, if it has one
+        feeds, counts = run_deploy(adapter, impl, [_truncate(r, deploy_generated) for r in reqs], ran,
                                    runner_kind=runner)
         all_feeds += feeds
         vllm_runs.append((f"vllm:{d.name}", feeds))
         cell = situation_cell([(f"vllm:{d.name}", feeds)], baselines, namer, bare_of)
         events = _events(feeds)
-        cell.detail += f" [{_describe_events(events, counts)}]"
+        cell.detail += f" [{'' if ran is d else f'ran {ran.name}: '}{_describe_events(events, counts)}]"
         result.cells[f"vllm:{d.name}"] = cell
         result.stats[f"vllm:{d.name}"] = {**counts, **events}
         say(f"{adapter.name}: vLLM {d.name} deploy: {cell.summary}")

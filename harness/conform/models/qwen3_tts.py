@@ -12,10 +12,13 @@ Payload: a TTS request's ``additional_information`` (``text``, ``task_type: Cust
 ``speaker``) with the words of the first replies of ``prompts/default.yaml``. The prompt itself
 is built inside the hook by ``self._prompt_builder.build_prompt_embeds`` (``prompt_embeds_builder.py``:
 tokenizer, speaker encoder, reference audio), which the stand-in replaces: it returns
-deterministic rows per text, a prompt of ``P = 9 + words // 4`` rows and a ``trailing_text``
-queue of one row per word plus one (the streaming-text layout: text rows consumed one per decode
-step), so what is checked is how ``preprocess`` slices and queues those rows, not how they are
-built. ``P`` is also the scheduler's placeholder prompt length.
+deterministic rows per text in the release's CustomVoice layout: a prompt of ``P = 9`` rows (the role's
+3, the codec prefix's 4 with the speaker, ``tts_bos``, the text's first token) and a ``trailing_text``
+queue of the text's other tokens plus ``tts_eos`` (a word is a token here; text rows consumed one per
+decode step), so what is checked is how ``preprocess`` slices and queues those rows, not how they are
+built. ``P`` is also the scheduler's placeholder prompt length. The vLLM runs take the family's own
+deploys (``qwen3-tts-reference`` / ``-stress``, their MRV2 twins for the MRV2 row) for the ``reference`` /
+``stress`` columns.
 
 Stand-in (``Qwen3TTSStandIn``): the codec table (``embed_input_ids``), ``_tts_pad_embed``,
 ``talker_config.codec_pad_id`` / ``num_code_groups``, ``_codebook_vocab_size``, float32.
@@ -36,13 +39,16 @@ CODEC_TABLE = 3072
 
 
 class _PromptBuilderStandIn:
-    """``Qwen3TTSPromptEmbedsBuilder.build_prompt_embeds``: deterministic rows per text."""
+    """``Qwen3TTSPromptEmbedsBuilder.build_prompt_embeds`` in the release's CustomVoice layout, with
+    deterministic rows per text: ``PROMPT_LEN`` = 9 prompt rows (the role's 3, the codec prefix's 4 with the
+    speaker, ``tts_bos``, the text's first token) and a ``trailing_text`` queue of the text's other tokens plus
+    ``tts_eos`` (a word is a token here: ``words`` rows)."""
 
     def build_prompt_embeds(self, *, task_type: str, info_dict: dict[str, Any]) -> tuple[Any, Any, None, None]:
         text = info_dict["text"][0]
         words = len(text.split())
         return (tagged(prompt_len(text), HIDDEN, "qwen3-tts", "prompt", text),
-                tagged(words + 1, HIDDEN, "qwen3-tts", "trailing", text), None, None)
+                tagged(words, HIDDEN, "qwen3-tts", "trailing", text), None, None)
 
     def preprocess_batch(self, *, req_ids: list[str], model_intermediate_buffer: dict[str, dict[str, Any]],
                          device: Any) -> None:
@@ -54,7 +60,10 @@ class _PromptBuilderStandIn:
 
 
 def prompt_len(text: str) -> int:
-    return 9 + len(text.split()) // 4
+    """The release's CustomVoice prompt: 9 rows whatever the text (``harness.families.qwen3_tts.contract``)."""
+    from harness.families.qwen3_tts.contract import PROMPT_LEN
+
+    return PROMPT_LEN
 
 
 class Qwen3TTSStandIn:
@@ -89,6 +98,9 @@ class Qwen3TTSAdapter(Adapter):
     class_name = "Qwen3TTSTalkerForConditionalGeneration"
     module_name = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker"
     entries = ("preprocess", "preprocess_decode_batch")
+    # the Qwen3-TTS family's deploys (the same stress: a 32-token budget, 42 KV blocks) in place of Qwen2.5-Omni's
+    own_deploys = {("v1", "reference"): "qwen3-tts-reference", ("v1", "stress"): "qwen3-tts-stress",
+                   ("v2", "reference"): "qwen3-tts-mrv2-reference", ("v2", "stress"): "qwen3-tts-mrv2-stress"}
     has_mtp = True
     codec_vocab = 2048
     hidden = HIDDEN

@@ -9,8 +9,8 @@ compacted as it goes). Both assume every position is seen once, in order. A pree
   prompt): every replayed prompt position gets ``tts_pad`` and the generated positions in the
   replay span get ``tts_pad`` with no codec row (``conform``: cross-boundary replay differs @0);
 * under MRV2 the buffer is rebuilt, so the prompt is right but the generated positions of the
-  replay span still get ``tts_pad`` (@21), and the text queue starts again from its first row at
-  the next decode step (restart @32).
+  replay span still get ``tts_pad`` (@9), and the text queue starts again from its first row at
+  the next decode step (restart @20).
 
 This class stores the builder's prompt rows and the *whole* ``trailing_text`` once (never
 consumed, never compacted) and gives position ``p`` of any span:

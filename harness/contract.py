@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EVENTS", "EVENT_FIELDS", "EVENT_COUNTS", "MISALIGNED_COUNTS", "span_flags", "SpanEvents", "classify_span",
            "classify_spans", "event_count_columns", "misaligned_regions", "count_events", "ends_in_text", "span_regions",
-           "ContractError", "require_metadata"]
+           "same_hidden", "ContractError", "require_metadata"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,24 @@ def span_regions(span: SpanRecord) -> tuple[int, int]:
     if span.misaligned_text is None and span.misaligned_end is None:
         return span.misaligned or 0, 0
     return span.misaligned_text or 0, span.misaligned_end or 0
+
+
+def same_hidden(got: object, want: object) -> bool:
+    """Whether the past hidden state a decode hands the code predictor (``mtp_inputs[0]``, the batched hook's
+    ``past_hidden`` row) is exactly ``want``: the request's hidden state at the previous position, which the
+    release's ``postprocess`` left in its buffer as ``hidden_states.last``. ``want`` None (nothing left yet)
+    wants zeros, the release's own fill. Any shape holding one row, in any float dtype that holds it; the
+    sim's runner and the real worker's check both decide with this."""
+    import torch
+
+    if not isinstance(got, torch.Tensor) or not got.dtype.is_floating_point:
+        return False
+    flat = got.detach().reshape(-1).to(torch.float32).cpu()
+    if want is None:
+        return bool(flat.numel() > 0 and not flat.any())
+    if not isinstance(want, torch.Tensor) or flat.numel() != want.numel():
+        return False
+    return bool(torch.equal(flat, want.detach().reshape(-1).to(got.dtype).to(torch.float32).cpu()))
 
 
 class ContractError(ValueError):

@@ -145,3 +145,52 @@ def test_two_prompts_with_one_text_are_refused_before_any_server(tmp_path: Path)
         f"omni-stress: error: {prompts}: prompts[2].text: the same text as prompt 'a1' (prompt 'c3'); the "
         "vllm-omni backend files a speech request's spans by its text, so each prompt's text must differ")
     assert not (tmp_path / "results" / "r").exists()
+
+
+class _PastModel(_Model):
+    """Its batched hook hands the code predictor each request's ``hidden_states.last`` (the release's), or,
+    with ``wrong``, that value plus one (a stale or another position's hidden state)."""
+
+    wrong: set[str] = set()
+
+    def preprocess_decode_batch(self, *, input_ids, req_infos, input_embeds=None):
+        ids, rows, _pasts, texts, updates = super().preprocess_decode_batch(input_ids=input_ids, req_infos=req_infos)
+        pasts = []
+        for info in req_infos:
+            last = info.get("hidden_states", {}).get("last")
+            past = torch.zeros(1, 4) if last is None else last.reshape(1, -1).clone()
+            pasts.append(past + 1 if info["request_id"] in self.wrong else past)
+        return ids, rows, torch.cat(pasts), texts, updates
+
+
+def test_the_worker_checks_the_past_hidden_state_of_every_decode(tmp_path, monkeypatch):
+    """Issue 45, item 2 on the real worker: a decode whose row is right but whose code predictor reads
+    another hidden state than the buffer's ``hidden_states.last`` (zeros where there is none) is misaligned,
+    in its region; the rows themselves are taken as right here (the release's prompt builder is the server's)."""
+    monkeypatch.setenv("OMNI_STRESS_TRACE_LEVEL", "contract")
+    monkeypatch.setattr(serve, "expected_rows", lambda model, info, ids, P, c, n: (torch.ones(n, 4), 3))
+
+    class M(_PastModel):
+        wrong = {"b", "d"}
+
+    assert serve.wrap(M, TraceWriter(str(tmp_path)))
+    decode = {"_omni_prompt_len": 9, "_omni_is_prefill": False, "text": ["Hi."]}
+    last = torch.arange(4, dtype=torch.float32)
+    M().preprocess_decode_batch(input_ids=torch.tensor([72, 73, 74, 75]), req_infos=[
+        {"request_id": "a", "_omni_num_computed_tokens": 9, "hidden_states": {"last": last}, **decode},
+        {"request_id": "b", "_omni_num_computed_tokens": 10, "hidden_states": {"last": last}, **decode},
+        {"request_id": "c", "_omni_num_computed_tokens": 11, **decode},  # no last yet: zeros are right
+        {"request_id": "d", "_omni_num_computed_tokens": 13, **decode}])  # past text-EOS (9 + 3): the end region
+    lines = [json.loads(x) for x in next(tmp_path.glob("trace-*.jsonl")).read_text().splitlines()]
+    assert [(ln["request_id"], ln["misaligned_text"], ln["misaligned_end"], ln.get("first_misaligned"))
+            for ln in lines] == [("a", 0, 0, None), ("b", 1, 0, 10), ("c", 0, 0, None), ("d", 0, 1, 13)]
+
+
+def test_the_past_hidden_state_rule():
+    from harness.contract import same_hidden
+
+    row = torch.tensor([0.5, -1.0, 2.0])
+    assert same_hidden(row.reshape(1, 3).clone(), row) and same_hidden(row.double(), row)
+    assert not same_hidden(row + 1e-6, row) and not same_hidden(row[:2], row) and not same_hidden(None, row)
+    assert same_hidden(torch.zeros(1, 3), None) and not same_hidden(row, None)
+    assert not same_hidden(torch.zeros(1, 3, dtype=torch.long), None)

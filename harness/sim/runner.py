@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from harness.contract import misaligned_regions, span_flags
+from harness.contract import misaligned_regions, same_hidden, span_flags
 from harness.errors import UserError
 from harness.records import SpanRecord
 from harness.sim import armcall, hooks
@@ -189,7 +189,7 @@ class SimRunner:
             t_id, k_id = self.space.identify_one(final)
             kv.write_one(c, t_id, k_id)
             text, end = self.contract.misaligned_one(kv, out, int(ids[0]), c, t_id, k_id)
-            if self._past and c >= P and text + end == 0 and not _same_row(self._past[0], hidden[c - 1]):
+            if self._past and c >= P and text + end == 0 and not same_hidden(self._past[0], hidden[c - 1]):
                 # the code predictor got another position's hidden state (stale, zeroed, another request's):
                 # the position is misaligned although its row is right
                 text, end = misaligned_regions((c,), P, self.contract.text_len(out))
@@ -236,10 +236,3 @@ def hidden_rows(request_id: str, count: int) -> torch.Tensor:
     and distinct per position, so a past hidden state handed to the code predictor is checked exactly."""
     return tagged_rows(count, 0, "talker-hidden", request_id)
 
-
-def _same_row(got: Any, want: torch.Tensor) -> bool:
-    """Whether the hook's past hidden state is exactly ``want`` (any shape holding one row, any float dtype
-    that holds it exactly)."""
-    if not isinstance(got, torch.Tensor) or got.numel() != want.numel():
-        return False
-    return bool(torch.equal(got.detach().reshape(-1).to(torch.float32).cpu(), want))

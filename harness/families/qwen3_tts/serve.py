@@ -241,13 +241,18 @@ def expected_rows(model: Any, info: dict[str, Any], ids: Any, P: int, c: int, n:
     return rows, int(trailing.shape[0])
 
 
-def contract_keys(model: Any, info: dict[str, Any], ids: Any, delivered: Any) -> dict[str, Any]:
+def contract_keys(model: Any, info: dict[str, Any], ids: Any, delivered: Any,
+                  past: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """``misaligned_text``/``misaligned_end`` (and ``first_misaligned``) for one request's span, or
-    ``contract_error``. ``delivered``: the rows the Talker runs the span with ([n, H])."""
+    ``contract_error``. ``delivered``: the rows the Talker runs the span with ([n, H]). ``past``: a one-token
+    decode's ``(past hidden state handed to the code predictor, the buffer's hidden_states.last before the
+    call)``; a decode whose row is right but whose code predictor reads another position's hidden state
+    (zeroed, stale, another request's: ``harness.contract.same_hidden``) is a misaligned position too, as on
+    the sim."""
     try:
         import torch
 
-        from harness.contract import misaligned_regions
+        from harness.contract import misaligned_regions, same_hidden
         from harness.serve.worker_contract import ULPS
 
         P, c = int(info["_omni_prompt_len"]), int(info["_omni_num_computed_tokens"])
@@ -260,6 +265,8 @@ def contract_keys(model: Any, info: dict[str, Any], ids: Any, delivered: Any) ->
         tol = ULPS * eps * (want.abs() + want.abs().mean(dim=1, keepdim=True))
         close = ((got - want).abs() <= tol).all(dim=1).tolist()
         bad = [c + i for i, ok in enumerate(close) if not ok] + list(range(c + len(close), c + n))
+        if past is not None and n == 1 and c >= P and not bad and not same_hidden(*past):
+            bad = [c]
         text, end = misaligned_regions(bad, P, T - 1)
         out: dict[str, Any] = {"misaligned_text": text, "misaligned_end": end}
         if bad:
@@ -287,14 +294,14 @@ def wrap(cls: type, writer: Any) -> bool:
     failed: list[Any] = []
 
     def line_keys(model: Any, info: dict[str, Any], ids: Any, delivered: Any,
-                  check: bool) -> tuple[dict[str, Any], list[Any]]:
+                  check: bool, past: tuple[Any, Any] | None = None) -> tuple[dict[str, Any], list[Any]]:
         keys: dict[str, Any] = {}
         parts: list[Any] = []
         text = _text_of(info)
         if text is not None:
             keys["tts_text"] = text
         if check and delivered is not None:
-            keys.update(contract_keys(model, info, ids, delivered))
+            keys.update(contract_keys(model, info, ids, delivered, past))
         got = _codec_ids(info, ids)
         if isinstance(got, dict):
             keys.update(got)
@@ -309,6 +316,7 @@ def wrap(cls: type, writer: Any) -> bool:
         input_embeds = kwargs.get("input_embeds", args[1] if len(args) > 1 else None)
         info = flatten_payload(kwargs)
         ids_before = input_ids.clone() if hasattr(input_ids, "clone") else None
+        last = _last_hidden(info) if writer.check else None
         try:
             result = pre(self, *args, **kwargs)
         except BaseException as exc:
@@ -322,13 +330,14 @@ def wrap(cls: type, writer: Any) -> bool:
             except Exception as exc:  # noqa: BLE001
                 check = False
                 _warn(f"contract: {type(exc).__name__}: {exc}")
-        keys, parts = line_keys(self, info, ids_before, delivered, check)
+        keys, parts = line_keys(self, info, ids_before, delivered, check, _mtp_past(result, last) if check else None)
         _safe_record(writer, info, input_ids, result, None, failed, keys, parts)
         return result
 
     def traced_batch(self: Any, *, input_ids: Any, req_infos: list[dict[str, Any]],
                      input_embeds: Any = None) -> Any:
         ids_before = input_ids.reshape(-1).clone()
+        lasts = [_last_hidden(flatten_payload(info)) for info in req_infos] if writer.check else []
         _local.depth = getattr(_local, "depth", 0) + 1
         try:
             result = batch(self, input_ids=input_ids, req_infos=req_infos, input_embeds=input_embeds)
@@ -339,13 +348,14 @@ def wrap(cls: type, writer: Any) -> bool:
         finally:
             _local.depth -= 1
         check = writer.check
-        embeds, text_step = result[1], result[3]
+        embeds, past_hidden, text_step = result[1], result[2], result[3]
         for i, info in enumerate(req_infos):
             info = flatten_payload(info)
-            delivered = None
+            delivered = past = None
             if check:
                 delivered = (embeds[i:i + 1].float() + text_step[i:i + 1].float()).to(embeds.dtype)
-            keys, parts = line_keys(self, info, ids_before[i:i + 1], delivered, check)
+                past = (past_hidden[i:i + 1], lasts[i])
+            keys, parts = line_keys(self, info, ids_before[i:i + 1], delivered, check, past)
             _safe_record(writer, info, _One(), (None, embeds[i:i + 1]), None, failed, keys, parts)
         return result
 
@@ -358,6 +368,21 @@ def wrap(cls: type, writer: Any) -> bool:
     if batch is not None:
         cls.preprocess_decode_batch = traced_batch  # type: ignore[attr-defined]
     return True
+
+
+def _last_hidden(info: dict[str, Any]) -> Any:
+    """The request's ``hidden_states.last`` before the call (a copy: the hook may replace or write it), None
+    if the release's ``postprocess`` has left none yet."""
+    hs = info.get("hidden_states")
+    last = hs.get("last") if isinstance(hs, dict) else None
+    return last.detach().clone() if hasattr(last, "detach") else None
+
+
+def _mtp_past(result: Any, last: Any) -> tuple[Any, Any] | None:
+    """A scalar decode's ``(mtp_inputs[0], last)``; None for a span that hands the code predictor nothing."""
+    update = result[2] if isinstance(result, tuple) and len(result) > 2 and isinstance(result[2], dict) else {}
+    mtp = update.get("mtp_inputs")
+    return (mtp[0], last) if isinstance(mtp, tuple) and len(mtp) == 2 else None
 
 
 def _delivered(result: Any, input_embeds: Any, n: int) -> Any:

@@ -79,9 +79,9 @@ class Metric:
     per_request: bool = True
     compact: str | None = None
     tip: str | None = None
-    # counted per request by the backend that knows the request's text (``count_events(spans, text_len)``),
-    # not from the span columns alone: the tables and the gate read it from the records (the sim's; a real
-    # backend does not know the text length and does not measure it)
+    # counted per request by the backend that knows more than the span columns hold (the request's text length,
+    # ``count_events(spans, text_len)``; whose rows a position ran with, ``SimRunner.cross``): the tables and the
+    # gate read it from the records (the sim's; a real backend does not measure it)
     record: bool = False
 
 
@@ -115,6 +115,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("misaligned_end_positions", "misaligned positions in the end region", "Misaligned (end)",
            "misaligned (end)", span_field="misaligned_end", table="Misaligned (end)", compact="Misal. (end)",
            tip="misaligned positions after text-EOS"),
+    Metric("cross_request_positions", "positions conditioned on another request's rows (its text row, or its "
+           "hidden state handed to the code predictor)", "Cross-request positions", "cross-request positions",
+           record=True),
 )
 BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
 

@@ -113,9 +113,13 @@ def test_any_arm_gets_a_verdict_by_role() -> None:
     # not measured by the backend (real server without the row check): skipped, the rest still decides
     unmeasured = [cell("mine", "reference", misaligned_known=False),
                   cell("mine", "stress", chunks=3, replays=1, misaligned_known=False)]
+    for c in unmeasured:
+        c.trace = "spans"
     result = gate.evaluate(default, unmeasured)
     assert result.exit_code == 0
-    assert [c.status for c in result.cases[0].checks] == ["skip", "skip", "pass", "pass"]
+    assert [(c.bound.metric, c.status) for c in result.cases[0].checks] == [
+        ("misaligned_text_positions", "skip"), ("misaligned_end_positions", "skip"),
+        ("cross_request_positions", "skip"), ("row_count_mismatches", "pass"), ("errors", "pass")]
 
 
 def test_a_rule_naming_an_arm_overrides_role_rules() -> None:

@@ -21,7 +21,7 @@ def test_each_metric_counts_known_flags_or_a_span_field_or_is_the_records():
     assert metrics.MISALIGNED_COUNTS == {"misaligned_positions": "misaligned",
                                          "misaligned_text_positions": "misaligned_text",
                                          "misaligned_end_positions": "misaligned_end"}
-    assert metrics.RECORD_COUNTS == ("replays_ending_in_text",)
+    assert metrics.RECORD_COUNTS == ("replays_ending_in_text", "cross_request_positions")
 
 
 def test_the_gate_and_the_map_read_the_definitions():

@@ -45,7 +45,7 @@ def test_record_flags_are_the_contract_table() -> None:
     assert span_fields == set(EVENT_FIELDS)
     counted = {f.name for f in dataclasses.fields(EventCounts)}
     assert set(EVENT_COUNTS) | {"misaligned_positions", "misaligned_text_positions",
-                                "misaligned_end_positions", "replays_ending_in_text"} == counted
+                                "misaligned_end_positions", "replays_ending_in_text", "cross_request_positions"} == counted
     for args in [(8, 0, 8, 8), (8, 0, 4, 8), (8, 4, 4, 4), (8, 7, 1, 1), (8, 9, 3, 3), (8, 0, 12, 8)]:
         span = SpanRecord("a", "d", 1, "r", 0, *args)
         assert {k: getattr(span, k) for k in EVENT_FIELDS} == dataclasses.asdict(classify_span(*args))

@@ -58,6 +58,12 @@ class SimRunner:
         self.hidden: dict[str, torch.Tensor] = {}
         self._past: list[Any] = []  # the past hidden state the decode path handed the code predictor, if any
         self.buffer: dict[str, dict[str, Any]] = {}
+        # per request, its positions that ran with another request's row or past hidden state (each span's
+        # positions, as misaligned positions are counted): what state kept across calls and not keyed by
+        # request does (the record count cross_request_positions)
+        self.cross: dict[str, int] = {}
+        self._index: dict[str, int] = {}  # request -> its index in _owner
+        self._owner = np.zeros(0, dtype=np.int64)  # registered text row -> its request's index, -1 for shared rows
         self.kv: dict[str, Any] = {}
         self.thinker: dict[str, Any] = {}
         armcall.prepare()  # the per-call time limit's signal handler, once per cell
@@ -71,6 +77,7 @@ class SimRunner:
     def add_request(self, out: Any, payload: dict[str, Any], capacity: int) -> None:
         self.buffer[out.request_id] = payload
         self.thinker[out.request_id] = out
+        self._index.setdefault(out.request_id, len(self._index))
         self.kv[out.request_id] = self.contract.new_kv(out, capacity)
         if self.text_step_added:
             self.hidden[out.request_id] = hidden_rows(out.request_id, capacity)
@@ -189,19 +196,55 @@ class SimRunner:
             t_id, k_id = self.space.identify_one(final)
             kv.write_one(c, t_id, k_id)
             text, end = self.contract.misaligned_one(kv, out, int(ids[0]), c, t_id, k_id)
-            if self._past and c >= P and text + end == 0 and not same_hidden(self._past[0], hidden[c - 1]):
+            cross = t_id >= 0 and self._owner_of(t_id) not in (-1, self._index[rid])
+            if self._past and c >= P and not same_hidden(self._past[0], hidden[c - 1]):
                 # the code predictor got another position's hidden state (stale, zeroed, another request's):
                 # the position is misaligned although its row is right
-                text, end = misaligned_regions((c,), P, self.contract.text_len(out))
+                cross = cross or self._hidden_of_another(rid, self._past[0])
+                if text + end == 0:
+                    text, end = misaligned_regions((c,), P, self.contract.text_len(out))
+            if cross:
+                self.cross[rid] = self.cross.get(rid, 0) + 1
             if rows == 1 and c >= P:  # a decode span: its event flags are the same for every one
                 return CallResult(self._decode_span(rid, step, P, c, text, end), None)
         else:
             text_ids, codec_ids = self.space.identify(final)
+            foreign = self._foreign(rid, text_ids)
+            if foreign:
+                self.cross[rid] = self.cross.get(rid, 0) + foreign
             kv.write(c, text_ids, codec_ids)
             text, end = self.contract.misaligned(kv, out, np.asarray(ids, dtype=np.int64), c, n, text_ids, codec_ids)
         arm, deploy, repeat = self.cell
         span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows, misaligned_text=text, misaligned_end=end)
         return CallResult(span, None)
+
+    def _foreign(self, rid: str, text_ids: np.ndarray) -> int:
+        """How many of a span's identified text rows are registered to another request of the cell."""
+        known = text_ids[text_ids >= 0]
+        if not known.size:
+            return 0
+        self._owner_of(int(known.max()))
+        owners = self._owner[known]
+        return int(((owners >= 0) & (owners != self._index[rid])).sum())
+
+    def _owner_of(self, text_id: int) -> int:
+        """The index of the request a registered text row belongs to (-1: a row every request shares)."""
+        if text_id >= len(self._owner):  # rows registered since: their owners, once
+            meanings = self.space.meanings
+            added = [self._index.get(m.request, -1) if m.request is not None else -1
+                     for m in meanings[len(self._owner):]]
+            self._owner = np.concatenate([self._owner, np.array(added, dtype=np.int64)])
+        return int(self._owner[text_id])
+
+    def _hidden_of_another(self, rid: str, got: Any) -> bool:
+        """Whether a past hidden state is exactly another request's hidden state at some position (its first
+        column carries the position + 1, ``hidden_rows``)."""
+        if not isinstance(got, torch.Tensor) or not got.dtype.is_floating_point or got.numel() == 0:
+            return False
+        first = float(got.detach().reshape(-1)[0])
+        pos = round(first) - 1 if np.isfinite(first) else -1
+        return any(0 <= pos < len(rows) and same_hidden(got, rows[pos])
+                   for other, rows in self.hidden.items() if other != rid)
 
     def _decode_span(self, rid: str, step: int, P: int, c: int, text: int, end: int) -> SpanRecord:
         """``SpanRecord(..., n=1, rows=1, ...)`` of a decode span (``c >= P``), without its

@@ -116,6 +116,7 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
         )
         from harness.audio.scoring import wer
 
+        record.events.cross_request_positions = runner.cross.get(rid, 0)
         record.oracle_wer = wer(record.reference_text, record.oracle_transcript or "")
         if latency:
             record.sent_step = arrivals.sent.get(rid)

@@ -1,0 +1,72 @@
+"""Issue 45, item 3 (its count): a position that runs with another request's row, or whose code predictor reads
+another request's hidden state, is a cross-request position (the record count ``cross_request_positions``),
+reported beside the misaligned positions and bounded by every family's gate: what state an arm keeps across
+calls and does not key by request does (upstream: one request's onset in another's voice, a payload cloned
+into every request of a batch).
+
+The sim's rows say whose they are: a registered text row names its request (``harness.sim.rows.TextMeaning``),
+the Talker's hidden state per request and position is distinct (``harness.sim.runner.hidden_rows``); rows
+every request shares (the role, the specials) are nobody's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import run_cli
+
+FIX = "harness.families.qwen3_tts.fix:Qwen3TTSFixedTalker"
+
+
+def _two_requests(arm_target: str, deploy: str = "qwen3-tts-stress") -> tuple[dict[str, int], list[int]]:
+    """Two requests admitted in one step, then three steps decoding both: each request's cross-request
+    positions, and the misaligned positions of each call in order."""
+    from harness.config import ArmSpec, load_deploy, load_prompts
+    from harness.family import get_family
+    from harness.talkers import load_impl
+
+    arm = ArmSpec(name="x", talker=arm_target, role="candidate", family="qwen3-tts", source="--arm")
+    d = load_deploy(deploy)
+    cell = get_family("qwen3-tts").sim_cell(load_impl(arm), d, load_prompts("qwen3_tts"), 42, "words")
+    runner = cell.runner_class(cell.model, cell.space, ("x", deploy, 1), cell.contract, d.talker.model_runner)
+    outs = cell.requests[:2]
+    for out in outs:
+        runner.add_request(out, out.payload({}), 4096)
+    misaligned = []
+    for step in range(4):
+        spans = [(out, 0, out.P) if step == 0 else (out, out.P + step - 1, 1) for out in outs]
+        runner.begin_step([(out.request_id, c, n) for out, c, n in spans])
+        for out, c, n in spans:
+            gen = [500 + k for k in range(max(0, c + n - out.P))]
+            req = SimpleNamespace(request_id=out.request_id, prompt_token_ids=out.talker_prompt_ids,
+                                  all_token_ids=out.talker_prompt_ids + gen,
+                                  sampling_params=SimpleNamespace(max_tokens=640, seed=42))
+            misaligned.append(runner.call(req, c, n, step).span.misaligned)
+    return {out.request_id: runner.cross.get(out.request_id, 0) for out in outs}, misaligned
+
+
+def test_the_fix_runs_every_position_with_its_own_request_rows():
+    cross, misaligned = _two_requests(FIX)
+    assert list(cross.values()) == [0, 0] and misaligned == [0] * 8
+
+
+def test_a_payload_cloned_into_every_request_of_a_batch_is_cross_request():
+    """``BatchPromptOfFirst`` stores the first request's prompt and text in the second's buffer: the second's
+    prompt's text row (the text's first token) and every decode's text row are the first request's."""
+    cross, misaligned = _two_requests("tests.fixtures.tts_mutants:BatchPromptOfFirst")
+    assert list(cross.values()) == [0, 4]
+    assert misaligned == [0, 1, 0, 1, 0, 1, 0, 1]
+
+
+def test_a_past_hidden_state_not_keyed_by_request_is_cross_request_and_zeros_are_not():
+    # the previous call's past hidden state: the first decode is right (nothing kept yet), every later one
+    # reads the other request's
+    cross, misaligned = _two_requests("tests.fixtures.tts_mutants:PastHiddenOfLastCall")
+    assert list(cross.values()) == [2, 3] and misaligned == [0, 0, 0, 1, 1, 1, 1, 1]
+    # zeros are wrong (misaligned) but nobody's
+    cross, misaligned = _two_requests("tests.fixtures.tts_mutants:ZeroPastHidden")
+    assert list(cross.values()) == [0, 0] and misaligned == [0, 0, 1, 1, 1, 1, 1, 1]

@@ -238,4 +238,4 @@ def test_fidelity_without_windows_prints_and_writes_what_it_did_before():
     assert table == "Arm      Deploy                Run  Prompt   Same codes  Metric                       Sim  Real  Sim/Real"
     assert list(fidelity.as_json(fid)["requests"][0]) == [
         "arm", "deploy", "repeat", "prompt_id", "same_codec_tokens", "same_schedule", "schedule",
-        "first_code_difference", "said", "metrics"]
+        "first_code_difference", "said", "metrics", "talker_overlap"]

@@ -103,9 +103,10 @@ def test_fidelity_names_requests_with_identical_spans_whose_counts_differ() -> N
 
     assert set(MISALIGNED_KEYS) <= {m.key for m in METRICS}
 
-    def req(prompt: str, same_schedule: bool, text: tuple[int, int]) -> RequestComparison:
+    def req(prompt: str, same_schedule: bool, text: tuple[int, int],
+            overlap: tuple[int | None, int | None] = (None, None)) -> RequestComparison:
         values = {"misaligned_text": Value(*text), "misaligned_end": Value(0, 0)}
-        return RequestComparison(("main", "cpu-stress", 1, prompt), values, True, same_schedule)
+        return RequestComparison(("main", "cpu-stress", 1, prompt), values, True, same_schedule, overlap=Value(*overlap))
 
     assert _same_schedule_notes([req("a", False, (3, 2))]) == []
     assert _same_schedule_notes([req("a", True, (3, 3)), req("b", False, (3, 2))]) == [
@@ -114,6 +115,26 @@ def test_fidelity_names_requests_with_identical_spans_whose_counts_differ() -> N
         "2 matched request(s) ran identical spans on both sides; their misaligned counts differ on 1: "
         "main/cpu-stress/1/a (rows compared by value on the real side: a checkpoint without identity codes, "
         "docs/fidelity.md)"]
+    # issue 45, item 6: the cause found, where it is found: the same spans, shared with other requests differently
+    assert _same_schedule_notes([req("a", True, (864, 819), (2, 30)), req("b", True, (5, 4), (3, 3)),
+                                 req("c", True, (1, 1), (0, 9))]) == [
+        "3 matched request(s) ran identical spans on both sides; their misaligned counts differ "
+        "on 1: main/cpu-stress/1/a, which shared their steps with other requests differently (Talker overlap "
+        "sim 2 / real 30): state an arm keeps across requests sees other rows on each side; "
+        "on 1: main/cpu-stress/1/b with the same Talker overlap (rows compared by value on the real side: a "
+        "checkpoint without identity codes, docs/fidelity.md)"]
+
+
+def test_talker_overlap_counts_the_steps_a_request_shares() -> None:
+    from harness.report.fidelity import talker_overlap
+
+    def span(request: str, step: int, deploy: str = "d") -> dict:
+        return {"arm": "pr", "deploy": deploy, "repeat": 1, "request": request, "step": step}
+
+    spans = [span("p1", 0), span("p2", 0), span("p1", 1), span("p1", 2), span("p2", 2), span("p3", 2),
+             span("p3", 3), span("p3", 3), span("p4", 2, "other")]  # another cell's step 2 is not shared
+    assert talker_overlap(spans) == {("pr", "d", 1, "p1"): 2, ("pr", "d", 1, "p2"): 2, ("pr", "d", 1, "p3"): 1,
+                                     ("pr", "other", 1, "p4"): 0}
 
 
 def test_fidelity_reads_each_requests_schedule_from_its_spans() -> None:

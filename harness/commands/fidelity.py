@@ -63,7 +63,8 @@ def command(sim_run: Path, real_run: Path, json_path: Path | None, same_backend:
         return fidelity.Side(label=run.run_id, backend=run.manifest.get("backend"),
                              talker=manifest_sim_talker(run.manifest), records=run.requests,
                              events=summary.request_events(run),
-                             schedules=fidelity.span_schedules(run.spans.raw))
+                             schedules=fidelity.span_schedules(run.spans.raw),
+                             overlap=fidelity.talker_overlap(run.spans.raw))
 
     result = fidelity.compare(side(runs[0]), side(runs[1]), _decoder(family, [manifest_sim_talker(r.manifest) for r in runs]))
     data = fidelity.as_json(result)

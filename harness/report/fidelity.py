@@ -9,6 +9,14 @@ codes say, read back by the run's family's speaking rules (``Family.speaking_rul
 speaking tiny model's Talker, so a difference between the two sides is the scheduler, the runner or
 timing, not the Talker (docs/fidelity.md says which differences to expect and why).
 
+Per request and cell it also says how the request *interleaved* with others in the Talker: its Talker overlap,
+the runner steps in which another request of its cell also ran (:func:`talker_overlap`, from the spans of either
+backend). Two requests can run identical spans of their own yet share their steps with different neighbours; an
+arm that keeps state across requests then sees other rows on each side, so where the misaligned counts of
+identical spans differ, the note says whether the overlap differs too (the cause it finds), not only that rows
+are compared by value on the real side. The overlap is a property of the schedule, like the spans: it is not
+one of the metrics below and does not make a request "differ".
+
 Where either run carries Code2Wav windows (``chunk_frames_sent``: a streaming deploy's connector, traced on the
 real server, modelled by the sim, ``harness.sim.windows``), each request also says whether the two sides' window
 boundaries agree and from which window they part ("not measured" where a side has none); runs without windows
@@ -77,6 +85,7 @@ class Side:
     records: Sequence[RequestRecord]
     events: Mapping[RequestKey, EventCounts] = field(default_factory=dict)  # per request (spans), else the record's
     schedules: Mapping[RequestKey, str] = field(default_factory=dict)  # per request: ``span_schedules``
+    overlap: Mapping[RequestKey, int] = field(default_factory=dict)  # per request: ``talker_overlap``
 
     def describe(self) -> str:
         text = f"{self.label} (backend {self.backend or '?'}"
@@ -157,6 +166,7 @@ class RequestComparison:
     first_code_difference: int | None = None  # index of the first codec token that differs (None: the same)
     said: tuple[str, str] | None = None  # what each side's codes say (the family's ``decode``), where they differ
     windows: WindowComparison | None = None  # the Code2Wav windows (None: neither side has any)
+    overlap: Value = Value(None, None)  # Talker overlap (steps shared with another request), None: no spans
 
     @property
     def windows_differ(self) -> bool:
@@ -193,6 +203,7 @@ class CellComparison:
     key: CellKey
     requests: int  # requests present in both runs
     values: dict[str, Value]
+    overlap: Value = Value(None, None)  # mean Talker overlap per request (None: a side without spans)
 
 
 @dataclass
@@ -230,6 +241,21 @@ def span_schedules(spans: Iterable[Mapping[str, Any]]) -> dict[RequestKey, str]:
     return {k: hashlib.sha256(",".join(v).encode()).hexdigest()[:16] for k, v in parts.items()}
 
 
+def talker_overlap(spans: Iterable[Mapping[str, Any]]) -> dict[RequestKey, int]:
+    """Each request's Talker overlap: how many runner steps it ran in (a span of it in the step) together with
+    at least one other request of its cell. From a run's spans (``SpanTable.raw``), on either backend: the
+    sim's steps are its step loop's, the real server's the trace's inferred runner steps."""
+    steps: dict[tuple[str, str, int, int], set[str]] = {}
+    for d in spans:
+        steps.setdefault((d["arm"], d["deploy"], d["repeat"], d["step"]), set()).add(d["request"])
+    out: dict[RequestKey, int] = {}
+    for (arm, deploy, repeat, _step), requests in steps.items():
+        for request in requests:
+            key = (arm, deploy, repeat, request)
+            out[key] = out.get(key, 0) + (len(requests) > 1)
+    return out
+
+
 def _schedule(side: Side, rec: RequestRecord) -> str | None:
     return side.schedules.get(rec.key) or rec.schedule
 
@@ -249,6 +275,11 @@ def _by_key(side: Side, name: str) -> dict[RequestKey, RequestRecord]:
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def _mean_of(values: list[int | None]) -> float | None:
+    """The mean of a cell's per-request overlaps; None when any request has none (that side has no spans)."""
+    return None if not values or any(v is None for v in values) else round(sum(values) / len(values), 2)
 
 
 def _cell_value(metric: Metric, values: list[float | int | None]) -> float | int | None:
@@ -292,13 +323,15 @@ def compare(sim: Side, real: Side, decode: Callable[[list[int]], str] | None = N
             said = (decode(list(ra.codec_tokens)), decode(list(rb.codec_tokens)))
         schedule = "unknown" if sa is None or sb is None else "same" if sa == sb else "differs"
         requests.append(RequestComparison(key, values, differ_at is None, sa is not None and sa == sb, schedule,
-                                          differ_at, said, compare_windows(ra, rb)))
+                                          differ_at, said, compare_windows(ra, rb),
+                                          Value(sim.overlap.get(key), real.overlap.get(key))))
     cells = []
     for cell in sorted(common_cells, key=lambda c: order[c]):
         reqs = [r for r in requests if r.key[:3] == cell]
         values = {m.key: Value(_cell_value(m, [r.values[m.key].sim for r in reqs]),
                                _cell_value(m, [r.values[m.key].real for r in reqs])) for m in METRICS}
-        cells.append(CellComparison(cell, len(reqs), values))
+        overlap = Value(*(_mean_of([getattr(r.overlap, side) for r in reqs]) for side in ("sim", "real")))
+        cells.append(CellComparison(cell, len(reqs), values, overlap))
     only_sim = sorted(k for k in a if k not in b)
     only_real = sorted(k for k in b if k not in a)
     notes = _notes(sim, real, a, b, matched)
@@ -315,12 +348,26 @@ def _same_schedule_notes(requests: list[RequestComparison]) -> list[str]:
     same = [r for r in requests if r.same_schedule]
     if not same:
         return []
-    differ = [r.key for r in same if any(not r.values[k].same for k in MISALIGNED_KEYS)]
+    differ = [r for r in same if any(not r.values[k].same for k in MISALIGNED_KEYS)]
     note = f"{len(same)} matched request(s) ran identical spans on both sides"
-    if differ:
-        return [note + f"; their misaligned counts differ on {len(differ)}: {_keys_text(differ)} (rows compared by "
-                "value on the real side: a checkpoint without identity codes, docs/fidelity.md)"]
-    return [note + "; their misaligned counts are equal"]
+    if not differ:
+        return [note + "; their misaligned counts are equal"]
+    interleaved = [r for r in differ if r.overlap.sim is not None and r.overlap.real is not None
+                   and not r.overlap.same]
+    rest = [r for r in differ if r not in interleaved]
+    causes = []
+    if interleaved:  # the cause found: the same spans of their own, other neighbours in the Talker's steps
+        causes.append(f"on {len(interleaved)}: {_keys_text([r.key for r in interleaved])}, which shared their steps "
+                      "with other requests differently (Talker overlap " + ", ".join(
+                          f"sim {r.overlap.sim} / real {r.overlap.real}" for r in interleaved[:4])
+                      + (", ..." if len(interleaved) > 4 else "") + "): state an arm keeps across requests sees "
+                      "other rows on each side")
+    if rest:
+        same_overlap = " with the same Talker overlap" if all(r.overlap.sim is not None and r.overlap.same
+                                                               for r in rest) else ""
+        causes.append(f"on {len(rest)}: {_keys_text([r.key for r in rest])}{same_overlap} (rows compared by value "
+                      "on the real side: a checkpoint without identity codes, docs/fidelity.md)")
+    return [note + "; their misaligned counts differ " + "; ".join(causes)]
 
 
 def _notes(sim: Side, real: Side, a: dict[RequestKey, RequestRecord], b: dict[RequestKey, RequestRecord],
@@ -385,6 +432,10 @@ def fmt_value(metric: Metric | str, value: float | int | None) -> str:
     return str(int(value))
 
 
+def _fmt_overlap(value: float | None) -> str:
+    return NOT_MEASURED if value is None else f"{value:g}"
+
+
 def fmt_ratio(value: float | None) -> str:
     if value is None or not math.isfinite(value):
         return "-"
@@ -423,6 +474,9 @@ def render_text(fid: Fidelity) -> str:
             rows.append([m.label + (" (mean)" if m.mean else ""), fmt_value(m, v.sim), fmt_value(m, v.real),
                          fmt_ratio(v.ratio)])
         out += ["  " + line for line in _table(["Metric", "Sim", "Real", "Sim/Real"], rows, 1)]
+        if cell.overlap.sim is not None or cell.overlap.real is not None:
+            out.append(f"  Talker overlap (steps shared with another request, mean per request): "
+                       f"sim {_fmt_overlap(cell.overlap.sim)}, real {_fmt_overlap(cell.overlap.real)}")
     out += ["", "Per request:"]
     # the windows' column only where some request has windows: a run without them prints what it did before
     header = ["Arm", "Deploy", "Run", "Prompt", "Same codes", *(["Same windows"] if windows else []),
@@ -466,6 +520,10 @@ def _windows_json(w: WindowComparison | None) -> dict[str, Any]:
             "chunk_frames_sent": {"sim": w.sim, "real": w.real}}
 
 
+def _overlap_json(v: Value) -> dict[str, Any]:
+    return {"sim": v.sim, "real": v.real}
+
+
 def as_json(fid: Fidelity) -> dict[str, Any]:
     def side(s: Side) -> dict[str, Any]:
         return {"run_id": s.label, "backend": s.backend, "sim_talker": s.talker}
@@ -478,12 +536,12 @@ def as_json(fid: Fidelity) -> dict[str, Any]:
         "real": side(fid.real),
         "metrics": [{"key": m.key, "label": m.label, "cell_value": "mean" if m.mean else "sum"} for m in METRICS],
         "cells": [{"arm": c.key[0], "deploy": c.key[1], "repeat": c.key[2], "requests": c.requests,
-                   "metrics": _values_json(c.values)} for c in fid.cells],
+                   "metrics": _values_json(c.values), "talker_overlap": _overlap_json(c.overlap)} for c in fid.cells],
         "requests": [{**key(r.key), "same_codec_tokens": r.same_codes, "same_schedule": r.same_schedule,
                       "schedule": r.schedule, "first_code_difference": r.first_code_difference,
                       "said": None if r.said is None else {"sim": r.said[0], "real": r.said[1]},
                       **(_windows_json(r.windows) if fid.has_windows else {}),
-                      "metrics": _values_json(r.values)}
+                      "metrics": _values_json(r.values), "talker_overlap": _overlap_json(r.overlap)}
                      for r in fid.requests],
         "only_sim": [key(k) for k in fid.only_sim],
         "only_real": [key(k) for k in fid.only_real],

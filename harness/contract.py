@@ -88,7 +88,7 @@ def count_events(spans: Iterable[SpanRecord], text_len: int | None = None) -> Ev
     spans = list(spans)
     counts = _count_flags_and_regions(spans)
     if text_len is not None:
-        counts.replays_ending_in_text = sum(ends_in_text(s.P, s.c, s.n, text_len) for s in spans if s.n > 1)
+        counts.replays_ending_in_text = sum(ends_in_text(s.P, s.c, s.n, text_len) for s in spans)
     return counts
 
 

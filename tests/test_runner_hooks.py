@@ -76,6 +76,17 @@ def test_an_arm_on_a_path_the_sim_does_not_model_is_refused():
         SimRunner(FillsRows(), None, ("x", "d", 1), None)
 
 
+def test_the_cli_refuses_such_an_arm_in_one_line(tmp_path: Path):
+    from conftest import invoke_cli
+
+    res = invoke_cli("run", "--asr", "none", "--quiet", "--out", str(tmp_path), "--run-id", "r", "--prompts", "qwen3_tts",
+                     "--arm", "fills=tests.fixtures.tts_mutants:FillsRows", "--deploy", "qwen3-tts-reference",
+                     "--sim-workers", "0")
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1, res.stderr
+    assert "arm 'fills': it sets preprocess_batch_fills_rows" in lines[0] and "a path the sim does not model" in lines[0]
+
+
 def test_the_release_hooks_are_compiled_with_its_preprocess():
     from harness.config import load_arms
     from harness.talkers import load_impl

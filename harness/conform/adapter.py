@@ -179,7 +179,7 @@ class Adapter:
         from harness.sim import hooks
 
         n = int(ids.shape[0])
-        decode = hooks.decode_hook(model, runner) if n == 1 and not is_prefill else None
+        decode = self._decode_hook(model, runner) if n == 1 and not is_prefill else None
         if decode is not None:
             out_ids, rows, _past, text_step, updates = hooks.unpack_decode(
                 decode(input_ids=ids, input_embeds=embeds, req_infos=[info]))
@@ -192,6 +192,17 @@ class Adapter:
         if self.has_mtp and n == 1 and not is_prefill and isinstance(update, dict) and "mtp_inputs" in update:
             _past, text_step = update.pop("mtp_inputs")
         return PreprocessResult(out_ids, rows, update, text_step)
+
+    def _decode_hook(self, model: Any, runner: str) -> Any:
+        """``harness.sim.hooks.decode_hook`` of ``model`` under ``runner``, resolved once per model and runner
+        (MRV2's resolution reads the hook's signature), as the sim's runner resolves it once per cell."""
+        from harness.sim import hooks
+
+        cache = self.__dict__.setdefault("_decode_hooks", {})
+        got = cache.get((id(model), runner))
+        if got is None or got[0] is not model:  # the id of a model since freed is not this model's
+            got = cache[(id(model), runner)] = (model, hooks.decode_hook(model, runner))
+        return got[1]
 
     def deliver(self, req: ConformRequest, state: dict[str, Any], calls: int, c: int = 0) -> dict[str, Any] | None:
         """What is merged into the request's buffer before its call number ``calls`` (0 is the first call), a

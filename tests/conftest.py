@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -44,7 +46,7 @@ if str(REPO) not in sys.path:
 # longer reads, so every test became a group of its own.)
 # Measured on 2 cores (issue 48): four, four, three, two and one server starts; Ray's executor tests 4 minutes.
 LONGEST_FIRST = ("test_real_cpu_e2e", "test_real_cpu_tts_e2e", "test_real_cpu_omni3_e2e", "test_ray_executor", "test_real_cpu_broken",
-                 "test_bad_input_run", "test_asr_ray", "test_real_cpu_sweep", "test_qwen3_tts", "test_real_cpu_subclass")
+                 "test_bad_input_run", "test_asr_ray", "test_real_cpu_sweep", "test_qwen3_tts")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -110,18 +112,28 @@ def one_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The speaking tiny Qwen2.5-Omni checkpoint, built once per module that asks (``omni-stress tiny-model``,
-    about 10 s): each real-server module may run on its own xdist worker."""
+    """The speaking tiny Qwen2.5-Omni checkpoint (``omni-stress tiny-model``), built once for the whole test
+    session and shared by every module that asks, whichever xdist worker runs it (a lock in the session's
+    common temporary folder: the first module builds, the others wait for it and read the same files)."""
     require_real_env()
-    tmp = tmp_path_factory.mktemp("model")
-    model = tmp / "tiny"
-    t0 = time.monotonic()
-    built = subprocess.run([sys.executable, "-m", "harness.cli", "tiny-model", str(model), "--python", str(REAL_PY)], cwd=tmp,
-                           capture_output=True, text=True, timeout=900)
-    assert built.returncode == 0, built.stderr[-2000:]
-    summary = json.loads(built.stdout.strip().splitlines()[-1])
-    assert summary["vocab_size"] == 152064 and summary["hidden_size"] == 64 and summary["speaking"] is True
-    sys.stderr.write(f"[real e2e] tiny model: {time.monotonic() - t0:.1f} s\n")
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's basetemp is a folder of the session's
+        root = root.parent
+    home = root / "shared-tiny-qwen2.5-omni"
+    model = home / "tiny"
+    with open(root / "shared-tiny-qwen2.5-omni.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (a failed build too)
+        if not (home / "built").exists():
+            shutil.rmtree(home, ignore_errors=True)  # a build that failed half-way
+            home.mkdir()
+            t0 = time.monotonic()
+            built = subprocess.run([sys.executable, "-m", "harness.cli", "tiny-model", str(model), "--python",
+                                    str(REAL_PY)], cwd=home, capture_output=True, text=True, timeout=900)
+            assert built.returncode == 0, built.stderr[-2000:]
+            summary = json.loads(built.stdout.strip().splitlines()[-1])
+            assert summary["vocab_size"] == 152064 and summary["hidden_size"] == 64 and summary["speaking"] is True
+            (home / "built").write_text(json.dumps(summary))
+            sys.stderr.write(f"[real e2e] tiny model: {time.monotonic() - t0:.1f} s\n")
     return model
 
 

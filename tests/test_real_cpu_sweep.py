@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness.records import read_requests
+from harness.spanstore import read_spans
 
 from conftest import REAL_PY
 
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "harness.cli"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
+SUBCLASS_ARM = "superpr=tests.fixtures.subclass_arm:SuperPr"
 
 
 # ---------------------------------------------------------------------------- a real sweep (issue 20)
@@ -28,10 +30,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
 
 @pytest.fixture(scope="module")
 def real_sweep(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[Path, str]:
-    """``omni-stress sweep`` on the real server: arm pr, cpu-stress with two requests in flight beside
-    cpu-reference, the four cpu_smoke prompts: two server starts. The shipped ``cpu`` sweep's other
-    point (load all) is the main run's pr/cpu-stress cell, so the test sweeps only ``c2`` (a YAML path:
-    the ``cpu`` sweep's file less that point)."""
+    """``omni-stress sweep`` on the real server: cpu-stress with two requests in flight beside cpu-reference,
+    the four cpu_smoke prompts: two server starts. The shipped ``cpu`` sweep's other point (load all) is the
+    main run's pr/cpu-stress cell, so the test sweeps only ``c2`` (a YAML path: the ``cpu`` sweep's file less
+    that point). The arm is ``SuperPr`` (tests/fixtures/subclass_arm.py), an ordinary subclass of pr that
+    calls ``super()``: the same rows as pr, and the sweep's two servers are also the bound subclass's test
+    (issue 24 case 21), which had a server start of its own before."""
     out = tmp_path_factory.mktemp("sweep")
     import yaml
 
@@ -41,9 +45,9 @@ def real_sweep(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tu
     t0 = time.monotonic()
     run = subprocess.run(
         [*CLI, "sweep", str(out / "cpu-c2.yaml"), "--backend", "vllm-omni", "--platform", "cpu", "--serve-python", str(REAL_PY),
-         "--model", str(tiny_model), "--arm", "pr", "--prompts", "cpu_smoke", "--out", str(out), "--run-id", "sweep",
+         "--model", str(tiny_model), "--arm", SUBCLASS_ARM, "--prompts", "cpu_smoke", "--out", str(out), "--run-id", "sweep",
          "--quiet", "--no-plots", "--health-timeout", "900", "--request-timeout", "900"],
-        cwd=out, capture_output=True, text=True, timeout=2700)
+        cwd=ROOT, capture_output=True, text=True, timeout=2700)  # cwd: the arm's module is importable from here
     sys.stderr.write(f"[real e2e] sweep: {time.monotonic() - t0:.1f} s\n{run.stdout}\n")
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
     return out / "sweep", run.stdout
@@ -60,7 +64,7 @@ def test_a_real_sweep_prints_latency_and_duration_per_cell(real_sweep: tuple[Pat
                    "Dur. ratio (med)", "Truncated", "Overrun", "Stressed", "Map gate"):
         assert column in head, (column, head)
     assert any(line.startswith("latency (real backend") and "TTFA is not streamed" in line for line in lines)
-    rows = [line.split() for line in lines[lines.index(head) + 2:] if line.startswith("pr ")]
+    rows = [line.split() for line in lines[lines.index(head) + 2:] if line.startswith("superpr ")]
     assert [r[1] for r in rows] == ["cpu-reference", "@load=c2"], rows
 
     sweep = json.loads((run_dir / "sweep.json").read_text())
@@ -84,3 +88,22 @@ def test_a_real_sweep_prints_latency_and_duration_per_cell(real_sweep: tuple[Pat
         assert r.ttfa_s is not None and 0 < r.ttfa_s <= r.wall_s, (r.deploy, r.prompt_id, r.ttfa_s, r.wall_s)
         assert abs(r.rtf - r.wall_s / r.audio_seconds) < 0.01, (r.deploy, r.prompt_id)  # wall_s is rounded to ms
         assert r.schedule is not None and r.num_codec_tokens > 0
+
+
+def test_a_bound_subclass_arm_keeps_its_class_in_the_real_server(real_sweep: tuple[Path, str]) -> None:
+    """Issue 24 case 21: an ordinary subclass of ``pr`` that calls ``super()`` (and reads a class attribute
+    through a property) bound into the real Talker worker: the engine stays up, every request is answered,
+    it delivers the contract's rows in both deploys (chunked prefill in the stress one) and says each reply."""
+    run_dir, _ = real_sweep
+    records = read_requests(run_dir)
+    assert sorted(r.prompt_id for r in records if r.deploy == "cpu-reference") == [
+        "c01-tea", "c02-plants", "c03-run", "c04-stars"]
+    assert all(r.error is None and r.oracle_wer == 0.0 for r in records), [(r.prompt_id, r.error) for r in records]
+    spans = read_spans(run_dir)
+    assert spans and all(s.error is None and s.misaligned_text == 0 and s.misaligned_end == 0 for s in spans)
+    assert any(s.nonzero_offset for s in spans if s.deploy != "cpu-reference")  # the stress point chunked
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    for cell in manifest["cells"]:
+        workers = cell["implementation"]["workers"]
+        assert workers and all(w["arm"] == "tests.fixtures.subclass_arm:SuperPr" and "error" not in w
+                               for w in workers), cell["deploy"]

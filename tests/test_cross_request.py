@@ -70,3 +70,24 @@ def test_a_past_hidden_state_not_keyed_by_request_is_cross_request_and_zeros_are
     # zeros are wrong (misaligned) but nobody's
     cross, misaligned = _two_requests("tests.fixtures.tts_mutants:ZeroPastHidden")
     assert list(cross.values()) == [0, 0] and misaligned == [0, 0, 1, 1, 1, 1, 1, 1]
+
+
+def test_a_row_of_a_request_not_admitted_yet_is_still_anothers():
+    """The Thinker registers every request's rows when the cell starts, before the scheduler admits them: a row
+    of a request the runner has not seen yet is still that request's, not a shared one."""
+    import numpy as np
+
+    from harness.config import ArmSpec, load_deploy, load_prompts
+    from harness.family import get_family
+    from harness.talkers import load_impl
+
+    arm = ArmSpec(name="x", talker=FIX, role="candidate", family="qwen3-tts", source="--arm")
+    d = load_deploy("qwen3-tts-stress")
+    cell = get_family("qwen3-tts").sim_cell(load_impl(arm), d, load_prompts("qwen3_tts"), 42, "words")
+    runner = cell.runner_class(cell.model, cell.space, ("x", "qwen3-tts-stress", 1), cell.contract, "v1")
+    first, later = cell.requests[:2]
+    runner.add_request(first, first.payload({}), 4096)
+    rows = np.array([first.text_first_id, later.text_first_id, later.text_first_id + 1], dtype=np.int64)
+    assert runner._foreign(first.request_id, rows) == 2
+    runner.add_request(later, later.payload({}), 4096)
+    assert runner._foreign(later.request_id, rows) == 1

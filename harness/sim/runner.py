@@ -62,7 +62,7 @@ class SimRunner:
         # positions, as misaligned positions are counted): what state kept across calls and not keyed by
         # request does (the record count cross_request_positions)
         self.cross: dict[str, int] = {}
-        self._index: dict[str, int] = {}  # request -> its index in _owner
+        self._index: dict[str, int] = {}  # request -> its index in _owner (any request of the cell, admitted or not)
         self._owner = np.zeros(0, dtype=np.int64)  # registered text row -> its request's index, -1 for shared rows
         self.kv: dict[str, Any] = {}
         self.thinker: dict[str, Any] = {}
@@ -231,8 +231,8 @@ class SimRunner:
         """The index of the request a registered text row belongs to (-1: a row every request shares)."""
         if text_id >= len(self._owner):  # rows registered since: their owners, once
             meanings = self.space.meanings
-            added = [self._index.get(m.request, -1) if m.request is not None else -1
-                     for m in meanings[len(self._owner):]]
+            added = [self._index.setdefault(m.request, len(self._index)) if m.request is not None else -1
+                     for m in meanings[len(self._owner):]]  # rows of a request not admitted yet are its too
             self._owner = np.concatenate([self._owner, np.array(added, dtype=np.int64)])
         return int(self._owner[text_id])
 

@@ -70,4 +70,5 @@ EXPECTED_EVENTS = {
     "misaligned_positions": 0,
     "misaligned_text_positions": 0,  # the fake's rows are no Qwen rows: the worker's contract check is off
     "misaligned_end_positions": 0,
+    "cross_request_positions": 0,  # the sim's count (whose rows a position ran with): a real server does not count it
 }

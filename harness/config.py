@@ -648,6 +648,8 @@ class Prompt:
     user: str
     reply: str  # the scripted Thinker reply (sim) and the WER reference
     audio_seconds: float = 0.0  # sim: an audio input of this length in the Thinker prompt
+    # the voice to say it in (a family with ``Family.speakers``: one of them); None: the family's default
+    speaker: str | None = None
 
     def thinker_prompt(self, system_prompt: str) -> str:
         from harness.tokenizer import chat_prompt
@@ -674,11 +676,13 @@ def load_prompts(name_or_path: str) -> PromptSet:
 
     path = _resolve(name_or_path, PROMPT_DIR, "prompt set")
     top = _Fields(path, load_yaml(path))
-    top.reject_unknown({"name", "description", "system_prompt", "prompts", "family"})
+    top.reject_unknown({"name", "description", "system_prompt", "prompts", "family", "speaker"})
     family = _family_field(top)
     # A TTS prompt set has no Thinker: each prompt is the ``text`` to say (its WER reference), and the set
     # needs no system prompt. Its family's stage takes the text itself (``Family.text_input``).
-    tts = get_family(family).text_input
+    fam = get_family(family)
+    tts = fam.text_input
+    default_speaker = _speaker_field(top, fam, None)
     system = top.str_("system_prompt", required=not tts, default="")
     items = top.data.get("prompts")
     if not isinstance(items, list) or not items:
@@ -689,7 +693,7 @@ def load_prompts(name_or_path: str) -> PromptSet:
         f = _Fields(path, item, f"prompts[{i}].")
         pid = f.str_("id", required=True)
         if tts:
-            f.reject_unknown({"id", "text"})
+            f.reject_unknown({"id", "text", "speaker"})
             user = reply = f.str_("text", required=True)
         else:
             f.reject_unknown({"id", "user", "reply", "audio_seconds"})
@@ -710,11 +714,27 @@ def load_prompts(name_or_path: str) -> PromptSet:
         if not tts and n > MAX_REPLY_TOKENS:
             raise f.fail(key, f"{n} tokens, over the Thinker limit of {MAX_REPLY_TOKENS}")
         audio = f.float_("audio_seconds", 0.0, 0.0, 3600.0) or 0.0
-        prompts.append(Prompt(id=pid, user=user, reply=reply, audio_seconds=audio))
+        speaker = _speaker_field(f, fam, default_speaker) if tts else None
+        prompts.append(Prompt(id=pid, user=user, reply=reply, audio_seconds=audio, speaker=speaker))
     assert system is not None
     return PromptSet(name=top.str_("name", default=path.stem) or path.stem,
                      description=top.str_("description", default="") or "",
                      system_prompt=system, prompts=tuple(prompts), path=path, family=family)
+
+
+def _speaker_field(f: _Fields, family: Any, default: str | None) -> str | None:
+    """``speaker:`` (the set's default, or one prompt's): a voice the family's release knows, by the name the
+    release gives it (matched without case, as the serving layer lowercases a request's ``voice``)."""
+    name = f.str_("speaker")
+    if name is None:
+        return default
+    if not family.speakers:
+        raise f.fail("speaker", f"family {family.name!r} takes no speaker in a prompt set")
+    known = {s.lower(): s for s in family.speakers}
+    if name.lower() not in known:
+        raise f.fail("speaker", f"unknown speaker {short_repr(name)} (family {family.name!r} knows "
+                                f"{', '.join(family.speakers)})")
+    return known[name.lower()]
 
 
 def text_fits(prompts: PromptSet, prompt_lens: list[int], deploy: Deploy, max_model_len: int) -> None:

@@ -56,6 +56,8 @@ class Family:
     gate_rules: str
     # None: the real backend (``--backend vllm-omni``) drives this family; else why it does not, said to the user
     serve_missing: str | None
+    # the voices a prompt set's ``speaker:`` may name (the release's names); () : this family's prompts take none
+    speakers: tuple[str, ...] = ()
 
     def sim_cell(self, impl: Any, deploy: Any, prompts: Any, seed: int, talker_mode: str) -> Any:
         """One sim cell (``harness.sim.cell.SimCell``) for arm implementation ``impl``, a ``harness.config.Deploy``

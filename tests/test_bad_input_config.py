@@ -300,6 +300,18 @@ CASES_MORE: list[tuple[str, Callable[[Path], list[str]], list[str]]] = [
      ["prompts.yaml", "prompts[0].reply", "'П'", "not Latin script", "English"]),
     ("reply-in-chinese", lambda t: ["--prompts", _prompts_with(t, _set(3, "reply", "The moon 月亮 is bright."))],
      ["prompts.yaml", "prompts[3].reply", "'月'", "not Latin script"]),
+    # issue 45, item 3: a prompt's voice is one the family's release knows, and only a family with voices takes one
+    ("unknown-speaker", lambda t: ["--family", "qwen3-tts", "--arm", "tts-fix", "--deploy", "qwen3-tts-reference",
+                                   "--prompts", _text(t, "voices.yaml", "family: qwen3-tts\nprompts:\n  - id: a\n"
+                                                      "    text: Hello there.\n  - id: b\n    text: Good night.\n"
+                                                      "    speaker: Bob\n")],
+     ["voices.yaml", "prompts[1].speaker", "unknown speaker 'Bob'", "knows Vivian, Serena, Uncle_Fu"]),
+    ("speaker-of-a-family-without-voices", lambda t: ["--prompts", _prompts_with(t, _set(2, "speaker", "Vivian"))],
+     ["prompts.yaml", "prompts[2].speaker", "unknown key"]),
+    ("set-speaker-of-a-family-without-voices",
+     lambda t: ["--prompts", _text(t, "p.yaml", "system_prompt: s\nspeaker: Vivian\nprompts:\n  - id: a\n"
+                                                "    user: Hi.\n    reply: Hello there.\n")],
+     ["p.yaml", "speaker", "family 'qwen2.5-omni' takes no speaker in a prompt set"]),
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -22,17 +23,30 @@ from conftest import run_cli
 FIX = "harness.families.qwen3_tts.fix:Qwen3TTSFixedTalker"
 
 
-def _two_requests(arm_target: str, deploy: str = "qwen3-tts-stress") -> tuple[dict[str, int], list[int]]:
-    """Two requests admitted in one step, then three steps decoding both: each request's cross-request
-    positions, and the misaligned positions of each call in order."""
+def _cell(arm_target: str, deploy: str = "qwen3-tts-stress", voices: bool = True) -> tuple[Any, Any]:
+    """The family's sim cell on its default prompt set (``voices=False``: every prompt in the default voice)
+    and a runner over it."""
+    import dataclasses
+
     from harness.config import ArmSpec, load_deploy, load_prompts
     from harness.family import get_family
     from harness.talkers import load_impl
 
     arm = ArmSpec(name="x", talker=arm_target, role="candidate", family="qwen3-tts", source="--arm")
     d = load_deploy(deploy)
-    cell = get_family("qwen3-tts").sim_cell(load_impl(arm), d, load_prompts("qwen3_tts"), 42, "words")
-    runner = cell.runner_class(cell.model, cell.space, ("x", deploy, 1), cell.contract, d.talker.model_runner)
+    prompts = load_prompts("qwen3_tts")
+    if not voices:
+        prompts = dataclasses.replace(prompts, prompts=tuple(dataclasses.replace(p, speaker=None)
+                                                             for p in prompts.prompts))
+    cell = get_family("qwen3-tts").sim_cell(load_impl(arm), d, prompts, 42, "words")
+    return cell, cell.runner_class(cell.model, cell.space, ("x", deploy, 1), cell.contract, d.talker.model_runner)
+
+
+def _two_requests(arm_target: str, deploy: str = "qwen3-tts-stress",
+                  voices: bool = True) -> tuple[dict[str, int], list[int]]:
+    """Two requests admitted in one step, then three steps decoding both: each request's cross-request
+    positions, and the misaligned positions of each call in order."""
+    cell, runner = _cell(arm_target, deploy, voices)
     outs = cell.requests[:2]
     for out in outs:
         runner.add_request(out, out.payload({}), 4096)
@@ -56,10 +70,37 @@ def test_the_fix_runs_every_position_with_its_own_request_rows():
 
 def test_a_payload_cloned_into_every_request_of_a_batch_is_cross_request():
     """``BatchPromptOfFirst`` stores the first request's prompt and text in the second's buffer: the second's
-    prompt's text row (the text's first token) and every decode's text row are the first request's."""
+    prompt's speaker row (the first's voice: the set mixes voices, Vivian then Ryan) and text row (the text's
+    first token), and every decode's text row, are the first request's."""
     cross, misaligned = _two_requests("tests.fixtures.tts_mutants:BatchPromptOfFirst")
-    assert list(cross.values()) == [0, 4]
-    assert misaligned == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert list(cross.values()) == [0, 5]
+    assert misaligned == [0, 2, 0, 1, 0, 1, 0, 1]
+
+
+def test_a_voice_kept_across_requests_is_cross_request():
+    """Issue 45, item 3: ``VoiceOfFirstRequest`` builds every prompt with the first request's voice. The second
+    request (Ryan) gets Vivian's speaker row, one position of its prompt: cross-request and misaligned; its text
+    rows are its own. With one voice for both (the set's voices removed) nothing shows: why the stress sets mix
+    voices."""
+    target = "tests.fixtures.tts_mutants:VoiceOfFirstRequest"
+    cross, misaligned = _two_requests(target)
+    assert list(cross.values()) == [0, 1] and misaligned == [0, 1, 0, 0, 0, 0, 0, 0]
+    cross, misaligned = _two_requests(target, voices=False)
+    assert list(cross.values()) == [0, 0] and misaligned == [0] * 8
+
+
+def test_a_voice_nobody_in_the_cell_has_is_misaligned_only():
+    """A speaker codec no request of the cell has (Sohee: the set's voices are Vivian, Ryan, Serena, Aiden) is
+    wrong but nobody's; another request's voice is cross-request; the request's own is neither."""
+    import numpy as np
+
+    from harness.families.qwen3_tts.sim import SPEAKER_CODECS
+
+    cell, runner = _cell(FIX)
+    first, second = cell.requests[:2]
+    codecs = np.array([SPEAKER_CODECS["sohee"], SPEAKER_CODECS["vivian"], SPEAKER_CODECS["ryan"], 100])
+    assert cell.contract.foreign_voice(second, codecs).tolist() == [False, True, False, False]
+    assert cell.contract.foreign_voice(first, codecs).tolist() == [False, False, True, False]
 
 
 def test_a_past_hidden_state_not_keyed_by_request_is_cross_request_and_zeros_are_not():
@@ -77,17 +118,11 @@ def test_a_row_of_a_request_not_admitted_yet_is_still_anothers():
     of a request the runner has not seen yet is still that request's, not a shared one."""
     import numpy as np
 
-    from harness.config import ArmSpec, load_deploy, load_prompts
-    from harness.family import get_family
-    from harness.talkers import load_impl
-
-    arm = ArmSpec(name="x", talker=FIX, role="candidate", family="qwen3-tts", source="--arm")
-    d = load_deploy("qwen3-tts-stress")
-    cell = get_family("qwen3-tts").sim_cell(load_impl(arm), d, load_prompts("qwen3_tts"), 42, "words")
-    runner = cell.runner_class(cell.model, cell.space, ("x", "qwen3-tts-stress", 1), cell.contract, "v1")
+    cell, runner = _cell(FIX)
     first, later = cell.requests[:2]
     runner.add_request(first, first.payload({}), 4096)
     rows = np.array([first.text_first_id, later.text_first_id, later.text_first_id + 1], dtype=np.int64)
-    assert runner._foreign(first.request_id, rows) == 2
+    codecs = np.zeros(3, dtype=np.int64)
+    assert runner._foreign(first.request_id, first, rows, codecs) == 2
     runner.add_request(later, later.payload({}), 4096)
-    assert runner._foreign(later.request_id, rows) == 1
+    assert runner._foreign(later.request_id, later, rows, codecs) == 1

@@ -49,6 +49,10 @@ class SimContract(Protocol):
     def misaligned(self, kv: Any, out: Any, span_ids: np.ndarray, c: int, n: int, text_ids: np.ndarray,
                    codec_ids: np.ndarray) -> tuple[int, int]: ...
 
+    # Optional, for a family whose requests carry a voice in a codec row (Qwen3-TTS's speaker):
+    # ``foreign_voice(out, codec_ids) -> bool array``, the positions holding another request's voice, which
+    # the runner counts as cross-request positions (``harness.sim.runner.SimRunner``).
+
 
 @dataclass
 class SimCell:

@@ -73,6 +73,9 @@ class SimRunner:
         talker = type(getattr(model, "talker", None))  # its own class only: a subclass may embed otherwise
         self._embed = space.embed_numpy if vars(talker).get("EMBEDS_CODEC_TABLE", False) else None
         self._decode_flags = span_flags(1, 1, 1, 1)  # a decode span's flags (c >= P, n == rows == 1)
+        # a family whose requests carry a voice in a codec row (Qwen3-TTS's speaker): its positions holding
+        # another request's voice (``foreign_voice(out, codec_ids)``); None where the contract has none
+        self._foreign_voice = getattr(contract, "foreign_voice", None)
 
     def add_request(self, out: Any, payload: dict[str, Any], capacity: int) -> None:
         self.buffer[out.request_id] = payload
@@ -197,6 +200,8 @@ class SimRunner:
             kv.write_one(c, t_id, k_id)
             text, end = self.contract.misaligned_one(kv, out, int(ids[0]), c, t_id, k_id)
             cross = t_id >= 0 and self._owner_of(t_id) not in (-1, self._index[rid])
+            if c < P and self._foreign_voice is not None:  # a one-position prompt chunk: its codec row's voice
+                cross = cross or bool(self._foreign_voice(out, np.array((k_id,), dtype=np.int64))[0])
             if self._past and c >= P and not same_hidden(self._past[0], hidden[c - 1]):
                 # the code predictor got another position's hidden state (stale, zeroed, another request's):
                 # the position is misaligned although its row is right
@@ -209,7 +214,7 @@ class SimRunner:
                 return CallResult(self._decode_span(rid, step, P, c, text, end), None)
         else:
             text_ids, codec_ids = self.space.identify(final)
-            foreign = self._foreign(rid, text_ids)
+            foreign = self._foreign(rid, out, text_ids, codec_ids)
             if foreign:
                 self.cross[rid] = self.cross.get(rid, 0) + foreign
             kv.write(c, text_ids, codec_ids)
@@ -218,14 +223,17 @@ class SimRunner:
         span = SpanRecord(arm, deploy, repeat, rid, step, P, c, n, rows, misaligned_text=text, misaligned_end=end)
         return CallResult(span, None)
 
-    def _foreign(self, rid: str, text_ids: np.ndarray) -> int:
-        """How many of a span's identified text rows are registered to another request of the cell."""
-        known = text_ids[text_ids >= 0]
-        if not known.size:
-            return 0
-        self._owner_of(int(known.max()))
-        owners = self._owner[known]
-        return int(((owners >= 0) & (owners != self._index[rid])).sum())
+    def _foreign(self, rid: str, out: Any, text_ids: np.ndarray, codec_ids: np.ndarray) -> int:
+        """How many of a span's positions have a text row registered to another request of the cell, or (a
+        family with voices) another request's voice."""
+        voice = self._foreign_voice(out, codec_ids) if self._foreign_voice is not None else None
+        known = text_ids >= 0
+        if not known.any():
+            return 0 if voice is None else int(voice.sum())
+        self._owner_of(int(text_ids[known].max()))
+        owners = np.where(known, self._owner[np.where(known, text_ids, 0)], -1)
+        foreign = (owners >= 0) & (owners != self._index[rid])
+        return int((foreign if voice is None else foreign | voice).sum())
 
     def _owner_of(self, text_id: int) -> int:
         """The index of the request a registered text row belongs to (-1: a row every request shares)."""

@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Any
 
 from harness.errors import UserError
+from harness.families.qwen3_tts.contract import SPEAKERS
 from harness.family import Family
 from harness.speaking.rules import blind_spots
 
@@ -49,6 +50,7 @@ class Qwen3TTS(Family):
                                        elsewhere="the role header and tts_pad rows before P-2")
     gate_rules = "gates-qwen3-tts"
     serve_missing = None
+    speakers = SPEAKERS
 
     def sim_cell(self, impl: Any, deploy: Any, prompts: Any, seed: int, talker_mode: str) -> Any:
         from harness.families.qwen3_tts.sim import build_cell

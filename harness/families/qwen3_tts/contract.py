@@ -27,6 +27,11 @@ from dataclasses import dataclass
 ROLE_ROWS = 3  # <|im_start|> assistant \n: input_ids[:, :3] of the assistant template
 PREFIX_CODECS = ("nothink", "think_bos", "think_eos")  # codec_prefill_list without a language id ("Auto")
 PROMPT_LEN = ROLE_ROWS + len(PREFIX_CODECS) + 2 + 1  # + speaker, + (tts_bos, codec PAD), + first text = 9
+SPEAKER_POS = ROLE_ROWS + len(PREFIX_CODECS)  # the speaker's row: tts_pad + the speaker's codec id (P - 3)
+# CustomVoice speakers, as Qwen3-TTS-12Hz-*-CustomVoice's config names them (``talker_config.spk_id``; the serving
+# layer lowercases a request's ``voice``); a prompt set's ``speaker:`` names one (``harness.config``)
+SPEAKERS = ("Vivian", "Serena", "Uncle_Fu", "Dylan", "Eric", "Ryan", "Aiden", "Ono_Anna", "Sohee")
+DEFAULT_SPEAKER = "Vivian"  # the voice of a prompt without one
 
 
 @dataclass(frozen=True)

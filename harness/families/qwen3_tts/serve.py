@@ -16,7 +16,7 @@ Server side (omni-stress's process):
   fixed KV bytes, Code2Wav in float32, the thread variables). An MRV2 deploy is refused before
   (``harness.serve.entry.check_deploys``).
 * **Requests** (:func:`speech_body`): ``POST /v1/audio/speech`` with the prompt's text, CustomVoice,
-  the default speaker, ``language: Auto``, ``non_streaming_mode: false`` (the streaming-text layout
+  the prompt's ``speaker`` as ``voice`` (the default speaker where it names none), ``language: Auto``, ``non_streaming_mode: false`` (the streaming-text layout
   docs/families/qwen3_tts.md's contract is written for), WAV (or, with ``--stream``, SSE of PCM chunks); sent
   and measured by ``harness.serve.speech.send_speech``.
 * **Matching trace lines**: the speech endpoint names its engine requests ``speech-<uuid>`` and
@@ -46,11 +46,12 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from harness.families.qwen3_tts.contract import flatten_payload
+from harness.families.qwen3_tts.contract import DEFAULT_SPEAKER, flatten_payload
 from harness.physics import QWEN3_TTS_UPSAMPLE
 
 TALKER, CODE2WAV = "0", "1"
-SPEECH_VOICE, SPEECH_LANGUAGE, SPEECH_TASK = "Vivian", "Auto", "CustomVoice"
+SPEECH_LANGUAGE, SPEECH_TASK = "Auto", "CustomVoice"
+SPEECH_VOICE = DEFAULT_SPEAKER
 CODE2WAV_BATCHED_TOKENS = 65536  # the shipped qwen3_tts.yaml's: Q x frames exceeds 32k
 BY_TEXT = True  # the speech endpoint ignores X-Request-Id: trace lines are filed by the request's text
 WRAPPER = "harness.families.qwen3_tts.serve:wrap"  # what the trace plugin wraps the Talker class with
@@ -147,16 +148,18 @@ def translate(deploy: Any, platform: str, speaking: bool = True) -> Any:
 def request_body(model: str, prompts: Any, prompt: Any, deploy: Any, tag: str, speaking: bool,
                  stream: bool) -> dict[str, Any]:
     """The family's request for one prompt: its text to say (``speech_body``); the tag is not sent."""
-    return speech_body(model, prompt.reply, stream, deploy)
+    return speech_body(model, prompt.reply, stream, deploy, voice=prompt.speaker)
 
 
-def speech_body(model: str, text: str, stream: bool = False, deploy: Any = None) -> dict[str, Any]:
+def speech_body(model: str, text: str, stream: bool = False, deploy: Any = None,
+                voice: str | None = None) -> dict[str, Any]:
     """One ``/v1/audio/speech`` request (module docstring); ``deploy``: its sampling's ``max_tokens`` and
     ``seed`` become the request's ``max_new_tokens`` and ``seed`` (the serving layer's own default is
-    2048 new tokens, more than a small deploy's ``max_model_len`` holds)."""
+    2048 new tokens, more than a small deploy's ``max_model_len`` holds); ``voice``: the prompt's speaker
+    (None: the family's default)."""
     from harness.serve.streaming import speech_body as body
 
-    extra: dict[str, Any] = {"voice": SPEECH_VOICE, "language": SPEECH_LANGUAGE, "task_type": SPEECH_TASK,
+    extra: dict[str, Any] = {"voice": voice or SPEECH_VOICE, "language": SPEECH_LANGUAGE, "task_type": SPEECH_TASK,
                              "non_streaming_mode": False}
     if deploy is not None and deploy.sampling.max_tokens is not None:
         extra["max_new_tokens"] = deploy.sampling.max_tokens

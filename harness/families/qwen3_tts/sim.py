@@ -49,7 +49,7 @@ import torch
 from harness.config import Deploy, Prompt, PromptSet, SamplingSettings
 from harness.contract import misaligned_regions
 from harness.errors import ConfigError, UserError
-from harness.families.qwen3_tts.contract import PROMPT_LEN, ROLE_ROWS
+from harness.families.qwen3_tts.contract import DEFAULT_SPEAKER, PROMPT_LEN, ROLE_ROWS, SPEAKER_POS
 from harness.sim import armcall
 from harness.sim.cell import SimCell
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, CodecVocab, collapse, oracle_transcript
@@ -62,7 +62,6 @@ CODEC_NOTHINK, CODEC_THINK_BOS, CODEC_THINK_EOS = 8300, 8301, 8302
 # CustomVoice speakers (Qwen3-TTS-12Hz-*-CustomVoice's ``spk_id`` names); the ids are the sim's
 SPEAKER_CODECS = {"vivian": 8310, "serena": 8311, "uncle_fu": 8312, "dylan": 8313, "eric": 8314,
                   "ryan": 8315, "aiden": 8316, "ono_anna": 8317, "sohee": 8318}
-DEFAULT_SPEAKER = "Vivian"
 NUM_CODE_GROUPS = 16  # Qwen3-TTS-Tokenizer-12Hz: 16 codebooks per frame
 
 
@@ -140,7 +139,8 @@ def make_requests(prompts: PromptSet, space: RowSpace, specials: Specials,
         if not tokens:
             raise UserError(f"{prompts.path}: prompt {rid!r}: the text has no tokens")
         text_rows, first = space.make("output", list(tokens), rid)
-        spk = SPEAKER_CODECS[DEFAULT_SPEAKER.lower()]
+        speaker = prompt.speaker or DEFAULT_SPEAKER
+        spk = SPEAKER_CODECS[speaker.lower()]
         codecs = [NONE] * ROLE_ROWS + [CODEC_NOTHINK, CODEC_THINK_BOS, CODEC_THINK_EOS, spk, CODEC_PAD, CODEC_BOS]
         texts = ([specials.role_first_id + i for i in range(ROLE_ROWS)] + [specials.pad_id] * 4
                  + [specials.bos_id, first])
@@ -151,7 +151,7 @@ def make_requests(prompts: PromptSet, space: RowSpace, specials: Specials,
         rows[ROLE_ROWS + 5] = text_rows[0]
         rows[ROLE_ROWS:] += space.embed_codec(torch.tensor(codecs[ROLE_ROWS:], dtype=torch.long))
         trailing = torch.cat([text_rows[1:], specials.eos])
-        out.append(TTSRequest(prompt, rid, list(tokens), DEFAULT_SPEAKER, first, rows, trailing,
+        out.append(TTSRequest(prompt, rid, list(tokens), speaker, first, rows, trailing,
                               np.array(texts, dtype=np.int64), np.array(codecs, dtype=np.int64)))
     return out
 
@@ -160,18 +160,29 @@ class _PromptBuilder:
     """``Qwen3TTSPromptEmbedsBuilder.build_prompt_embeds`` over the sim's rows: the request's prompt
     rows and ``trailing_text`` queue (new tensors each call, as the release's builder makes them)."""
 
-    def __init__(self, requests: list[TTSRequest]) -> None:
+    def __init__(self, requests: list[TTSRequest], space: RowSpace, specials: Specials) -> None:
         self._by_id = {r.request_id: r for r in requests}
         self._by_text = {r.prompt.reply: r for r in requests}
+        self._space = space
+        self._pad = specials.pad[0]
 
     def build_prompt_embeds(self, *, task_type: str, info_dict: dict[str, Any]) -> tuple[Any, Any, None, None]:
+        """The request's rows, its speaker row made from the payload's ``speaker`` (as the release reads
+        ``talker_config.spk_id[speaker.lower()]`` from the payload it is handed, whichever request's it is)."""
         req = self._by_id.get(info_dict.get("request_id"))  # type: ignore[arg-type]
         if req is None:
             text = (info_dict.get("text") or [""])[0]
             req = self._by_text.get(text)
             if req is None:
                 raise ValueError(f"the sim's prompt builder knows no request with text {text[:40]!r}")
-        return req.prompt_rows.clone(), req.trailing_rows.clone(), None, None
+        rows = req.prompt_rows.clone()
+        speaker = str((info_dict.get("speaker") or [req.speaker])[0])
+        if speaker.lower() != req.speaker.lower():
+            if speaker.lower() not in SPEAKER_CODECS:
+                raise ValueError(f"Unsupported speakers: [{speaker!r}]")
+            codec = torch.tensor([SPEAKER_CODECS[speaker.lower()]], dtype=torch.long)
+            rows[SPEAKER_POS] = self._pad + self._space.embed_codec(codec)[0]
+        return rows, req.trailing_rows.clone(), None, None
 
     def preprocess_batch(self, *, req_ids: list[str], model_intermediate_buffer: dict[str, dict[str, Any]],
                          device: Any) -> None:
@@ -196,7 +207,7 @@ class Qwen3TTSSimModel:
                  model_runner: str = "v1") -> None:
         specials = specials or Specials.make(space)
         self._space = space
-        self._prompt_builder = _PromptBuilder(requests or [])
+        self._prompt_builder = _PromptBuilder(requests or [], space, specials)
         self._embedding_dtype = torch.float32
         self._tts_pad_embed = specials.pad[0].clone()
         self._codebook_vocab_size = CODEC_PAD  # content codes lie below the specials
@@ -278,10 +289,23 @@ class TTSKV(TalkerKV):
 class TTSContract:
     """``harness.families.qwen3_tts.contract`` as array arithmetic over row identities."""
 
-    def __init__(self, specials: Specials, kv_class: type[TalkerKV] = TTSKV) -> None:
-        """``kv_class``: the words Talker's ``TTSKV`` (its start rows) or the speaking Talker's ``SpeakingKV``."""
+    def __init__(self, specials: Specials, kv_class: type[TalkerKV] = TTSKV,
+                 requests: list[TTSRequest] | None = None) -> None:
+        """``kv_class``: the words Talker's ``TTSKV`` (its start rows) or the speaking Talker's ``SpeakingKV``.
+        ``requests``: the cell's, whose voices :meth:`foreign_voice` knows."""
         self.pad_id, self.bos_id, self.eos_id = specials.pad_id, specials.bos_id, specials.eos_id
         self.kv_class = kv_class
+        self._voices = np.array(sorted({SPEAKER_CODECS[r.speaker.lower()] for r in requests or []}), dtype=np.int64)
+
+    def foreign_voice(self, out: TTSRequest, codec_ids: np.ndarray) -> np.ndarray:
+        """Which of a span's positions hold another request's voice: a speaker codec of the cell that is not
+        this request's (the upstream class #4370, a request conditioned on another's voice). A speaker codec no
+        request of the cell has is misaligned only: nobody's. A contract made without the cell's requests (Qwen3-Omni's,
+        whose prompts take no voice) knows no voices: none is another's."""
+        if not self._voices.size:
+            return np.zeros(len(codec_ids), dtype=bool)
+        own = SPEAKER_CODECS[out.speaker.lower()]
+        return np.isin(codec_ids, self._voices) & (codec_ids != own)
 
     def text_len(self, out: TTSRequest) -> int:
         """The text rows after the prompt up to ``tts_eos`` (``misaligned_regions``' ``reply_len``)."""
@@ -345,7 +369,7 @@ def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_
         return codes, oracle_transcript(units), units
 
     return SimCell(requests=requests, token_ids={}, space=space, model=model, talker=talker,
-                   contract=TTSContract(specials), stop_token_ids=[CODEC_EOS], speak=speak, runner_class=TTSRunner)
+                   contract=TTSContract(specials, requests=requests), stop_token_ids=[CODEC_EOS], speak=speak, runner_class=TTSRunner)
 
 
 SPEAKING_ROLE_WORDS = ("<|im_start|>", "assistant", "\n")  # the tiny tokenizer's role header: \n is a byte
@@ -372,7 +396,7 @@ def _speaking_cell(impl: Any, deploy: Deploy, prompts: PromptSet, space: RowSpac
     talker, speak = speaking_parts(space, speaking, frames, byte_kinds=("output", "role"))
 
     return SimCell(requests=requests, token_ids={}, space=space, model=model, talker=talker,
-                   contract=TTSContract(specials, SpeakingKV), stop_token_ids=[speaking.CODEC_EOS], speak=speak,
+                   contract=TTSContract(specials, SpeakingKV, requests), stop_token_ids=[speaking.CODEC_EOS], speak=speak,
                    runner_class=TTSRunner)
 
 

@@ -81,8 +81,11 @@ class Metric:
     tip: str | None = None
     # counted per request by the backend that knows more than the span columns hold (the request's text length,
     # ``count_events(spans, text_len)``; whose rows a position ran with, ``SimRunner.cross``): the tables and the
-    # gate read it from the records (the sim's; a real backend does not measure it)
+    # gate read it from the records (the sim's; a real backend does not measure it, unless ``real_text``)
     record: bool = False
+    # a record count the real backend counts too, where the worker's contract check reported each request's text
+    # length (``RequestRecord.text_len``); a real cell without it: not measured
+    real_text: bool = False
 
 
 METRICS: tuple[Metric, ...] = (
@@ -95,7 +98,7 @@ METRICS: tuple[Metric, ...] = (
            "crossing replays", flags=("cross_boundary",), stress=True, stressed_point=True, plot=True,
            table="Cross-boundary replays", compact="Replays"),
     Metric("replays_ending_in_text", "multi-position spans (replays, their chunks, verify spans) ending inside "
-           "the text region", "Replays ending in the text", "replays ending in text", record=True),
+           "the text region", "Replays ending in the text", "replays ending in text", record=True, real_text=True),
     Metric("multi_position_decode_spans", "multi-position decode spans", "Multi-position decode spans",
            "multi-position decode spans", flags=("multi_decode",), stressed_point=True, plot=True,
            table="Multi-position decode spans", compact="Multi-pos. decode"),
@@ -127,6 +130,8 @@ EVENT_COUNTS: dict[str, tuple[str, ...]] = {m.name: m.flags for m in METRICS if 
 MISALIGNED_COUNTS: dict[str, str] = {m.name: m.span_field for m in METRICS if m.span_field is not None}
 # EventCounts fields the backend counts per request from what it knows of the text (Metric.record)
 RECORD_COUNTS: tuple[str, ...] = tuple(m.name for m in METRICS if m.record)
+# of those, the ones a real backend counts from the text length its worker reported (Metric.real_text)
+REAL_TEXT_COUNTS: tuple[str, ...] = tuple(m.name for m in METRICS if m.real_text)
 GATED_COUNTS: tuple[str, ...] = tuple(m.name for m in METRICS if m.gate)
 STRESS_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.stress)
 STRESSED_POINT_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.stressed_point)

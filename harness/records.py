@@ -165,6 +165,10 @@ class RequestRecord:
     chunk_violation: str | None = None
     # sim only (modelled): the scheduler step at which each window was sent (its last new frame's step)
     chunk_window_steps: list[int] | None = None
+    # real backend: the request's text region past the prompt as the worker's contract check built it (the reply
+    # rows up to text-EOS, ``harness.contract.misaligned_regions``' ``reply_len``), from which the backend counted
+    # ``events.replays_ending_in_text``; None where the worker did not check the contract (then not measured)
+    text_len: int | None = None
 
     @property
     def key(self) -> tuple[str, str, int, str]:
@@ -183,7 +187,7 @@ STREAM_FIELDS = ("stream_ttfa_s", "stream_end_s", "stream_chunks", "stream_audio
                  "stream_chunk_frames", "stream_gaps_s", "stream_underruns", "stream_underrun_s", "stream_sent_at")
 CHUNK_FIELDS = ("stream_failed", "chunk_windows", "chunk_frames_sent", "chunk_violations", "chunk_violation",
                 "chunk_window_steps")
-_OMITTED_WHEN_NONE = LATENCY_FIELDS + STREAM_FIELDS + CHUNK_FIELDS
+_OMITTED_WHEN_NONE = LATENCY_FIELDS + STREAM_FIELDS + CHUNK_FIELDS + ("text_len",)
 
 
 def schedule_digest(spans: list[SpanRecord]) -> str:

@@ -122,6 +122,34 @@ def test_any_arm_gets_a_verdict_by_role() -> None:
         ("cross_request_positions", "skip"), ("row_count_mismatches", "pass"), ("errors", "pass")]
 
 
+def _stress_evidence(result: Any) -> list[tuple[str, str, float | None]]:
+    return [(c.bound.metric, c.status, c.value) for case in result.cases for c in case.checks
+            if c.bound.metric == "replays_ending_in_text"]
+
+
+def test_a_real_cell_counts_replays_ending_in_text_where_its_worker_reported_the_text() -> None:
+    """Issue 45, item 4: a real cell's records count the replays ending inside the text where the worker's
+    contract check reported each request's text length (``RequestRecord.text_len``); without it (an older run,
+    a family whose worker does not check the contract) the bound is skipped, as before. Cross-request positions
+    stay the sim's."""
+    default = gate.load_rules(DEPLOY_DIR / "gates.yaml")
+    ref = cell("main", "reference", misaligned_known=False)
+    real = cell("main", "stress", wer=0.9, over=16, chunks=3, replays=2, in_text=0, misaligned_known=False)
+    for c in (ref, real):
+        c.trace = "contract"
+    assert _stress_evidence(gate.evaluate(default, [ref, real])) == [("replays_ending_in_text", "skip", None)]
+    for r in real.records:
+        r.text_len = 40
+    result = gate.evaluate(default, [ref, real])
+    assert _stress_evidence(result) == [("replays_ending_in_text", "fail", 0.0)]
+    assert "min_replays_ending_in_text: multi-position spans (replays, their chunks, verify spans) ending inside " \
+           "the text region = 0 < 1" in gate.format_result(result)
+    real.events.replays_ending_in_text = 2
+    assert _stress_evidence(gate.evaluate(default, [ref, real])) == [("replays_ending_in_text", "pass", 2.0)]
+    real.records[0].text_len = None  # one request the worker did not report: the cell's count is not known
+    assert _stress_evidence(gate.evaluate(default, [ref, real])) == [("replays_ending_in_text", "skip", None)]
+
+
 def test_a_rule_naming_an_arm_overrides_role_rules() -> None:
     r = rules({"name": "cand-stress", "role": "candidate", "deploy": "stress", "max_mean_wer": 0.05},
               {"name": "cand-any", "role": "candidate", "deploy": "*", "max_errors": 0},

@@ -116,9 +116,10 @@ def test_the_self_check_holds_with_margins(built, dtype):
     result = json.loads(res.stdout.strip().splitlines()[-1])
     assert res.returncode == 0 and result["ok"] is True, result
     text = result["text"]
-    said = {case: result[case]["said"] for case in ("correct", "long", "no_bos", "v1_replay", "wrong_row", "bare")}
+    said = {case: result[case]["said"] for case in ("correct", "long", "no_bos", "v1_replay", "wrong_row", "bare",
+                                                    "other_voice")}
     assert said == {"correct": text, "long": text, "no_bos": "", "v1_replay": "",
-                    "wrong_row": text.replace("the", "tqe", 1), "bare": "Heat the"}
+                    "wrong_row": text.replace("the", "tqe", 1), "bare": "Heat the", "other_voice": text}
     # the smallest gap between the rule's id and any other allowed id (docs/families/qwen3_tts.md: 31.1 in both dtypes)
     assert result["min_margin"] >= 30.0 and result["min_prob"] == 1.0, result
 

@@ -60,3 +60,32 @@ def test_a_stress_run_without_them_fails_the_candidates_stress_rule(tmp_path: Pa
     assert gate_line("candidate-stress-matches-reference") == (
         "FAIL  min_replays_ending_in_text: multi-position spans (replays, their chunks, verify spans) ending "
         "inside the text region = 0 < 1")
+
+
+def test_the_real_backend_counts_them_from_the_text_length_its_worker_reported(tmp_path: Path):
+    """On the real server the worker's contract check reports each request's text region (``text_len`` on its
+    trace lines, ``harness.serve.worker_contract``, Qwen3-TTS's ``contract_keys``): the backend files it with the
+    request's spans, counts the replays ending inside it, and keeps it on the record. A request whose lines carry
+    none (the contract check off) keeps 0 and ``text_len`` None: the gate skips the bound (not measured)."""
+    from harness.config import load_arms, load_deploy
+    from harness.serve.backend import ServeCell, ServeOptions, TraceCollector
+    from harness.serve.client import ChatResult
+
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    # P = 9, text region up to position 9 + 72: a replay ending at 40 (inside), one ending at 83 (past), decodes
+    spans = [(0, 9), (9, 1), (10, 1), (0, 40), (40, 1), (0, 83)]
+    lines = [{"request_id": f"speech-{rid}", "tts_text": text, "_omni_prompt_len": 9, "_omni_num_computed_tokens": c,
+              "span_len": n, "rows": n, "step": i, "seq": i, "pid": 1, **extra}
+             for rid, text, extra in (("a", "Text a.", {"text_len": 72, "misaligned_text": 0, "misaligned_end": 0}),
+                                      ("b", "Text b.", {}))
+             for i, (c, n) in enumerate(spans)]
+    (trace / "trace-1.jsonl").write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    collector = TraceCollector(trace, {}, {"Text a.": "a", "Text b.": "b"})
+    collector.poll()
+    cell = ServeCell(arm=load_arms()["tts-fix"], deploy=load_deploy("qwen3-tts-cpu-stress"), repeat=1,
+                     run_dir=tmp_path, options=ServeOptions(model=str(tmp_path / "model")), trace=trace,
+                     log_path=tmp_path / "server.log", env={}, specs=[], collector=collector)
+    records = {pid: cell.record(ChatResult(prompt_id=pid, tag=pid), cell.spans_for(pid)) for pid in ("a", "b")}
+    assert {pid: (r.text_len, r.events.replays_ending_in_text, r.events.cross_boundary_replays)
+            for pid, r in records.items()} == {"a": (72, 1, 2), "b": (None, 0, 2)}

@@ -92,19 +92,19 @@ def _call(impl: type, c: int, n: int) -> tuple[dict, object]:
 @pytest.mark.parametrize("c,n", [(0, 32), (32, 32), (50, 32), (90, 30)])
 def test_contract_check_counts_nothing_for_pr(c: int, n: int) -> None:
     got, out = _call(FixedTalker, c, n)
-    assert got == {"misaligned_text": 0, "misaligned_end": 0}, (got, out.P)
+    assert got == {"misaligned_text": 0, "misaligned_end": 0, "text_len": 58}, (got, out.P)
 
 
 def test_contract_check_counts_mains_chunk_rows() -> None:
     got, out = _call(MainTalker, 16, 32)  # main copies prompt rows 0..31 into positions 16..47
     assert out.P > 48
-    assert got == {"misaligned_text": 32, "misaligned_end": 0, "first_misaligned": 16}
+    assert got == {"misaligned_text": 32, "misaligned_end": 0, "first_misaligned": 16, "text_len": 58}
 
 
 def test_contract_check_splits_regions_past_text_eos() -> None:
     # codec rows without their text-PAD component past text-EOS (0.30.0's empty queue) count as end
     got, out = _call(FixedTalker, 0, 8)
-    assert got == {"misaligned_text": 0, "misaligned_end": 0}
+    assert got == {"misaligned_text": 0, "misaligned_end": 0, "text_len": 58}
     space = RowSpace(0)
     model = bind_arm(FixedTalker, space)
     K = out.output_rows.shape[0]
@@ -113,7 +113,8 @@ def test_contract_check_splits_regions_past_text_eos() -> None:
     info = {**out.payload(token_id_table([out])), "_omni_prompt_len": out.P, "_omni_num_computed_tokens": c}
     wrong = (ids, model.talker.embed_input_ids(ids), {})  # codec rows without the text-PAD component
     assert count_misaligned(model, info, ids, wrong, None) == {"misaligned_text": 0, "misaligned_end": 2,
-                                                               "first_misaligned": c}
+                                                               "first_misaligned": c, "text_len": K - 1}
+    assert K - 1 == 58  # the reply's rows up to text-EOS past the prompt: positions P .. P + 58
 
 
 def test_contract_check_reports_a_payload_it_cannot_use() -> None:
@@ -164,10 +165,10 @@ def test_contract_check_tolerates_bfloat16_rounding_not_wrong_rows() -> None:
     space = RowSpace(0)
     out = run_thinker(load_prompts("default"), space, 1.0)[0]
     K = out.output_rows.shape[0]
-    for impl, c, n, want in ((FixedTalker, 16, 32, {"misaligned_text": 0, "misaligned_end": 0}),
-                             (FixedTalker, out.P + K - 3, 6, {"misaligned_text": 0, "misaligned_end": 0}),
+    for impl, c, n, want in ((FixedTalker, 16, 32, {"misaligned_text": 0, "misaligned_end": 0, "text_len": 58}),
+                             (FixedTalker, out.P + K - 3, 6, {"misaligned_text": 0, "misaligned_end": 0, "text_len": 58}),
                              (MainTalker, 16, 32, {"misaligned_text": 32, "misaligned_end": 0,
-                                                   "first_misaligned": 16})):
+                                                   "first_misaligned": 16, "text_len": 58})):
         model = bind_arm(impl, space)
         model.profile_run(64)
         ids_all = list(out.talker_prompt_ids) + [7, 8, 9, 10, 11, 12] * 40

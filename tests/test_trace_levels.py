@@ -157,7 +157,7 @@ def test_a_traced_call_reads_nothing_back_and_each_line_converts_once_when_its_c
         (0, 16, 0, 0), (16, 32, 1, 1), (P, 1, 2, 2), (P + 1, 1, 3, 3)]
     for (c, n), line in zip(spans, lines):
         want = _expected(MainTalker, c, n)
-        got = {k: line[k] for k in ("misaligned_text", "misaligned_end", "first_misaligned") if k in line}
+        got = {k: line[k] for k in ("misaligned_text", "misaligned_end", "first_misaligned", "text_len") if k in line}
         assert got == want, (c, n)
     assert lines[1]["misaligned_text"] == 32 and lines[1]["first_misaligned"] == 16  # main's chunk, by identity
     assert [(ln.get("codec_from"), ln.get("codec_ids")) for ln in lines] == [

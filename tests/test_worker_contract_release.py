@@ -54,14 +54,15 @@ def _bound_call(monkeypatch: pytest.MonkeyPatch, spec: str, c: int, n: int) -> t
 
 def test_pr_bound_the_same_way_is_aligned(monkeypatch: pytest.MonkeyPatch) -> None:
     got, P, _ = _bound_call(monkeypatch, "harness.families.qwen2_5_omni.pr:FixedTalker", 0, 61)
-    assert P == 61 and got == {"misaligned_text": 0, "misaligned_end": 0}
+    # text_len: the reply's rows up to text-EOS past the prompt, what the backend counts replays ending in text by
+    assert P == 61 and got == {"misaligned_text": 0, "misaligned_end": 0, "text_len": 58}
 
 
 def test_an_arm_overriding_the_speaker_helper_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = "tests.fixtures.helper_override_arm:SpeakerSwapPr"
     _, P, _ = _bound_call(monkeypatch, spec, 0, 8)
     got, P, model = _bound_call(monkeypatch, spec, P - 8, 8)  # the last chunk holds the speaker row, P - 2
-    assert got == {"misaligned_text": 1, "misaligned_end": 0, "first_misaligned": P - 2}
+    assert got == {"misaligned_text": 1, "misaligned_end": 0, "first_misaligned": P - 2, "text_len": 58}
     # the override is what the model itself now answers: the old check (the model's own helpers) saw 0
     assert torch.equal(model._get_embed_text_spk_token("Chelsie"), model.embed_text_bos_token)
     assert not torch.equal(release_view(model)._get_embed_text_spk_token("Chelsie"), model.embed_text_bos_token)
@@ -69,7 +70,7 @@ def test_an_arm_overriding_the_speaker_helper_is_caught(monkeypatch: pytest.Monk
 
 def test_an_arm_overriding_the_prefill_helper_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     got, P, _ = _bound_call(monkeypatch, "tests.fixtures.helper_override_arm:ShiftedPromptPr", 0, 32)
-    assert P > 32 and got == {"misaligned_text": 32, "misaligned_end": 0, "first_misaligned": 0}
+    assert P > 32 and got == {"misaligned_text": 32, "misaligned_end": 0, "first_misaligned": 0, "text_len": 58}
 
 
 def test_the_first_capture_wins_and_a_bound_subclass_reads_it() -> None:

@@ -73,16 +73,16 @@ def test_rows_not_zero_in_the_code_dims_are_left_untagged() -> None:
 
 def test_main_copying_equal_valued_rows_from_the_wrong_offset_is_misaligned_by_identity() -> None:
     # main's chunk at c = 16 copies prompt rows 0..31 into positions 16..47: equal by value here
-    assert _check(MainTalker, 16, 32, tagged=False) == {"misaligned_text": 0, "misaligned_end": 0}
+    assert _check(MainTalker, 16, 32, tagged=False) == {"misaligned_text": 0, "misaligned_end": 0, "text_len": 58}
     assert _check(MainTalker, 16, 32, tagged=True) == {"misaligned_text": 32, "misaligned_end": 0,
-                                                       "first_misaligned": 16}
+                                                       "first_misaligned": 16, "text_len": 58}
     # with distinct rows, value and identity agree
     assert _check(MainTalker, 16, 32, tagged=False, same_values=False)["misaligned_text"] == 32
 
 
 def test_pr_is_aligned_by_identity_and_the_runner_gets_untagged_rows() -> None:
     for c, n in ((0, 32), (32, 29), (50, 11)):
-        assert _check(FixedTalker, c, n, tagged=True) == {"misaligned_text": 0, "misaligned_end": 0}, (c, n)
+        assert _check(FixedTalker, c, n, tagged=True) == {"misaligned_text": 0, "misaligned_end": 0, "text_len": 58}, (c, n)
     info, out, space = _payload(False)
     model = bind_arm(FixedTalker, space)
     ids = torch.tensor(list(out.talker_prompt_ids)[:16], dtype=torch.int64)

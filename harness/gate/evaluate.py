@@ -18,7 +18,7 @@ from harness.report.summary import (
     worst_paired_delta,
 )
 
-from harness.metrics import RECORD_COUNTS
+from harness.metrics import REAL_TEXT_COUNTS, RECORD_COUNTS
 from harness.gate.rules import (
     DETECTION_METRICS,
     METRICS,
@@ -128,8 +128,9 @@ def _metric_value(cell: CellSummary, metric: str, cells: list[CellSummary], thre
         return math.nan if value is None else value
     if metric in MISALIGNED_METRICS and not cell.misaligned_known:
         return math.nan  # the backend does not measure it
-    if metric in RECORD_COUNTS and cell.trace is not None:
-        return math.nan  # a real server's records do not know each request's text length
+    if metric in RECORD_COUNTS and cell.trace is not None and not (
+            metric in REAL_TEXT_COUNTS and cell.records and all(r.text_len is not None for r in cell.records)):
+        return math.nan  # a real server's records count it only where its worker reported each request's text
     return float(getattr(cell.events, metric))
 
 

@@ -481,6 +481,8 @@ class ServeCell:
     replies: dict[str, str] = field(default_factory=dict)  # prompt id -> the prompt set's reply
     codecs: dict[str, dict[int, int]] = field(default_factory=dict)  # prompt id -> position -> codec id
     generated_at: dict[str, list[float]] = field(default_factory=dict)  # prompt id -> times of generated calls
+    # prompt id -> its text region past the prompt, as the worker's contract check built it (``text_len``)
+    text_lens: dict[str, int] = field(default_factory=dict)
     deploy_file: Path | None = None  # the family's deploy YAML (``--deploy-config``), when it has one
 
     @property
@@ -494,6 +496,9 @@ class ServeCell:
             _collect_codec(self.codecs.setdefault(prompt_id, {}), line)
             if (at := generated_position_time(line)) is not None:
                 self.generated_at.setdefault(prompt_id, []).append(at)
+            text_len = line.get("text_len")
+            if isinstance(text_len, int) and not isinstance(text_len, bool) and text_len >= 0:
+                self.text_lens.setdefault(prompt_id, text_len)
             span = span_from_line(line, self.arm.name, self.deploy.name, self.repeat, prompt_id)
             if span is None:
                 self.collector.unusable += 1
@@ -509,7 +514,8 @@ class ServeCell:
     def record(self, res: chat.ChatResult, spans: list[SpanRecord]) -> RequestRecord:
         record = _record(self.arm, self.deploy, self.repeat, self.run_dir, res, spans,
                          self.codecs.get(res.prompt_id, {}), self.options.speaking,
-                         self.generated_at.get(res.prompt_id, ()), self.replies.get(res.prompt_id))
+                         self.generated_at.get(res.prompt_id, ()), self.replies.get(res.prompt_id),
+                         self.text_lens.get(res.prompt_id))
         if self.traces_chunks and res.error is None:
             self.collector.poll()  # the windows of a finished request are all written by now
             others = {pid: [c for _, c in sorted(codes.items())] for pid, codes in self.codecs.items()
@@ -778,7 +784,8 @@ def reply_mismatch(prompt_id: str, expected: str | None, said: str | None) -> st
 
 def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.ChatResult,
             spans: list[SpanRecord], stream: dict[int, int] | None = None, speaking: bool = False,
-            generated_at: Iterable[float] = (), expected_reply: str | None = None) -> RequestRecord:
+            generated_at: Iterable[float] = (), expected_reply: str | None = None,
+            text_len: int | None = None) -> RequestRecord:
     first = spans[0] if spans else None
     restarts = sum(1 for s in spans[1:] if s.c == 0)  # preemption by recompute resets c to 0
     audio = None
@@ -789,7 +796,7 @@ def _record(arm: ArmSpec, deploy: Deploy, repeat: int, run_dir: Path, res: chat.
         reference_text=res.thinker_text or "", thinker_text=res.thinker_text,
         talker_prompt_len=first.P if first else None, finish_reason=res.finish_reason,
         audio_path=audio, audio_seconds=res.audio_seconds, preemptions=restarts,
-        events=count_events(spans), error=res.error, wall_s=round(res.wall_s, 3),
+        events=count_events(spans, text_len), error=res.error, wall_s=round(res.wall_s, 3), text_len=text_len,
     )
     if res.error is None and res.audio_seconds:  # real-time factor: seconds of work per second of audio
         record.rtf = round(res.wall_s / res.audio_seconds, 4)

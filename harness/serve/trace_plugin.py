@@ -51,7 +51,8 @@ Two more jobs, both in the Talker worker and both off unless the launcher asks:
   ``<dir>/implementation-<pid>.json``.
 * The contract check (on while tracing; ``OMNI_STRESS_CONTRACT=0`` turns it off): each line also
   carries ``misaligned_text``/``misaligned_end``, the positions whose delivered row differs from the
-  contract's (``harness.serve.worker_contract``), or ``contract_error`` when the payload could not
+  contract's (``harness.serve.worker_contract``), and ``text_len``, the request's text region past the prompt
+  (the backend counts the replays ending inside it), or ``contract_error`` when the payload could not
   give the expected rows. It imports torch lazily, only inside the worker's calls. With
   ``OMNI_STRESS_ROW_IDS=1`` (the speaking checkpoint) the arm gets Thinker rows carrying identity codes
   and the check compares identities; the codes are zeroed before the runner copies the rows
@@ -104,7 +105,7 @@ TRACE_KEYS = (
     "time",
     "error",
 )
-CONTRACT_KEYS = ("misaligned_text", "misaligned_end", "first_misaligned", "contract_error")  # the contract check
+CONTRACT_KEYS = ("misaligned_text", "misaligned_end", "first_misaligned", "text_len", "contract_error")  # the contract check
 CODEC_KEYS = ("codec_from", "codec_ids")  # the span's input ids at generated positions (the Talker's codec stream)
 _MARK = "__omni_stress_traced__"
 _LINE_ENCODER = json.JSONEncoder(sort_keys=True)  # json.dumps(..., sort_keys=True) builds one per call

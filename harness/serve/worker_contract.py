@@ -363,7 +363,9 @@ class PendingContract:
         bad = [self.c + i for i, v in enumerate(mask_values) if v] + [self.c + self.defined + i
                                                                       for i in range(self.undefined)]
         text, end = misaligned_regions(bad, self.P, self.last_reply)
-        out: dict[str, Any] = {"misaligned_text": text, "misaligned_end": end}
+        # text_len: the request's text region past the prompt (``misaligned_regions``' ``reply_len``), which the
+        # backend needs to count replays ending inside the text (``harness.contract.ends_in_text``)
+        out: dict[str, Any] = {"misaligned_text": text, "misaligned_end": end, "text_len": self.last_reply}
         if bad:
             out["first_misaligned"] = bad[0]
         return out

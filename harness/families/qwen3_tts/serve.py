@@ -271,7 +271,7 @@ def contract_keys(model: Any, info: dict[str, Any], ids: Any, delivered: Any,
         if past is not None and n == 1 and c >= P and not bad and not same_hidden(*past):
             bad = [c]
         text, end = misaligned_regions(bad, P, T - 1)
-        out: dict[str, Any] = {"misaligned_text": text, "misaligned_end": end}
+        out: dict[str, Any] = {"misaligned_text": text, "misaligned_end": end, "text_len": T - 1}
         if bad:
             out["first_misaligned"] = bad[0]
         return out

@@ -22,7 +22,8 @@ instead of BOS at ``P - 1``: babble); ``v1_replay`` (0.30.0 on V1 after a preemp
 positions get ``tts_pad`` and no codec row); ``wrong_row`` (one decode row carries another byte: that
 byte is said, and the next byte's tag follows it); ``stale_prev`` (a row rewritten after its token was
 said: the next id changes, the listener loses that word); ``bare`` (a decode row with no text part:
-codec EOS); ``long`` (the correct case at positions past 3900).
+codec EOS); ``long`` (the correct case at positions past 3900); ``other_voice`` (the correct rows with another
+speaker's row: the same speech).
 """
 
 from __future__ import annotations
@@ -186,8 +187,9 @@ def cases() -> dict[str, tuple[list[Tok], int]]:
     stale[P + 5] = (ord("x"), stale[P + 5][1])  # the row at P + 5 rewritten with another byte after it was said
     bare = list(good)
     bare[P + 8] = (None, bare[P + 8][1])
+    voice = release_rows(TEXT, "Ono_Anna")  # another voice: its own speaker row, the same speech
     return {"correct": (good, 0), "no_bos": (no_bos, 0), "v1_replay": (replay, 0), "wrong_row": (wrong, 0),
-            "stale_prev": (stale, 0), "bare": (bare, 0), "long": (good, 3900)}
+            "stale_prev": (stale, 0), "bare": (bare, 0), "long": (good, 3900), "other_voice": (voice, 0)}
 
 
 def run(model_dir: Path, dtype_name: str = "bfloat16") -> dict[str, Any]:

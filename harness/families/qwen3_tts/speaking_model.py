@@ -15,8 +15,12 @@ at a decode step also the 15 residual codebooks' embeddings, which the code pred
 * ``text_projection`` (``fc2(silu(fc1(x)))``, both with bias): the identity, exactly:
   ``fc1`` writes ``x`` and ``-x`` to two channel halves, ``fc2`` subtracts them, and
   ``silu(x) - silu(-x) = x``.
-* ``codec_embedding``: zero except codec BOS (``BOS`` = ``CODE``); the code predictor's 15 residual
-  embeddings zero, so what the code predictor samples is never heard by the Talker.
+* ``codec_embedding``: zero except codec BOS (``BOS`` = ``CODE``), the CustomVoice speakers (``VOICE``: a
+  value of its own per speaker) and the think tags (``THINK``: one per tag), on dims no weight reads: a
+  request's speech is the same in every voice, but the prompt rows at ``3 .. P - 3`` are distinct by value,
+  so the worker's contract check (which compares values) sees a request conditioned on another's voice and
+  a replayed prompt row without its codec part, as the sim's identities do (issue 45); the code predictor's 15
+  residual embeddings zero, so what the code predictor samples is never heard by the Talker.
 
 **The Talker** (one Qwen3 layer, hidden 64, two heads of 32, no MLP: ``down_proj`` zero):
 
@@ -66,6 +70,11 @@ PREV_TEXT = 19
 PREV_PAD = 20
 STARTED = 24  # head 1: a codec-BOS row in the KV
 ONE = 25  # head 1's value bias: CODE at every position
+# the speaker's codec row: CODE * (k + 1) / 9 for the k-th speaker (distinct in bfloat16). Read by no weight; it
+# changes only the speaker row's scale after the input norm, which the previous-position head copies into the
+# row at P - 2, whose logits are never sampled (the first sampled position, P - 1, reads P - 2)
+VOICE = 40
+THINK = 41  # the think tags' codec rows (the prompt's positions 3-5): CODE * (k + 1) / 4, read by no weight either
 ROW_ID = [60, 61, 62, 63]  # never written (zero in every row): free for a worker's row-identity codes
 TAG_BITS = 3  # log2(sp.TAGS)
 # head 0's copy of a +-CODE dim after the layer's input RMSNorm: a byte row has nine such dims (8/3 each
@@ -133,6 +142,11 @@ def apply(state: dict[str, Any]) -> dict[str, Any]:
         fc1[j, j], fc1[half + j, j] = 1.0, -1.0
         fc2[j, j], fc2[j, half + j] = 1.0, -1.0
     state["talker.model.codec_embedding.weight"][sp.CODEC_BOS, BOS] = CODE
+    for k, spk in enumerate(sorted(sp.SPEAKERS.values())):
+        state["talker.model.codec_embedding.weight"][spk, VOICE] = CODE * (k + 1) / len(sp.SPEAKERS)
+    tags = (sp.CODEC_THINK, sp.CODEC_NOTHINK, sp.CODEC_THINK_BOS, sp.CODEC_THINK_EOS)
+    for k, tag in enumerate(tags):
+        state["talker.model.codec_embedding.weight"][tag, THINK] = CODE * (k + 1) / len(tags)
 
     write_talker(state, sp.TABLE, PREV, TAG_BITS, MARKS[sp.TTS_PAD], MARKS[sp.TTS_EOS])
     check_row_id(state, ("talker.model.text_embedding.weight", "talker.model.codec_embedding.weight"), ROW_ID)

@@ -11,14 +11,8 @@ every request shares (the role, the specials) are nobody's.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-
-import pytest
-
-from conftest import run_cli
 
 FIX = "harness.families.qwen3_tts.fix:Qwen3TTSFixedTalker"
 

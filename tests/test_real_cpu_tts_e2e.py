@@ -22,7 +22,6 @@ import pytest
 
 from harness.config import load_prompts
 from harness.families.qwen3_tts import speaking as sp
-from harness.records import read_requests
 
 from conftest import build_tiny, records_by_cell, require_real_env, run_real, spans_by_cell
 
@@ -33,6 +32,7 @@ REF, STRESS = "qwen3-tts-cpu-reference", "qwen3-tts-cpu-stress"
 PROMPTS = "qwen3_tts_cpu_smoke"
 CHUNKER_ARMS = ROOT / "tests" / "fixtures" / "arms_chunkers.yaml"
 DROPS = "tts-fix-drops-a-frame"  # tests/fixtures/chunkers.py: drops the 6th new frame of each second window
+VOICE = "tts-fix-voice-of-first"  # tests/fixtures/tts_mutants.py VoiceOfFirstRequest: a voice kept across requests
 WINDOWS = [1, 25, 25, 23]  # 74 codec frames (72 bytes, then the two end-region frames) in the release's windows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3000)]
@@ -45,9 +45,10 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = build_tiny(tmp, "qwen3-tts", "tts e2e")
     real = run_real(tmp, model, "qwen3-tts", "real", "--arm", ARMS[0], "--arm", ARMS[1], "--deploy", REF, "--deploy",
                     STRESS, "--prompts", PROMPTS, label="tts e2e")
-    # a chunker that corrupts the windows: one cell, unpreempted (cwd: its module imports)
-    run_real(tmp, model, "qwen3-tts", "drops", "--arms-file", str(CHUNKER_ARMS), "--arm", DROPS, "--deploy", REF,
-             "--prompts", PROMPTS, label="tts e2e", cwd=ROOT, timeout=1800)
+    # a chunker that corrupts the windows, and a voice kept across requests: one cell each, unpreempted (cwd: their
+    # modules import)
+    run_real(tmp, model, "qwen3-tts", "drops", "--arms-file", str(CHUNKER_ARMS), "--arm", DROPS, "--arm", VOICE,
+             "--deploy", REF, "--prompts", PROMPTS, label="tts e2e", cwd=ROOT, timeout=1800)
     return real
 
 
@@ -110,7 +111,7 @@ def test_the_chunk_contract_holds_unpreempted_and_breaks_once_per_replay(real_ru
 
 def test_a_chunker_that_drops_a_frame_is_caught_and_fails_the_gate(real_run: Path) -> None:
     drops = real_run.parent / "drops"
-    recs = {r.prompt_id: r for r in read_requests(drops)}
+    recs = records_by_cell(drops)[(DROPS, REF)]
     assert len(recs) == 4
     for pid, r in recs.items():
         assert (r.chunk_violations, r.chunk_violation) == (1, "window 1: 1 frame lost inside frames 1-25"), pid
@@ -124,6 +125,24 @@ def test_a_chunker_that_drops_a_frame_is_caught_and_fails_the_gate(real_run: Pat
             "         FAIL  max_chunk_violations: Code2Wav windows that broke the chunk contract = 4 > 0") in gate.stdout
     assert f"FAIL   candidate-streams-whole: {DROPS}/{REF} run 1 [candidate]" in gate.stdout
     assert f"FAIL   candidate-chunk-contract: {DROPS}/{REF} run 1 [candidate]" in gate.stdout
+
+
+def test_a_voice_kept_across_requests_is_caught_by_the_worker(real_run: Path) -> None:
+    """Issue 45, items 3 and 6: an arm whose state outlives a request on the real server. The smoke set mixes four
+    voices; whichever request the server builds first (they arrive concurrently), the other three run their
+    speaker row (position P - 3 = 6) in its voice: one misaligned position each, seen by the worker's value
+    comparison (the tiny checkpoint's speaker rows are distinct). The speech is unchanged (the speaking rules
+    hear no voice): only the contract catches it, and the gate fails the arm on it."""
+    drops = real_run.parent / "drops"
+    recs = records_by_cell(drops)[(VOICE, REF)]
+    assert sorted((r.events.misaligned_text_positions, r.events.misaligned_end_positions) for r in recs.values()) == [
+        (0, 0), (1, 0), (1, 0), (1, 0)]
+    assert all(r.oracle_wer == 0.0 and r.error is None for r in recs.values())
+    spans = [s for s in spans_by_cell(drops)[(VOICE, REF)] if s.misaligned_text]
+    assert [(s.c <= 6 < s.c + s.n, s.misaligned_text) for s in spans] == [(True, 1)] * 3
+    gate = subprocess.run([*CLI, "gate", str(drops)], cwd=drops, capture_output=True, text=True, timeout=600)
+    assert (f"FAIL   candidate-contract: {VOICE}/{REF} run 1 [candidate]\n"
+            "         FAIL  max_misaligned_text_positions: misaligned positions in the text region = 3 > 0") in gate.stdout
 
 
 def test_the_streaming_figures_are_reported(real_run: Path) -> None:

@@ -23,6 +23,7 @@ from harness.talkers.release import RELEASE_SHIMS, read_model_source  # noqa: F4
 
 VENDOR_DIR = Path(__file__).parent / "vendor" / "vllm-omni-0.30.0"
 VENDORED_VERSION = "0.30.0"
+UNRESOLVED: Any = object()  # ``Adapter.preprocess``'s decode hook not resolved by the caller
 
 
 @dataclass
@@ -172,14 +173,17 @@ class Adapter:
         return model.talker.embed_input_ids(ids).float()
 
     def preprocess(self, model: Any, ids: torch.Tensor, embeds: torch.Tensor, info: dict[str, Any],
-                   is_prefill: bool, runner: str = "v1") -> PreprocessResult:
+                   is_prefill: bool, runner: str = "v1", decode_hook: Any = UNRESOLVED) -> PreprocessResult:
         """One call as vLLM-Omni 0.30.0's runner makes it (V1: gpu_model_runner.py l.1760-1920; MRV2:
         omni_model_state.py): a one-token decode goes to the decode hook ``runner`` resolves where the model
-        defines one (``harness.sim.hooks``), every other span to the model's per-span hook."""
+        defines one (``harness.sim.hooks``), every other span to the model's per-span hook. ``decode_hook``:
+        that hook as the caller resolved it once (``ConformRunner``), else resolved here."""
         from harness.sim import hooks
 
         n = int(ids.shape[0])
-        decode = self._decode_hook(model, runner) if n == 1 and not is_prefill else None
+        decode = None
+        if n == 1 and not is_prefill:
+            decode = hooks.decode_hook(model, runner) if decode_hook is UNRESOLVED else decode_hook
         if decode is not None:
             out_ids, rows, _past, text_step, updates = hooks.unpack_decode(
                 decode(input_ids=ids, input_embeds=embeds, req_infos=[info]))
@@ -192,17 +196,6 @@ class Adapter:
         if self.has_mtp and n == 1 and not is_prefill and isinstance(update, dict) and "mtp_inputs" in update:
             _past, text_step = update.pop("mtp_inputs")
         return PreprocessResult(out_ids, rows, update, text_step)
-
-    def _decode_hook(self, model: Any, runner: str) -> Any:
-        """``harness.sim.hooks.decode_hook`` of ``model`` under ``runner``, resolved once per model and runner
-        (MRV2's resolution reads the hook's signature), as the sim's runner resolves it once per cell."""
-        from harness.sim import hooks
-
-        cache = self.__dict__.setdefault("_decode_hooks", {})
-        got = cache.get((id(model), runner))
-        if got is None or got[0] is not model:  # the id of a model since freed is not this model's
-            got = cache[(id(model), runner)] = (model, hooks.decode_hook(model, runner))
-        return got[1]
 
     def deliver(self, req: ConformRequest, state: dict[str, Any], calls: int, c: int = 0) -> dict[str, Any] | None:
         """What is merged into the request's buffer before its call number ``calls`` (0 is the first call), a

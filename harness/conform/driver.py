@@ -49,7 +49,12 @@ class ConformRunner(SimRunner):
     """The sim runner's buffer semantics around any adapter's hook (one runner per model instance)."""
 
     def __init__(self, adapter: Adapter, model: Any, runner: str = "v1") -> None:  # noqa: D107 -- no RowSpace
+        from harness.sim import hooks
+
         self.adapter, self.model, self.runner = adapter, model, runner
+        # the decode hook the release's runner resolves for this model (MRV2's reads the hook's signature):
+        # once per runner, as the sim's runner resolves it once per cell
+        self.decode_hook = hooks.decode_hook(model, runner)
         self.buffer: dict[str, dict[str, Any]] = {}
         self.calls: dict[str, int] = {}  # calls per request so far (the connector's per-call deliveries)
         self.streams: dict[str, dict[str, Any]] = {}  # per-request delivery state (adapter.deliver)
@@ -119,7 +124,8 @@ class ConformRunner(SimRunner):
             # fenced as the sim fences an arm's call (harness.sim.armcall): a call past --arm-timeout, a
             # KeyboardInterrupt or sys.exit the hook raises itself fail this schedule, not the command
             out = armcall.call(self.adapter.preprocess, model=self.model, ids=span_ids.clone(),
-                               embeds=received.clone(), info=req_infos, is_prefill=c < P, runner=self.runner)
+                               embeds=received.clone(), info=req_infos, is_prefill=c < P, runner=self.runner,
+                               decode_hook=self.decode_hook)
             rows = int(out.rows.shape[0])
             self._update_buffer(rid, out.update)
         except armcall.ArmFailure as exc:

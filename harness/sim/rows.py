@@ -48,6 +48,13 @@ def tagged_rows(count: int, first_id: int, *tag: object) -> torch.Tensor:
     return rows
 
 
+def tagged_index(row: torch.Tensor, first_id: int = 0) -> int:
+    """Which row of a ``tagged_rows(..., first_id, ...)`` block ``row`` would be (its first column), -1 if none:
+    where to look it up, to compare it whole."""
+    first = float(row.detach().reshape(-1)[0]) if row.numel() else math.nan
+    return round(first) - 1 - first_id if math.isfinite(first) else -1
+
+
 @dataclass(frozen=True)
 class TextMeaning:
     """What a registered text row is: its kind, the word it carries, and whose it is."""

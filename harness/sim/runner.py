@@ -23,7 +23,7 @@ from harness.errors import UserError
 from harness.records import SpanRecord
 from harness.sim import armcall, hooks
 from harness.sim.cell import SimContract
-from harness.sim.rows import RowSpace, tagged_rows
+from harness.sim.rows import RowSpace, tagged_index, tagged_rows
 
 
 _new_span = object.__new__
@@ -245,12 +245,11 @@ class SimRunner:
         return int(self._owner[text_id])
 
     def _hidden_of_another(self, rid: str, got: Any) -> bool:
-        """Whether a past hidden state is exactly another request's hidden state at some position (its first
-        column carries the position + 1, ``hidden_rows``)."""
+        """Whether a past hidden state is exactly another request's hidden state at some position
+        (``hidden_position`` says which position it would be)."""
         if not isinstance(got, torch.Tensor) or not got.dtype.is_floating_point or got.numel() == 0:
             return False
-        first = float(got.detach().reshape(-1)[0])
-        pos = round(first) - 1 if np.isfinite(first) else -1
+        pos = hidden_position(got)
         return any(0 <= pos < len(rows) and same_hidden(got, rows[pos])
                    for other, rows in self.hidden.items() if other != rid)
 
@@ -286,4 +285,9 @@ def hidden_rows(request_id: str, count: int) -> torch.Tensor:
     """The Talker's hidden state at each position of a request, ``[count, DIM]``: deterministic in the request
     and distinct per position, so a past hidden state handed to the code predictor is checked exactly."""
     return tagged_rows(count, 0, "talker-hidden", request_id)
+
+
+def hidden_position(row: torch.Tensor) -> int:
+    """The position whose ``hidden_rows`` row ``row`` would be (-1: none)."""
+    return tagged_index(row, 0)
 

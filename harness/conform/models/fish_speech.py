@@ -41,6 +41,7 @@ from harness.conform.adapter import (
     Adapter,
     ConformRequest,
     PreprocessResult,
+    UNRESOLVED,
     Provenance,
     _file_info,
     fixed_tokens,
@@ -194,9 +195,9 @@ class FishSpeechAdapter(Adapter):
         return model.embed_input_ids(ids).float()
 
     def preprocess(self, model: Any, ids: torch.Tensor, embeds: torch.Tensor, info: dict[str, Any],
-                   is_prefill: bool, runner: str = "v1") -> PreprocessResult:
+                   is_prefill: bool, runner: str = "v1", decode_hook: Any = UNRESOLVED) -> PreprocessResult:
         with _host_pinning():
-            return super().preprocess(model, ids, embeds, info, is_prefill, runner)
+            return super().preprocess(model, ids, embeds, info, is_prefill, runner, decode_hook)
 
     def named_rows(self, model: Any) -> dict[str, torch.Tensor]:
         return {"the audio-pad embedding (<|audio_pad|>, the hook's padding)":

@@ -36,6 +36,7 @@ from harness.conform.adapter import (
     Adapter,
     ConformRequest,
     PreprocessResult,
+    UNRESOLVED,
     Provenance,
     _file_info,
     fixed_tokens,
@@ -136,8 +137,8 @@ class GepardAdapter(Adapter):
         return model.embed_input_ids(ids).float()
 
     def preprocess(self, model: Any, ids: torch.Tensor, embeds: torch.Tensor, info: dict[str, Any],
-                   is_prefill: bool, runner: str = "v1") -> PreprocessResult:
-        out = super().preprocess(model, ids, embeds, info, is_prefill, runner)
+                   is_prefill: bool, runner: str = "v1", decode_hook: Any = UNRESOLVED) -> PreprocessResult:
+        out = super().preprocess(model, ids, embeds, info, is_prefill, runner, decode_hook)
         self._commit(model, int(info["_omni_num_computed_tokens"]) + int(ids.shape[0]) - 1)
         return out
 

@@ -381,11 +381,18 @@ def _last_hidden(info: dict[str, Any]) -> Any:
     return last.detach().clone() if hasattr(last, "detach") else None
 
 
+def _mtp_inputs(result: Any) -> tuple[Any, Any] | None:
+    """``preprocess``'s ``mtp_inputs`` (past hidden state, text step): a scalar decode's; None for a span that
+    hands the code predictor nothing."""
+    update = result[2] if isinstance(result, (tuple, list)) and len(result) > 2 and isinstance(result[2], dict) else {}
+    mtp = update.get("mtp_inputs")
+    return mtp if isinstance(mtp, tuple) and len(mtp) == 2 else None
+
+
 def _mtp_past(result: Any, last: Any) -> tuple[Any, Any] | None:
     """A scalar decode's ``(mtp_inputs[0], last)``; None for a span that hands the code predictor nothing."""
-    update = result[2] if isinstance(result, tuple) and len(result) > 2 and isinstance(result[2], dict) else {}
-    mtp = update.get("mtp_inputs")
-    return (mtp[0], last) if isinstance(mtp, tuple) and len(mtp) == 2 else None
+    mtp = _mtp_inputs(result)
+    return None if mtp is None else (mtp[0], last)
 
 
 def _delivered(result: Any, input_embeds: Any, n: int) -> Any:
@@ -394,9 +401,8 @@ def _delivered(result: Any, input_embeds: Any, n: int) -> Any:
     import torch
 
     rows = result[1]
-    update = result[2] if len(result) > 2 and isinstance(result[2], dict) else {}
-    mtp = update.get("mtp_inputs")
-    if n == 1 and isinstance(mtp, tuple) and len(mtp) == 2:
+    mtp = _mtp_inputs(result)
+    if n == 1 and mtp is not None:
         return (rows[:1].float() + mtp[1].reshape(1, -1).float()).to(rows.dtype)
     seg = min(n, int(rows.shape[0]))
     parts = [rows[:seg]]

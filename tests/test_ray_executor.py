@@ -31,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO, SMALL_PROMPTS
 
 from harness.records import read_manifest, read_requests
@@ -247,18 +248,22 @@ def test_ray_run_has_the_local_records_spans_and_nodes(head, small_run, tmp_path
 @needs_ray
 def test_ray_run_ships_the_audio_back(head, tmp_path):
     """With speech and Whisper: the WAVs the worker spoke land at the local run's paths, byte for byte,
-    and the transcripts scored on the driver are the local run's."""
+    and the transcripts scored on the driver are the local run's. Two of the small set's prompts: the speech
+    and Whisper work of each run halves, and two clips show as well as four that each lands at its own path."""
     ns, addr, address = head
+    small = yaml.safe_load(SMALL_PROMPTS.read_text())
+    prompts = tmp_path / "two.yaml"
+    prompts.write_text(yaml.safe_dump({**small, "prompts": small["prompts"][:2]}, sort_keys=False))
     args = ("run", "--asr-model", "tiny.en", "--asr-workers", "0", "--no-cache", "--quiet", "--prompts",
-            str(SMALL_PROMPTS), "--arm", "main", "--deploy", "reference", "--out", str(tmp_path))
+            str(prompts), "--arm", "main", "--deploy", "reference", "--out", str(tmp_path))
     local = subprocess.run([PY, "-m", "harness.cli", *args, "--run-id", "local"], cwd=REPO, env=ENV,
                            capture_output=True, text=True, timeout=900)
     assert local.returncode == 0, local.stderr[-3000:]
     log = tmp_path / "stderr.txt"
     _finish(_driver(ns, *args, "--run-id", "ray", "--executor", "ray", "--ray-address", address, log=log), log)
-    assert_same_run(tmp_path / "ray", tmp_path / "local", N_PROMPTS)
+    assert_same_run(tmp_path / "ray", tmp_path / "local", 2)
     wavs = sorted(p.name for p in (tmp_path / "local" / "audio").glob("*.wav"))
-    assert len(wavs) == N_PROMPTS
+    assert len(wavs) == 2
     assert sorted(p.name for p in (tmp_path / "ray" / "audio").iterdir()) == wavs  # no scratch left behind
     for name in wavs:
         assert (tmp_path / "ray" / "audio" / name).read_bytes() == (tmp_path / "local" / "audio" / name).read_bytes()

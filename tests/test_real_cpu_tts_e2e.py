@@ -142,7 +142,8 @@ def test_a_voice_kept_across_requests_is_caught_by_the_worker(real_run: Path) ->
     assert [(s.c <= 6 < s.c + s.n, s.misaligned_text) for s in spans] == [(True, 1)] * 3
     gate = subprocess.run([*CLI, "gate", str(drops)], cwd=drops, capture_output=True, text=True, timeout=600)
     assert (f"FAIL   candidate-contract: {VOICE}/{REF} run 1 [candidate]\n"
-            "         FAIL  max_misaligned_text_positions: misaligned positions in the text region = 3 > 0") in gate.stdout
+            "         FAIL  max_misaligned_text_positions: misaligned positions in the text region = 3 > 0"
+            ) in gate.stdout
 
 
 def test_the_streaming_figures_are_reported(real_run: Path) -> None:

@@ -166,7 +166,8 @@ def test_contract_check_tolerates_bfloat16_rounding_not_wrong_rows() -> None:
     out = run_thinker(load_prompts("default"), space, 1.0)[0]
     K = out.output_rows.shape[0]
     for impl, c, n, want in ((FixedTalker, 16, 32, {"misaligned_text": 0, "misaligned_end": 0, "text_len": 58}),
-                             (FixedTalker, out.P + K - 3, 6, {"misaligned_text": 0, "misaligned_end": 0, "text_len": 58}),
+                             (FixedTalker, out.P + K - 3, 6,
+                              {"misaligned_text": 0, "misaligned_end": 0, "text_len": 58}),
                              (MainTalker, 16, 32, {"misaligned_text": 32, "misaligned_end": 0,
                                                    "first_misaligned": 16, "text_len": 58})):
         model = bind_arm(impl, space)

@@ -82,7 +82,8 @@ def test_main_copying_equal_valued_rows_from_the_wrong_offset_is_misaligned_by_i
 
 def test_pr_is_aligned_by_identity_and_the_runner_gets_untagged_rows() -> None:
     for c, n in ((0, 32), (32, 29), (50, 11)):
-        assert _check(FixedTalker, c, n, tagged=True) == {"misaligned_text": 0, "misaligned_end": 0, "text_len": 58}, (c, n)
+        assert _check(FixedTalker, c, n, tagged=True) == {"misaligned_text": 0, "misaligned_end": 0,
+                                                          "text_len": 58}, (c, n)
     info, out, space = _payload(False)
     model = bind_arm(FixedTalker, space)
     ids = torch.tensor(list(out.talker_prompt_ids)[:16], dtype=torch.int64)

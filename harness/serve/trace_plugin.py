@@ -105,7 +105,8 @@ TRACE_KEYS = (
     "time",
     "error",
 )
-CONTRACT_KEYS = ("misaligned_text", "misaligned_end", "first_misaligned", "text_len", "contract_error")  # the contract check
+# the contract check's keys
+CONTRACT_KEYS = ("misaligned_text", "misaligned_end", "first_misaligned", "text_len", "contract_error")
 CODEC_KEYS = ("codec_from", "codec_ids")  # the span's input ids at generated positions (the Talker's codec stream)
 _MARK = "__omni_stress_traced__"
 _LINE_ENCODER = json.JSONEncoder(sort_keys=True)  # json.dumps(..., sort_keys=True) builds one per call

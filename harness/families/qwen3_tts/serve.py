@@ -16,9 +16,9 @@ Server side (omni-stress's process):
   fixed KV bytes, Code2Wav in float32, the thread variables). An MRV2 deploy is refused before
   (``harness.serve.entry.check_deploys``).
 * **Requests** (:func:`speech_body`): ``POST /v1/audio/speech`` with the prompt's text, CustomVoice,
-  the prompt's ``speaker`` as ``voice`` (the default speaker where it names none), ``language: Auto``, ``non_streaming_mode: false`` (the streaming-text layout
-  docs/families/qwen3_tts.md's contract is written for), WAV (or, with ``--stream``, SSE of PCM chunks); sent
-  and measured by ``harness.serve.speech.send_speech``.
+  the prompt's ``speaker`` as ``voice`` (the default speaker where it names none), ``language: Auto``,
+  ``non_streaming_mode: false`` (the streaming-text layout docs/families/qwen3_tts.md's contract is written
+  for), WAV (or, with ``--stream``, SSE of PCM chunks); sent and measured by ``harness.serve.speech.send_speech``.
 * **Matching trace lines**: the speech endpoint names its engine requests ``speech-<uuid>`` and
   ignores ``X-Request-Id``, so the worker writes each call's text (``tts_text``) and lines are filed
   by it (texts are unique within a prompt set).
@@ -159,8 +159,8 @@ def speech_body(model: str, text: str, stream: bool = False, deploy: Any = None,
     (None: the family's default)."""
     from harness.serve.streaming import speech_body as body
 
-    extra: dict[str, Any] = {"voice": voice or SPEECH_VOICE, "language": SPEECH_LANGUAGE, "task_type": SPEECH_TASK,
-                             "non_streaming_mode": False}
+    extra: dict[str, Any] = {"voice": voice or SPEECH_VOICE, "language": SPEECH_LANGUAGE,
+                             "task_type": SPEECH_TASK, "non_streaming_mode": False}
     if deploy is not None and deploy.sampling.max_tokens is not None:
         extra["max_new_tokens"] = deploy.sampling.max_tokens
     if deploy is not None and deploy.sampling.seed is not None:
@@ -384,7 +384,8 @@ def _last_hidden(info: dict[str, Any]) -> Any:
 def _mtp_inputs(result: Any) -> tuple[Any, Any] | None:
     """``preprocess``'s ``mtp_inputs`` (past hidden state, text step): a scalar decode's; None for a span that
     hands the code predictor nothing."""
-    update = result[2] if isinstance(result, (tuple, list)) and len(result) > 2 and isinstance(result[2], dict) else {}
+    seq = isinstance(result, (tuple, list)) and len(result) > 2
+    update = result[2] if seq and isinstance(result[2], dict) else {}
     mtp = update.get("mtp_inputs")
     return mtp if isinstance(mtp, tuple) and len(mtp) == 2 else None
 

@@ -295,13 +295,14 @@ class TTSContract:
         ``requests``: the cell's, whose voices :meth:`foreign_voice` knows."""
         self.pad_id, self.bos_id, self.eos_id = specials.pad_id, specials.bos_id, specials.eos_id
         self.kv_class = kv_class
-        self._voices = np.array(sorted({SPEAKER_CODECS[r.speaker.lower()] for r in requests or []}), dtype=np.int64)
+        voices = {SPEAKER_CODECS[r.speaker.lower()] for r in requests or []}
+        self._voices = np.array(sorted(voices), dtype=np.int64)
 
     def foreign_voice(self, out: TTSRequest, codec_ids: np.ndarray) -> np.ndarray:
         """Which of a span's positions hold another request's voice: a speaker codec of the cell that is not
         this request's (the upstream class #4370, a request conditioned on another's voice). A speaker codec no
-        request of the cell has is misaligned only: nobody's. A contract made without the cell's requests (Qwen3-Omni's,
-        whose prompts take no voice) knows no voices: none is another's."""
+        request of the cell has is misaligned only: nobody's. A contract made without the cell's requests
+        (Qwen3-Omni's, whose prompts take no voice) knows no voices: none is another's."""
         if not self._voices.size:
             return np.zeros(len(codec_ids), dtype=bool)
         own = SPEAKER_CODECS[out.speaker.lower()]
@@ -369,7 +370,8 @@ def build_cell(impl: Any, deploy: Deploy, prompts: PromptSet, seed: int, talker_
         return codes, oracle_transcript(units), units
 
     return SimCell(requests=requests, token_ids={}, space=space, model=model, talker=talker,
-                   contract=TTSContract(specials, requests=requests), stop_token_ids=[CODEC_EOS], speak=speak, runner_class=TTSRunner)
+                   contract=TTSContract(specials, requests=requests), stop_token_ids=[CODEC_EOS], speak=speak,
+                   runner_class=TTSRunner)
 
 
 SPEAKING_ROLE_WORDS = ("<|im_start|>", "assistant", "\n")  # the tiny tokenizer's role header: \n is a byte
@@ -396,8 +398,8 @@ def _speaking_cell(impl: Any, deploy: Deploy, prompts: PromptSet, space: RowSpac
     talker, speak = speaking_parts(space, speaking, frames, byte_kinds=("output", "role"))
 
     return SimCell(requests=requests, token_ids={}, space=space, model=model, talker=talker,
-                   contract=TTSContract(specials, SpeakingKV, requests), stop_token_ids=[speaking.CODEC_EOS], speak=speak,
-                   runner_class=TTSRunner)
+                   contract=TTSContract(specials, SpeakingKV, requests), stop_token_ids=[speaking.CODEC_EOS],
+                   speak=speak, runner_class=TTSRunner)
 
 
 def check_prompts(prompts: PromptSet, talker_mode: str) -> None:

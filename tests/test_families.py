@@ -164,6 +164,15 @@ def test_resume_refuses_a_run_of_another_family(tmp_path):
                               "start a new run instead")
 
 
+def test_list_prompts_names_the_voices_a_set_mixes():
+    res = invoke_cli("list", "prompts")
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert ("  qwen3_tts_cpu_smoke 4 prompts; Talker prompt length P 9-9; reply tokens 15-17; voices Vivian, Ryan, "
+            "Serena, Aiden") in lines
+    assert "  default    16 prompts; Talker prompt length P 60-115; reply tokens 59-72" in lines  # no voices
+
+
 def test_list_families_shows_each_familys_chain_hook_and_defaults():
     res = invoke_cli("list", "families")
     assert res.exit_code == 0, res.stderr

@@ -57,8 +57,10 @@ def command(what: str) -> None:
             ps = load_prompts(name)
             lens = get_family(ps.family, f"{ps.path}: family").talker_prompt_lens(ps)
             replies = [len(tokenize(p.reply)) for p in ps.prompts]
+            voices = list(dict.fromkeys(p.speaker for p in ps.prompts if p.speaker))  # in the set's order
             click.echo(f"  {ps.name:<10} {len(ps.prompts)} prompts; Talker prompt length P {min(lens)}-{max(lens)}; "
-                       f"reply tokens {min(replies)}-{max(replies)}\n  {'':<10} {ps.description}")
+                       f"reply tokens {min(replies)}-{max(replies)}" + (f"; voices {', '.join(voices)}" if voices else "")
+                       + f"\n  {'':<10} {ps.description}")
     if what in ("all", "sweeps"):
         from harness.sweep.grid import list_sweeps, load_sweep
 

@@ -571,6 +571,9 @@ class ServeSettings:
     # True: the server binds this arm's talker_preprocess onto the installed vLLM-Omni's real model
     # (harness.serve.arm_binding); False: the environment's vLLM-Omni runs as it is installed.
     bind_arm: bool = True
+    # The vLLM-Omni release the server must run (harness.serve.releases): without python/command, that release's
+    # environment (scripts/install-real-cpu.sh); with them, checked against what they have installed.
+    release: str | None = None
 
 
 @dataclass(frozen=True)
@@ -593,6 +596,7 @@ ARM_ROLES = ("baseline", "candidate")
 
 
 ARMS_FILE = DEPLOY_DIR / "arms.yaml"
+RELEASE_VERSION = re.compile(r"^\d+\.\d+\.\d+([a-z]+\d+)?$")  # serve: release: (harness.serve.releases)
 
 
 def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
@@ -616,20 +620,25 @@ def load_arms(path: Path = ARMS_FILE) -> dict[str, ArmSpec]:
         serve = None
         if f.has("serve"):
             s = f.sub("serve")
-            s.reject_unknown({"python", "command", "env", "bind_arm"})
+            s.reject_unknown({"python", "command", "env", "bind_arm", "release"})
             command = s.data.get("command") or []
             if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
                 raise s.fail("command", "must be a list of strings")
             env = s.data.get("env") or {}
             if not isinstance(env, dict):
                 raise s.fail("env", "must be a mapping of strings")
-            if not s.has("python") and not command:
-                raise s.fail("python", "give 'python' (a venv interpreter) or 'command' (a prefix)")
+            release = s.str_("release")
+            if release is not None and not RELEASE_VERSION.match(release):
+                raise s.fail("release", f"must be a vLLM-Omni version such as 0.32.0rc1, got {short_repr(release)}")
+            if not s.has("python") and not command and release is None:
+                raise s.fail("python", "give 'python' (a venv interpreter), 'command' (a prefix) or 'release' (the "
+                                       "environment scripts/install-real-cpu.sh builds for it)")
             bind_arm = s.data.get("bind_arm", True)
             if not isinstance(bind_arm, bool):
                 raise s.fail("bind_arm", f"must be true or false, got {short_repr(bind_arm)}")
             serve = ServeSettings(python=s.str_("python"), command=tuple(command),
-                                  env={str(k): str(v) for k, v in env.items()}, bind_arm=bind_arm)
+                                  env={str(k): str(v) for k, v in env.items()}, bind_arm=bind_arm,
+                                  release=release)
         chunker = f.str_("chunker")
         if chunker is not None and ":" not in chunker:
             raise f.fail("chunker", f"must be 'package.module:attr', got {short_repr(chunker)}")

@@ -20,14 +20,14 @@ REPO = Path(__file__).resolve().parent.parent
 REAL_PY = REPO / ".venv-omni" / "bin" / "python"  # the real backend's CPU environment (scripts/install-real-cpu.sh)
 
 
-def require_real_env() -> Path:
-    """The real environment's interpreter; a test without it is skipped, except under
-    ``OMNI_STRESS_REQUIRE_REAL=1`` (``.ci/run`` sets it), where its absence fails."""
-    if not REAL_PY.exists():
+def require_real_env(python: Path = REAL_PY) -> Path:
+    """A real environment's interpreter (default: 0.30.0's ``.venv-omni``); a test without it is skipped, except
+    under ``OMNI_STRESS_REQUIRE_REAL=1`` (``.ci/run`` sets it), where its absence fails."""
+    if not python.exists():
         if os.environ.get("OMNI_STRESS_REQUIRE_REAL") == "1":
-            pytest.fail(f"OMNI_STRESS_REQUIRE_REAL=1 but {REAL_PY} is missing (scripts/install-real-cpu.sh)")
-        pytest.skip("no real CPU environment (.venv-omni): run scripts/install-real-cpu.sh")
-    return REAL_PY
+            pytest.fail(f"OMNI_STRESS_REQUIRE_REAL=1 but {python} is missing (scripts/install-real-cpu.sh)")
+        pytest.skip(f"no real CPU environment ({python.parent.parent.name}): run scripts/install-real-cpu.sh")
+    return python
 FIXTURES = REPO / "tests" / "fixtures"
 SMALL_PROMPTS = FIXTURES / "prompts_small.yaml"
 
@@ -46,7 +46,7 @@ if str(REPO) not in sys.path:
 # longer reads, so every test became a group of its own.)
 # Measured on 2 cores (issue 48): four, four, three, two and one server starts; Ray's executor tests 4 minutes.
 LONGEST_FIRST = ("test_real_cpu_e2e", "test_real_cpu_tts_e2e", "test_real_cpu_omni3_e2e", "test_ray_executor", "test_real_cpu_broken",
-                 "test_bad_input_run", "test_asr_ray", "test_real_cpu_sweep", "test_qwen3_tts")
+                 "test_real_cpu_release", "test_bad_input_run", "test_asr_ray", "test_real_cpu_sweep", "test_qwen3_tts")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

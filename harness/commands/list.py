@@ -32,11 +32,17 @@ def command(what: str) -> None:
                        f"{' --deploy '.join(fam.default_deploys)} --prompts {fam.default_prompts}; sim Talkers "
                        f"{', '.join(fam.sim_talkers)}")
     if what in ("all", "arms"):
+        from harness.serve.releases import arm_release, release_env
+
         click.echo("Arms (deploy_configs/arms.yaml; or --arm NAME=package.module:attr):")
         for arm in load_arms().values():
             serve = "no real-backend entry"
             if arm.serve:
-                serve = f"serve: {arm.serve.python or ' '.join(arm.serve.command)}"
+                where = arm.serve.python or " ".join(arm.serve.command)
+                serve = "serve: " + " ".join(filter(None, (where, arm.serve.release and
+                                                           f"release {arm.serve.release}")))
+            elif (release := arm_release(arm)) is not None:
+                serve = f"serve: release {release} (its environment: {release_env(release)})"
             click.echo(f"  {arm.name:<10} {arm.talker} (role: {arm.role}, family: {arm.family})\n  {'':<10} {arm.description}\n"
                        f"  {'':<10} {serve}")
     if what in ("all", "deploys"):

@@ -603,6 +603,9 @@ def run_header(run: Run) -> list[str]:
     roles = run.roles
     if roles:
         lines.append("Arms: " + ", ".join(f"{arm} ({role})" for arm, role in roles.items()))
+    releases = release_note(run)
+    if releases:
+        lines.append(releases)
     problems = run_problems(run)
     if problems:
         lines.append(f"WARNING: incomplete run, the gate refuses it: {'; '.join(problems)}")
@@ -610,6 +613,22 @@ def run_header(run: Run) -> list[str]:
     if note:
         lines.append(note)
     return lines
+
+
+def release_note(run: Run) -> str | None:
+    """The vLLM-Omni release each arm's server had installed (the manifest's cells), so that a real run's table
+    names the release it measured; None on the sim and for servers started by a command prefix."""
+    releases: dict[str, list[str]] = {}
+    for cell in run.manifest.get("cells") or []:
+        impl = cell.get("implementation") if isinstance(cell, dict) else None
+        if isinstance(impl, dict) and isinstance(impl.get("release"), str):
+            seen = releases.setdefault(str(cell.get("arm")), [])
+            if impl["release"] not in seen:
+                seen.append(impl["release"])
+    if not releases:
+        return None
+    return "vLLM-Omni release (the server's own, per arm): " + ", ".join(
+        f"{arm} {' and '.join(versions)}" for arm, versions in releases.items())
 
 
 def trace_note(run: Run) -> str | None:

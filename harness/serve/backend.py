@@ -50,6 +50,7 @@ from harness.stream_metrics import StreamMetrics, stream_failure
 from harness.serve import client as chat
 from harness.serve.deploy_args import DEPLOY_FILE, DeployTranslation, detect_platform
 from harness.serve.launcher import HOST, ServerLauncher, progress
+from harness.serve.releases import arm_release, installed_release, pick_python, release_problem
 from harness.speaking.checkpoint import MARKER
 from harness.serve.trace_plugin import (DEFAULT_LEVEL, DEFAULT_TARGET, ENV_ARM, ENV_DIR, ENV_LEVEL, ENV_ROW_IDS,
                                         ENV_TARGET, IMPLEMENTATION_GLOB, TRACE_GLOB, trace_level)
@@ -140,9 +141,14 @@ def audio_rel_path(arm: ArmSpec, deploy: Deploy, repeat: int, prompt_id: str) ->
 
 
 def serve_settings(arm: ArmSpec, options: ServeOptions | None = None) -> ServeSettings:
-    """The arm's ``serve:`` entry, or the default real environment (``default_serve_python``)."""
-    if arm.serve is not None:
+    """The arm's ``serve:`` entry, the environment of the release it names (``harness.serve.releases``), or
+    the default real environment (``default_serve_python``)."""
+    if arm.serve is not None and (arm.serve.python or arm.serve.command):
         return arm.serve
+    release = arm_release(arm)
+    if release is not None:
+        python = pick_python(release, default_serve_python(options), (Path.cwd(), Path(__file__).resolve().parents[2]))
+        return dataclasses.replace(arm.serve or ServeSettings(), python=python, release=release)
     python = default_serve_python(options)
     if python is None:
         raise UserError(
@@ -194,6 +200,9 @@ def preflight_arm(arm: ArmSpec, options: ServeOptions | None = None) -> None:
     problem = check_plugin_installed(python)
     if problem:
         raise UserError(f"arm '{arm.name}': {problem}")
+    release = arm_release(arm)
+    if release is not None and (problem := release_problem(arm.name, release, python)):
+        raise UserError(problem)
 
 
 def binds_arm(arm: ArmSpec, options: ServeOptions | None = None) -> bool:
@@ -834,8 +843,11 @@ def implementation_of(run_dir: Path, arm: ArmSpec, deploy: Deploy, repeat: int,
             workers.append(json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError):
             continue
+    serve = serve_settings(arm, options)
+    release = installed_release(_resolve_python(serve.python)) if serve.python and not serve.command else None
     return {"server": server_prefix(arm, options)[0], "platform": options.resolved_platform,
-            "arm": arm.talker if binds_arm(arm, options) else "installed vLLM-Omni", "workers": workers}
+            "arm": arm.talker if binds_arm(arm, options) else "installed vLLM-Omni",
+            **({"release": release} if release else {}), "workers": workers}
 
 
 class ServeBackend:

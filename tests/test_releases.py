@@ -121,3 +121,16 @@ def test_list_arms_names_the_environment_of_each_release_arm():
     at = lines.index("             The fix of FIX #5018: rows assembled by absolute position, stateless, "
                      "persistent PAD")
     assert lines[at + 1] == "             no real-backend entry"
+
+
+def test_the_dry_run_runs_a_release_arm_in_that_releases_environment(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    own = _fake_python(tmp_path / ".venv-omni-0.32.0rc1" / "bin" / "python", "0.32.0rc1")
+    res = invoke_cli("run", "--backend", "vllm-omni", "--family", "qwen3-tts", "--arm", "tts-0.32.0rc1", "--deploy",
+                     "qwen3-tts-cpu-stress", "--prompts", "qwen3_tts_cpu_smoke", "--platform", "cpu", "--dry-run",
+                     "--out", str(tmp_path / "out"))
+    assert res.exit_code == 0, res.stderr
+    first = res.stdout.splitlines()[0]
+    assert first.endswith(", the installed vLLM-Omni as it is (release 0.32.0rc1: that environment must hold it)")
+    assert f"  {own} -m vllm.entrypoints.cli.main serve " in res.stdout
+    assert not (tmp_path / "out").exists()

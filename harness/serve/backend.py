@@ -328,7 +328,8 @@ def describe_cell(arm: ArmSpec, deploy: Deploy, run_dir: Path, options: ServeOpt
     lines = [
         f"# arm {arm.name!r} x deploy {deploy.name!r} ({deploy.path}) -- backend vllm-omni, platform "
         f"{translation.platform}" + (f", arm {arm.talker} bound onto the installed model" if binds_arm(arm, options)
-                                    else ", the installed vLLM-Omni as it is"),
+                                    else ", the installed vLLM-Omni as it is")
+        + (f" (release {release}: that environment must hold it)" if (release := arm_release(arm)) else ""),
         "# server ($PORT: a free port on 127.0.0.1 picked at launch; own process group; stopped with SIGINT -> SIGTERM -> SIGKILL)",
         *([f"# {missing} is not installed here: a real run on this machine refuses (run scripts/install-real-cpu.sh, "
            "give --serve-python, or fix the arm's serve: entry)"] if missing else []),

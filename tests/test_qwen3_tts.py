@@ -338,6 +338,17 @@ def test_beside_table_puts_conform_sim_and_real_side_by_side():
     assert lines[-1] == "Cells that reached none of these situations: real b / d."
 
 
+def test_beside_table_names_the_release_each_real_cell_ran():
+    from harness.conform.beside import BesideRun, beside_table
+
+    matrix = {"models": [{"model": "qwen3-tts", "cells": {"cross_replay": {"summary": "differs @0"}}}]}
+    spans = [_span(7, 0, 11, mis=11, cross_boundary=True)]
+    real = BesideRun("real", [("a", "d", "v1"), ("b", "d", "v1")], spans + [{**spans[0], "arm": "b"}], {},
+                     {("a", "d"): "0.32.0rc1"})
+    head = beside_table(matrix, "qwen3-tts", [real]).splitlines()[0]
+    assert head == "| situation | conform qwen3-tts (V1) | real a / d on vLLM-Omni 0.32.0rc1 | real b / d |"
+
+
 def test_conform_beside_refuses_runs_of_two_families(tmp_path):
     tts = run_cli("run", "--family", "qwen3-tts", "--deploy", "qwen3-tts-reference", "--arm", "tts-fix", "--asr", "none",
                   "--quiet", "--no-cache", "--out", str(tmp_path), "--run-id", "t")

@@ -100,3 +100,28 @@ def test_the_bug_conform_flags_is_reached_on_the_real_server_as_on_the_sim(runs:
         assert totals == EXPECTED[family]
     assert totals[0] > 0 and totals[2] > 0 and totals[3] > 0, totals  # the bug, reached under the stress
     assert max(r.oracle_wer for r in real.values()) > 0.5  # and what the release said is wrong
+
+
+@pytest.mark.parametrize("family", sorted(CELLS))
+def test_conform_beside_the_real_run_says_each_flagged_situation_is_reached_there(runs: dict, family: str) -> None:
+    """``omni-stress conform --source vllm-omni:0.32.0rc1 --beside RUN``: the release's own verdicts per situation
+    beside what its real server did, the column naming the release the server ran. Every situation conform
+    flags has misaligned spans on the real server; every one it passes has none."""
+    real_run = runs[family][0]
+    res = subprocess.run([*CLI, "conform", "--source", f"vllm-omni:{RELEASE}", "--beside", str(real_run), "--deploy",
+                          "none", "--requests", "1"], cwd=real_run.parent, capture_output=True, text=True, timeout=900)
+    assert res.returncode in (0, 1), res.stderr[-2000:]  # 1: a model that does not conform under --fail-on any
+    table = res.stdout[res.stdout.index("conform beside run"):].splitlines()[2:]
+    arm, deploy = CELLS[family][0].split("=")[0], CELLS[family][1]
+    model = "qwen2.5-omni" if family == "qwen2.5-omni" else "qwen3-tts"
+    assert table[0] == f"| situation | conform {model} (V1) | real {arm} / {deploy} on vLLM-Omni {RELEASE} |"
+    flagged = 0
+    for row in table[2:7]:
+        _situation, verdict, real = (cell.strip() for cell in row.strip("|").split("|"))
+        if verdict.startswith(("differs", "restarts")):
+            flagged += 1
+            assert " spans, " in real and " 0 misaligned" not in real, row
+        else:
+            assert verdict in ("conforms", "no restart"), row
+            assert real.endswith(" 0 misaligned") or real.startswith("not reached"), row
+    assert flagged == {"qwen2.5-omni": 5, "qwen3-tts": 2}[family]

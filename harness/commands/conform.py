@@ -168,7 +168,10 @@ def _beside(report: Any, runs: list[tuple[str, Any, list[tuple[str, str, str]]]]
         spans = [dict(s.__dict__) for s in read_spans(run.run_dir)]
         wer = {(r.arm, r.deploy, r.prompt_id): r.wer if r.wer is not None else r.oracle_wer for r in run.requests}
         simulated = all(is_simulated(r.backend) for r in run.requests)
-        beside.append(BesideRun("sim" if simulated else "real", cells, spans, wer))
+        releases = {(c["arm"], c["deploy"]): c["implementation"]["release"] for c in run.manifest.get("cells") or []
+                    if isinstance(c, dict) and isinstance(c.get("implementation"), dict)
+                    and isinstance(c["implementation"].get("release"), str)}
+        beside.append(BesideRun("sim" if simulated else "real", cells, spans, wer, releases))
     data = report.to_json()
     where = ", ".join(str(run.run_dir) for _m, run, _c in runs)
     out = []

@@ -121,12 +121,16 @@ def conform_rows(matrix: dict[str, Any], model: str) -> dict[str, dict[str, str]
 @dataclass
 class BesideRun:
     """One run put beside the conform verdicts: its column label (``sim``, ``real``), its (arm, deploy,
-    runner) cells, its span records and each request's WER (by (arm, deploy, prompt))."""
+    runner) cells, its span records, each request's WER (by (arm, deploy, prompt)) and, for a real run, each
+    cell's release."""
 
     label: str
     cells: list[tuple[str, str, str]]
     spans: list[dict[str, Any]]
     wer: dict[tuple[str, str, str], float | None]
+    # (arm, deploy) -> the vLLM-Omni release a real cell's server ran (the manifest): named in its column, so a
+    # release's conform verdicts are read beside the runs of that release
+    releases: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 def beside_table(matrix: dict[str, Any], model: str, runs: list[BesideRun]) -> str:
@@ -151,7 +155,8 @@ def beside_table(matrix: dict[str, Any], model: str, runs: list[BesideRun]) -> s
                 quiet.append(f"{run.label} {a} / {d}")
                 continue
             cell_wer = {rid: w for (aa, dd, rid), w in run.wer.items() if (aa, dd) == (a, d)}
-            columns.append((f"{run.label} {a} / {d}", evidence, cell_wer))
+            on = f" on vLLM-Omni {run.releases[(a, d)]}" if (a, d) in run.releases else ""
+            columns.append((f"{run.label} {a} / {d}{on}", evidence, cell_wer))
     label = {"v1": "V1", "v2": "MRV2", "v1+async": "V1, async_chunk", "v2+async": "MRV2, async_chunk"}
     head = ["situation"] + [f"conform {model} ({label[r]})" for r in runners] + [name for name, _e, _w in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -213,8 +213,7 @@ def _same_version(a: str, b: str) -> bool:
 
 
 def _from_version(spec: str, wheel_dir: Path, member: str = MEMBER) -> UpstreamSource:
-    """An installed ``vllm-omni`` of that version (not imported), else a cached wheel, else the vendored copy
-    (``harness/conform/vendor``: 0.30.0 and 0.32.0rc1, so a shipped release runs offline)."""
+    """An installed ``vllm-omni`` of that version (not imported), else a cached wheel."""
     where = f"{PREFIX}{spec}"
     installed: str | None = None
     try:
@@ -236,13 +235,6 @@ def _from_version(spec: str, wheel_dir: Path, member: str = MEMBER) -> UpstreamS
         v = _wheel_version(wheel.name)
         if v is not None and _same_version(v, spec):
             return _from_wheel(spec, "wheel-cache", wheel, member)
-    from harness.talkers.release import VENDORED, vendor_dir
-
-    for version in VENDORED:  # the vendored copy (byte-identical to the wheel's file), as release.resolve's step 3
-        vendored = vendor_dir(version) / member
-        if _same_version(version, spec) and vendored.is_file():
-            src = _from_file(spec, "vendored", vendored, member)
-            return UpstreamSource(src.spec, src.kind, src.location, version, src.sha256, src.text)
     found = ", ".join(sorted({_wheel_version(w.name) or w.name for w in wheels})) or "none"
     also = f"; installed vllm-omni is {installed}" if installed else ""
     raise ConfigError(

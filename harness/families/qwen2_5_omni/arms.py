@@ -4,7 +4,8 @@
   method, or a function with the same signature plus ``self``; bound onto the sim's stand-in model
   (``harness.families.qwen2_5_omni.model``) and, on the real server, onto vLLM-Omni's own class.
 * ``vllm-omni:<source>``: the release's own ``talker_preprocess`` and every method it reaches, read
-  from a file, checkout, wheel or version and compiled unchanged (``harness.talkers.upstream``).
+  from a file, checkout, wheel or version (a shipped release's vendored copy when neither installed nor cached)
+  and compiled unchanged (``harness.talkers.upstream``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 from harness.config import ArmSpec
 from harness.errors import ConfigError
 from harness.talkers import import_target
-from harness.talkers.upstream import PREFIX, build_mixin, is_upstream_spec, read_source
+from harness.talkers.release import read_model_source
+from harness.talkers.upstream import MEMBER, PREFIX, build_mixin, is_upstream_spec
 
 
 def load_upstream(arm: ArmSpec, wheel_dir: Path | None = None) -> type:
@@ -31,7 +33,9 @@ def load_upstream(arm: ArmSpec, wheel_dir: Path | None = None) -> type:
     arms_file = Path(arm.source)
     base = arms_file.parent if arm.source not in ("--arm", "builtin") and arms_file.is_file() else Path.cwd()
     try:
-        return build_mixin(read_source(spec, base, wheel_dir), SimTalkerModelBase, optional=RUNNER_HOOKS)
+        # a version neither installed nor cached: the vendored copy (0.30.0, 0.32.0rc1), offline
+        source = read_model_source(spec, MEMBER, base, wheel_dir)
+        return build_mixin(source, SimTalkerModelBase, optional=RUNNER_HOOKS)
     except ConfigError as exc:
         raise ConfigError(f"arm {arm.name!r} (from {arm.source}): {exc}") from None
 

@@ -173,7 +173,7 @@ def test_conform_beside_the_real_run_puts_the_servers_evidence_next_to_each_verd
     table = res.stdout[res.stdout.index("conform beside run"):].splitlines()
     head = [c.strip() for c in table[2].strip("|").split("|")]
     assert head[:2] == ["situation", "conform qwen3-omni (V1, async_chunk)"]
-    col = head.index(f"real {FIX} / {STRESS}")
+    col = head.index(f"real {FIX} / {STRESS} on vLLM-Omni 0.30.0")  # the release its server ran
     rows = {r[0]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in table[4:9])}
     assert rows["cross-boundary replay"][1] == "differs @28"
     for situation in ("non-zero-offset chunk", "cross-boundary replay",

@@ -160,6 +160,7 @@ def _load_beside(run_dir: Path, strict: bool = False) -> tuple[str, Any, list[tu
 def _beside(report: Any, runs: list[tuple[str, Any, list[tuple[str, str, str]]]]) -> str:
     from harness.backends import is_simulated
     from harness.conform.beside import BesideRun, beside_table
+    from harness.report.summary import cell_releases
     from harness.spanstore import read_spans
 
     model = runs[0][0]
@@ -168,10 +169,7 @@ def _beside(report: Any, runs: list[tuple[str, Any, list[tuple[str, str, str]]]]
         spans = [dict(s.__dict__) for s in read_spans(run.run_dir)]
         wer = {(r.arm, r.deploy, r.prompt_id): r.wer if r.wer is not None else r.oracle_wer for r in run.requests}
         simulated = all(is_simulated(r.backend) for r in run.requests)
-        releases = {(c["arm"], c["deploy"]): c["implementation"]["release"] for c in run.manifest.get("cells") or []
-                    if isinstance(c, dict) and isinstance(c.get("implementation"), dict)
-                    and isinstance(c["implementation"].get("release"), str)}
-        beside.append(BesideRun("sim" if simulated else "real", cells, spans, wer, releases))
+        beside.append(BesideRun("sim" if simulated else "real", cells, spans, wer, cell_releases(run)))
     data = report.to_json()
     where = ", ".join(str(run.run_dir) for _m, run, _c in runs)
     out = []

@@ -851,6 +851,17 @@ def cell_trace_levels(run: Run) -> dict[CellKey, str | None]:
     return out
 
 
+def cell_releases(run: Run) -> dict[tuple[str, str], str]:
+    """The vLLM-Omni release each real (arm, deploy) cell's server had installed (the manifest's
+    ``implementation.release``); none on the sim and for servers started by a command prefix."""
+    out: dict[tuple[str, str], str] = {}
+    for c in run.manifest.get("cells") or []:
+        impl = c.get("implementation") if isinstance(c, dict) else None
+        if isinstance(impl, dict) and isinstance(impl.get("release"), str):
+            out[(str(c.get("arm")), str(c.get("deploy")))] = impl["release"]
+    return out
+
+
 def group_rows(cells: list[CellSummary]) -> list[list[CellSummary]]:
     """Cells grouped per arm x deploy (the seed's rows), repeats in order."""
     groups: dict[tuple[str, str], list[CellSummary]] = {}

@@ -616,15 +616,15 @@ def run_header(run: Run) -> list[str]:
 
 
 def release_note(run: Run) -> str | None:
-    """The vLLM-Omni release each arm's server had installed (the manifest's cells), so that a real run's table
+    """The vLLM-Omni release each arm's server had installed (``cell_releases``), so that a real run's table
     names the release it measured; None on the sim and for servers started by a command prefix."""
+    from harness.report.summary import cell_releases
+
     releases: dict[str, list[str]] = {}
-    for cell in run.manifest.get("cells") or []:
-        impl = cell.get("implementation") if isinstance(cell, dict) else None
-        if isinstance(impl, dict) and isinstance(impl.get("release"), str):
-            seen = releases.setdefault(str(cell.get("arm")), [])
-            if impl["release"] not in seen:
-                seen.append(impl["release"])
+    for (arm, _deploy), release in cell_releases(run).items():
+        seen = releases.setdefault(arm, [])
+        if release not in seen:
+            seen.append(release)
     if not releases:
         return None
     return "vLLM-Omni release (the server's own, per arm): " + ", ".join(

@@ -106,7 +106,9 @@ def test_the_bug_conform_flags_is_reached_on_the_real_server_as_on_the_sim(runs:
 def test_conform_beside_the_real_run_says_each_flagged_situation_is_reached_there(runs: dict, family: str) -> None:
     """``omni-stress conform --source vllm-omni:0.32.0rc1 --beside RUN``: the release's own verdicts per situation
     beside what its real server did, the column naming the release the server ran. Every situation conform
-    flags has misaligned spans on the real server; every one it passes has none."""
+    flags that the real schedule reached has misaligned spans there (the crossing replay, which the stress deploy
+    always produces, among them); every one it passes has none. Which other situations a real schedule reaches
+    varies from run to run (a one-token tail, say), so "not reached" is allowed there."""
     real_run = runs[family][0]
     res = subprocess.run([*CLI, "conform", "--source", f"vllm-omni:{RELEASE}", "--beside", str(real_run), "--deploy",
                           "none", "--requests", "1"], cwd=real_run.parent, capture_output=True, text=True, timeout=900)
@@ -115,13 +117,19 @@ def test_conform_beside_the_real_run_says_each_flagged_situation_is_reached_ther
     arm, deploy = CELLS[family][0].split("=")[0], CELLS[family][1]
     model = "qwen2.5-omni" if family == "qwen2.5-omni" else "qwen3-tts"
     assert table[0] == f"| situation | conform {model} (V1) | real {arm} / {deploy} on vLLM-Omni {RELEASE} |"
-    flagged = 0
+    flagged, reached = 0, set()
     for row in table[2:7]:
-        _situation, verdict, real = (cell.strip() for cell in row.strip("|").split("|"))
-        if verdict.startswith(("differs", "restarts")):
-            flagged += 1
+        situation, verdict, real = (cell.strip() for cell in row.strip("|").split("|"))
+        is_flagged = verdict.startswith(("differs", "restarts"))
+        flagged += is_flagged
+        if not is_flagged:
+            assert verdict in ("conforms", "no restart"), row
+        if real.startswith("not reached"):
+            continue
+        if is_flagged:
+            reached.add(situation)
             assert " spans, " in real and " 0 misaligned" not in real, row
         else:
-            assert verdict in ("conforms", "no restart"), row
-            assert real.endswith(" 0 misaligned") or real.startswith("not reached"), row
+            assert real.endswith(" 0 misaligned"), row
     assert flagged == {"qwen2.5-omni": 5, "qwen3-tts": 2}[family]
+    assert "cross-boundary replay" in reached, reached

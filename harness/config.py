@@ -659,6 +659,9 @@ class Prompt:
     audio_seconds: float = 0.0  # sim: an audio input of this length in the Thinker prompt
     # the voice to say it in (a family with ``Family.speakers``: one of them); None: the family's default
     speaker: str | None = None
+    # a Base voice instead (a family with ``Family.speaker_embeddings``): the x-vector the release's Base
+    # checkpoint puts in the speaker's row (the API's ``speaker_embedding``); None: a CustomVoice prompt
+    speaker_embedding: tuple[float, ...] | None = None
 
     def thinker_prompt(self, system_prompt: str) -> str:
         from harness.tokenizer import chat_prompt
@@ -685,13 +688,16 @@ def load_prompts(name_or_path: str) -> PromptSet:
 
     path = _resolve(name_or_path, PROMPT_DIR, "prompt set")
     top = _Fields(path, load_yaml(path))
-    top.reject_unknown({"name", "description", "system_prompt", "prompts", "family", "speaker"})
+    top.reject_unknown({"name", "description", "system_prompt", "prompts", "family", "speaker", "speaker_embedding"})
     family = _family_field(top)
     # A TTS prompt set has no Thinker: each prompt is the ``text`` to say (its WER reference), and the set
     # needs no system prompt. Its family's stage takes the text itself (``Family.text_input``).
     fam = get_family(family)
     tts = fam.text_input
     default_speaker = _speaker_field(top, fam, None)
+    default_embedding = _embedding_field(top, fam, None)
+    if default_speaker is not None and default_embedding is not None:
+        raise top.fail("speaker_embedding", _BOTH_VOICES)
     system = top.str_("system_prompt", required=not tts, default="")
     items = top.data.get("prompts")
     if not isinstance(items, list) or not items:
@@ -702,7 +708,7 @@ def load_prompts(name_or_path: str) -> PromptSet:
         f = _Fields(path, item, f"prompts[{i}].")
         pid = f.str_("id", required=True)
         if tts:
-            f.reject_unknown({"id", "text", "speaker"})
+            f.reject_unknown({"id", "text", "speaker", "speaker_embedding"})
             user = reply = f.str_("text", required=True)
         else:
             f.reject_unknown({"id", "user", "reply", "audio_seconds"})
@@ -724,7 +730,12 @@ def load_prompts(name_or_path: str) -> PromptSet:
             raise f.fail(key, f"{n} tokens, over the Thinker limit of {MAX_REPLY_TOKENS}")
         audio = f.float_("audio_seconds", 0.0, 0.0, 3600.0) or 0.0
         speaker = _speaker_field(f, fam, default_speaker) if tts else None
-        prompts.append(Prompt(id=pid, user=user, reply=reply, audio_seconds=audio, speaker=speaker))
+        embedding = _embedding_field(f, fam, default_embedding) if tts else None
+        if speaker is not None and embedding is not None:
+            raise f.fail("speaker_embedding" if f.has("speaker_embedding") else "speaker", _BOTH_VOICES)
+        prompts.append(Prompt(id=pid, user=user, reply=reply, audio_seconds=audio, speaker=speaker,
+                              speaker_embedding=embedding))
+    _check_base_voices(path, prompts)
     assert system is not None
     return PromptSet(name=top.str_("name", default=path.stem) or path.stem,
                      description=top.str_("description", default="") or "",
@@ -744,6 +755,72 @@ def _speaker_field(f: _Fields, family: Any, default: str | None) -> str | None:
         raise f.fail("speaker", f"unknown speaker {short_repr(name)} (family {family.name!r} knows "
                                 f"{', '.join(family.speakers)})")
     return known[name.lower()]
+
+
+_BOTH_VOICES = ("a prompt takes speaker: (a CustomVoice checkpoint's voice) or speaker_embedding: (a Base "
+                "checkpoint's), not both")
+MAX_EMBEDDING = 4096  # the serving layer's bound on a request's speaker_embedding
+
+
+def _embedding_field(f: _Fields, family: Any, default: tuple[float, ...] | None) -> tuple[float, ...] | None:
+    """``speaker_embedding:`` (the set's default, or one prompt's): a Base voice as the x-vector itself, inline (a list
+    of numbers) or a ``.npy`` file of one vector (a path relative to the prompt set's folder). Only its length is
+    checked against a checkpoint, and only by the real backend (the Talker's hidden size); the sim takes any."""
+    value = f.data.get("speaker_embedding")
+    if value is None:
+        return default
+    if not family.speaker_embeddings:
+        raise f.fail("speaker_embedding", f"family {family.name!r} takes no speaker embedding in a prompt set")
+    if isinstance(value, str):
+        values = _embedding_file(f, value)
+    elif isinstance(value, list):
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value):
+            bad = next(v for v in value if isinstance(v, bool) or not isinstance(v, (int, float)))
+            raise f.fail("speaker_embedding", f"must be numbers, got {short_repr(bad)}")
+        values = [float(v) for v in value]
+    else:
+        raise f.fail("speaker_embedding", f"must be a list of numbers or a .npy file's path, got {short_repr(value)}")
+    if not values or len(values) > MAX_EMBEDDING:
+        raise f.fail("speaker_embedding", f"must hold 1 to {MAX_EMBEDDING} values, got {len(values)}")
+    if not all(math.isfinite(v) for v in values):
+        raise f.fail("speaker_embedding", "values must be finite (no NaN or Inf)")
+    return tuple(values)
+
+
+def _embedding_file(f: _Fields, name: str) -> list[float]:
+    """One vector from a ``.npy`` file (shape ``[n]`` or ``[1, n]``), read without pickles."""
+    import numpy as np  # local: keeps config import-light
+
+    path = Path(name) if Path(name).is_absolute() else f.source.parent / name
+    if path.suffix != ".npy":
+        raise f.fail("speaker_embedding", f"{name}: must be a .npy file (or a list of numbers)")
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise f.fail("speaker_embedding", f"{path}: cannot be read as .npy ({exc})") from None
+    if array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 1 or array.dtype.kind not in "fiu":
+        raise f.fail("speaker_embedding", f"{path}: must hold one vector of numbers, got shape "
+                                          f"{list(array.shape)} of {array.dtype}")
+    return [float(v) for v in array.tolist()]
+
+
+def _check_base_voices(path: Path, prompts: list[Prompt]) -> None:
+    """A Base set: a checkpoint is either CustomVoice or Base (the server refuses the other task), so a set whose
+    voices are speaker embeddings gives one to every prompt, all of one length (the Talker's hidden size)."""
+    first = next((i for i, p in enumerate(prompts) if p.speaker_embedding is not None), None)
+    if first is None:
+        return
+    size = len(prompts[first].speaker_embedding or ())
+    for i, p in enumerate(prompts):
+        if p.speaker_embedding is None:
+            raise ConfigError(f"{path}: prompts[{i}].speaker_embedding: missing; prompts[{first}] gives its voice as a "
+                              "speaker embedding (a Base checkpoint's), so every prompt needs one (or the set's "
+                              "speaker_embedding:)")
+        if len(p.speaker_embedding) != size:
+            raise ConfigError(f"{path}: prompts[{i}].speaker_embedding: {len(p.speaker_embedding)} values, but "
+                              f"prompts[{first}]'s has {size} (a checkpoint takes one size: its Talker's hidden size)")
 
 
 def text_fits(prompts: PromptSet, prompt_lens: list[int], deploy: Deploy, max_model_len: int) -> None:

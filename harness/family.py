@@ -58,6 +58,11 @@ class Family:
     serve_missing: str | None
     # the voices a prompt set's ``speaker:`` may name (the release's names); () : this family's prompts take none
     speakers: tuple[str, ...] = ()
+    # True: a prompt set may give a Base voice as a speaker embedding (``speaker_embedding:``, the x-vector the
+    # release's Base checkpoint takes in place of a CustomVoice speaker); False: this family's prompts take none
+    speaker_embeddings: bool = False
+    # the checkpoints ``tiny-model --variant NAME`` builds besides the family's default one (its builder's ``--NAME``)
+    tiny_variants: tuple[str, ...] = ()
 
     def sim_cell(self, impl: Any, deploy: Any, prompts: Any, seed: int, talker_mode: str) -> Any:
         """One sim cell (``harness.sim.cell.SimCell``) for arm implementation ``impl``, a ``harness.config.Deploy``

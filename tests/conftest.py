@@ -137,12 +137,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model
 
 
-def build_tiny(tmp: Path, family: str, label: str) -> Path:
-    """``omni-stress tiny-model`` for ``family`` in the real environment, under ``tmp``; the time on stderr."""
-    model = tmp / f"tiny-{family}"
+def build_tiny(tmp: Path, family: str, label: str, variant: str | None = None) -> Path:
+    """``omni-stress tiny-model`` for ``family`` (``variant``: its ``--variant``) in the real environment, under
+    ``tmp``; the time on stderr."""
+    model = tmp / f"tiny-{family}{f'-{variant}' if variant else ''}"
     t0 = time.monotonic()
     built = subprocess.run([sys.executable, "-m", "harness.cli", "tiny-model", str(model), "--family", family,
-                            "--python", str(REAL_PY)], cwd=tmp, capture_output=True, text=True, timeout=900)
+                            "--python", str(REAL_PY), *(["--variant", variant] if variant else [])],
+                           cwd=tmp, capture_output=True, text=True, timeout=900)
     assert built.returncode == 0, built.stderr[-2000:]
     sys.stderr.write(f"[{label}] tiny model: {time.monotonic() - t0:.1f} s\n")
     return model

@@ -312,7 +312,31 @@ CASES_MORE: list[tuple[str, Callable[[Path], list[str]], list[str]]] = [
      lambda t: ["--prompts", _text(t, "p.yaml", "system_prompt: s\nspeaker: Vivian\nprompts:\n  - id: a\n"
                                                 "    user: Hi.\n    reply: Hello there.\n")],
      ["p.yaml", "speaker", "family 'qwen2.5-omni' takes no speaker in a prompt set"]),
+    # issue 45, item 3: a Base voice (speaker_embedding) is a vector of numbers, of one length in a set, on every prompt
+    # of a set that gives one, never beside a CustomVoice speaker, and only in a family whose Base model takes one
+    ("speaker-embedding-and-speaker", lambda t: _tts(t, "    speaker_embedding: [1, 2]\n    speaker: Ryan\n"),
+     ["voices.yaml", "prompts[1].speaker_embedding", "speaker: (a CustomVoice checkpoint's voice) or "
+      "speaker_embedding: (a Base checkpoint's), not both"]),
+    ("speaker-embedding-on-one-prompt-only", lambda t: _tts(t, "    speaker_embedding: [1, 2]\n"),
+     ["voices.yaml", "prompts[0].speaker_embedding", "missing; prompts[1] gives its voice as a speaker embedding"]),
+    ("speaker-embedding-not-numbers", lambda t: _tts(t, "    speaker_embedding: [1, two]\n"),
+     ["voices.yaml", "prompts[1].speaker_embedding", "must be numbers, got 'two'"]),
+    ("speaker-embedding-not-finite", lambda t: _tts(t, "    speaker_embedding: [1, .nan]\n"),
+     ["voices.yaml", "prompts[1].speaker_embedding", "values must be finite"]),
+    ("speaker-embedding-missing-file", lambda t: _tts(t, "    speaker_embedding: nowhere.npy\n"),
+     ["voices.yaml", "prompts[1].speaker_embedding", "nowhere.npy: cannot be read as .npy"]),
+    ("speaker-embedding-of-a-family-without-base",
+     lambda t: ["--prompts", _text(t, "p.yaml", "system_prompt: s\nspeaker_embedding: [1.0]\nprompts:\n  - id: a\n"
+                                                "    user: Hi.\n    reply: Hello there.\n")],
+     ["p.yaml", "speaker_embedding", "family 'qwen2.5-omni' takes no speaker embedding in a prompt set"]),
 ]
+
+
+def _tts(tmp: Path, second: str) -> list[str]:
+    """A two-prompt Qwen3-TTS set whose second prompt ends with ``second`` (its voice fields), on the sim."""
+    return ["--family", "qwen3-tts", "--arm", "tts-fix", "--deploy", "qwen3-tts-reference",
+            "--prompts", _text(tmp, "voices.yaml", "family: qwen3-tts\nprompts:\n  - id: a\n    text: Hello there.\n"
+                                                   "  - id: b\n    text: Good night.\n" + second)]
 
 
 def _outside(tmp: Path, out: Path) -> set[str]:

@@ -64,6 +64,10 @@ def command(what: str) -> None:
             lens = get_family(ps.family, f"{ps.path}: family").talker_prompt_lens(ps)
             replies = [len(tokenize(p.reply)) for p in ps.prompts]
             voices = list(dict.fromkeys(p.speaker for p in ps.prompts if p.speaker))  # in the set's order
+            embeddings = {p.speaker_embedding for p in ps.prompts if p.speaker_embedding is not None}
+            if embeddings:  # a Base set: its voices are vectors, counted
+                size = len(next(iter(embeddings)))
+                voices = [f"{len(embeddings)} speaker embedding{'s' if len(embeddings) > 1 else ''} of {size} values"]
             click.echo(f"  {ps.name:<10} {len(ps.prompts)} prompts; Talker prompt length P {min(lens)}-{max(lens)}; "
                        f"reply tokens {min(replies)}-{max(replies)}" + (f"; voices {', '.join(voices)}" if voices else "")
                        + f"\n  {'':<10} {ps.description}")

@@ -30,19 +30,27 @@ BUILD_TIMEOUT_S = 900
 @click.option("--family", type=click.Choice(family_names()), default=DEFAULT_FAMILY, show_default=True,
               help="Which model family's tiny checkpoint (qwen3-tts: speaking only, docs/families/qwen3_tts.md; "
                    "qwen3-omni: speaking or random, docs/families/qwen3_omni.md).")
+@click.option("--variant", default=None, metavar="NAME",
+              help="A variant of the family's checkpoint (qwen3-tts: base, the Base model that takes a speaker "
+                   "embedding instead of a CustomVoice speaker). Default: the family's own (CustomVoice).")
 @click.option("--python", "python", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Interpreter of the real environment (default: --serve-python's default, ./.venv-omni/bin/python).")
-def command(out: Path, seed: int, speaking: bool | None, family: str, python: Path | None) -> None:
+def command(out: Path, seed: int, speaking: bool | None, family: str, variant: str | None,
+            python: Path | None) -> None:
     """Build a tiny Qwen2.5-Omni (or, with --family, Qwen3-TTS or Qwen3-Omni) checkpoint in OUT, offline."""
     from harness.serve.backend import default_serve_python
 
+    fam = get_family(family)
+    if variant is not None and variant not in fam.tiny_variants:
+        known = ", ".join(fam.tiny_variants) or "none"
+        raise UserError(f"tiny-model --family {family}: --variant {variant!r}: unknown (variants: {known})")
     interpreter = str(python) if python else default_serve_python()
     if interpreter is None or not Path(interpreter).exists():
         raise UserError(f"tiny-model: no real environment interpreter ({interpreter or '.venv-omni/bin/python'}); "
                         "run scripts/install-real-cpu.sh or give --python")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"tiny-model: {out} exists and is not empty (give a new folder)")
-    argv = get_family(family).tiny_model_argv(str(out), seed, speaking)
+    argv = fam.tiny_model_argv(str(out), seed, speaking) + ([f"--{variant}"] if variant else [])
     try:
         proc = subprocess.run([interpreter, *argv],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)

@@ -61,6 +61,7 @@ class ServeEntry:
         check_deploys(deploy_specs)
         if prompts is not None:
             check_speech_texts(deploy_specs, prompts)
+            check_model_voices(deploy_specs, prompts, options.serve.model)
             if options.serve.stream:  # more streams than the client stamps faithfully (docs/streaming.md)
                 from harness.serve.capacity import check_streams
 
@@ -106,6 +107,21 @@ def check_deploys(deploy_specs: list) -> None:
         if d.talker.model_runner != "v1":
             raise UserError(f"{d.path}: talker.model_runner: {d.talker.model_runner}: MRV2 runs on CUDA only; the "
                             "vllm-omni backend's CPU platform runs the V1 runner (run MRV2 deploys on --backend sim)")
+
+
+def check_model_voices(deploy_specs: list, prompts: Any, model: str | None) -> None:
+    """One line, exit 2, for prompts whose voices the served checkpoint cannot take (a family's
+    ``check_model_voices``: Qwen3-TTS's CustomVoice speakers on a Base checkpoint, speaker embeddings on a
+    CustomVoice one or of another size than its Talker's), before any server starts."""
+    from harness.errors import UserError
+    from harness.family import get_family
+
+    if not model:
+        return
+    for family in dict.fromkeys(d.family for d in deploy_specs):
+        check = getattr(get_family(family).serve(), "check_model_voices", None)
+        if check is not None and (problem := check(model, prompts)):
+            raise UserError(problem)
 
 
 def check_speech_texts(deploy_specs: list, prompts: Any) -> None:

@@ -51,6 +51,8 @@ class Qwen3TTS(Family):
     gate_rules = "gates-qwen3-tts"
     serve_missing = None
     speakers = SPEAKERS
+    speaker_embeddings = True
+    tiny_variants = ("base",)  # the Base checkpoint (speaker embeddings, no CustomVoice speakers)
 
     def sim_cell(self, impl: Any, deploy: Any, prompts: Any, seed: int, talker_mode: str) -> Any:
         from harness.families.qwen3_tts.sim import build_cell

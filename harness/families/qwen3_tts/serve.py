@@ -16,7 +16,9 @@ Server side (omni-stress's process):
   fixed KV bytes, Code2Wav in float32, the thread variables). An MRV2 deploy is refused before
   (``harness.serve.entry.check_deploys``).
 * **Requests** (:func:`speech_body`): ``POST /v1/audio/speech`` with the prompt's text, CustomVoice,
-  the prompt's ``speaker`` as ``voice`` (the default speaker where it names none), ``language: Auto``,
+  the prompt's ``speaker`` as ``voice`` (the default speaker where it names none), or, for a prompt whose voice
+  is a ``speaker_embedding`` (a Base checkpoint's), ``task_type: Base`` and the vector as ``speaker_embedding``
+  (the serving layer makes it ``voice_clone_prompt.ref_spk_embedding`` with ``x_vector_only_mode``), ``language: Auto``,
   ``non_streaming_mode: false`` (the streaming-text layout docs/families/qwen3_tts.md's contract is written
   for), WAV (or, with ``--stream``, SSE of PCM chunks); sent and measured by ``harness.serve.speech.send_speech``.
 * **Matching trace lines**: the speech endpoint names its engine requests ``speech-<uuid>`` and
@@ -148,25 +150,60 @@ def translate(deploy: Any, platform: str, speaking: bool = True) -> Any:
 def request_body(model: str, prompts: Any, prompt: Any, deploy: Any, tag: str, speaking: bool,
                  stream: bool) -> dict[str, Any]:
     """The family's request for one prompt: its text to say (``speech_body``); the tag is not sent."""
-    return speech_body(model, prompt.reply, stream, deploy, voice=prompt.speaker)
+    return speech_body(model, prompt.reply, stream, deploy, voice=prompt.speaker,
+                       speaker_embedding=prompt.speaker_embedding)
 
 
 def speech_body(model: str, text: str, stream: bool = False, deploy: Any = None,
-                voice: str | None = None) -> dict[str, Any]:
+                voice: str | None = None, speaker_embedding: Any = None) -> dict[str, Any]:
     """One ``/v1/audio/speech`` request (module docstring); ``deploy``: its sampling's ``max_tokens`` and
     ``seed`` become the request's ``max_new_tokens`` and ``seed`` (the serving layer's own default is
     2048 new tokens, more than a small deploy's ``max_model_len`` holds); ``voice``: the prompt's speaker
-    (None: the family's default)."""
+    (None: the family's default); ``speaker_embedding``: a Base voice instead (no ``voice`` is sent)."""
     from harness.serve.streaming import speech_body as body
 
-    extra: dict[str, Any] = {"voice": voice or SPEECH_VOICE, "language": SPEECH_LANGUAGE,
-                             "task_type": SPEECH_TASK, "non_streaming_mode": False}
+    if speaker_embedding is not None:
+        extra: dict[str, Any] = {"speaker_embedding": list(speaker_embedding), "language": SPEECH_LANGUAGE,
+                                 "task_type": "Base", "non_streaming_mode": False}
+    else:
+        extra = {"voice": voice or SPEECH_VOICE, "language": SPEECH_LANGUAGE, "task_type": SPEECH_TASK,
+                 "non_streaming_mode": False}
     if deploy is not None and deploy.sampling.max_tokens is not None:
         extra["max_new_tokens"] = deploy.sampling.max_tokens
     if deploy is not None and deploy.sampling.seed is not None:
         extra["seed"] = deploy.sampling.seed
     return body(model, text, mode="sse" if stream else "none", response_format="pcm" if stream else "wav",
                 extra=extra)
+
+
+def check_model_voices(model: str, prompts: Any) -> str | None:
+    """Why ``model`` (a local checkpoint folder) cannot say ``prompts`` in their voices, or None: the release's
+    serving layer refuses a task the checkpoint's ``tts_model_type`` is not (a Base checkpoint takes only speaker
+    embeddings, a CustomVoice one only speakers) and a speaker embedding of another size than the Talker's hidden
+    size. A model that is not a local folder with a ``config.json`` is not checked (its server says)."""
+    import json
+    from pathlib import Path
+
+    config_path = Path(model) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    kind = str(config.get("tts_model_type") or "").lower().replace("-", "_")
+    hidden = (config.get("talker_config") or {}).get("hidden_size")
+    base = [(i, p) for i, p in enumerate(prompts.prompts) if p.speaker_embedding is not None]
+    if base and kind and kind != "base":
+        return (f"{prompts.path}: prompts[{base[0][0]}].speaker_embedding: {model} is a {kind} checkpoint "
+                f"({config_path.name}: tts_model_type), which takes no speaker embedding (serve a Base checkpoint, "
+                "e.g. tiny-model --family qwen3-tts --variant base)")
+    if not base and kind == "base":
+        return (f"{prompts.path}: {model} is a Base checkpoint ({config_path.name}: tts_model_type base), which takes "
+                "no CustomVoice speaker: give every prompt a speaker_embedding (e.g. --prompts qwen3_tts_base_cpu_smoke)")
+    for i, p in base:
+        if isinstance(hidden, int) and len(p.speaker_embedding) != hidden:
+            return (f"{prompts.path}: prompts[{i}].speaker_embedding: {len(p.speaker_embedding)} values; {model}'s "
+                    f"Talker takes {hidden} ({config_path.name}: talker_config.hidden_size)")
+    return None
 
 
 def oracle(codes: list[int]) -> str:

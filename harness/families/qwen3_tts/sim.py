@@ -53,7 +53,7 @@ from harness.families.qwen3_tts.contract import DEFAULT_SPEAKER, PROMPT_LEN, ROL
 from harness.sim import armcall
 from harness.sim.cell import SimCell
 from harness.sim.codec import CODEC_BOS, CODEC_EOS, CODEC_PAD, CodecVocab, collapse, oracle_transcript
-from harness.sim.rows import DIM, NONE, RowSpace
+from harness.sim.rows import CODEC_VOCAB, DIM, NONE, RowSpace
 from harness.sim.runner import SimRunner
 from harness.sim.talker import SimTalker, TalkerKV
 from harness.tokenizer import tokenize
@@ -62,6 +62,11 @@ CODEC_NOTHINK, CODEC_THINK_BOS, CODEC_THINK_EOS = 8300, 8301, 8302
 # CustomVoice speakers (Qwen3-TTS-12Hz-*-CustomVoice's ``spk_id`` names); the ids are the sim's
 SPEAKER_CODECS = {"vivian": 8310, "serena": 8311, "uncle_fu": 8312, "dylan": 8313, "eric": 8314,
                   "ryan": 8315, "aiden": 8316, "ono_anna": 8317, "sohee": 8318}
+# Base voices (a prompt's ``speaker_embedding``): the release puts the x-vector itself in the speaker's row; the
+# sim gives each distinct vector of a prompt set a codec id of its own, in the order the set first names it, so
+# the row identities tell one voice from another as they do a CustomVoice speaker's
+XVECTOR_CODEC_FIRST = 8320
+MAX_XVECTORS = CODEC_VOCAB - XVECTOR_CODEC_FIRST  # 128: the codec table's ids past the speakers
 NUM_CODE_GROUPS = 16  # Qwen3-TTS-Tokenizer-12Hz: 16 codebooks per frame
 
 
@@ -102,6 +107,8 @@ class TTSRequest:
     prompt_text_ids: np.ndarray  # [P] the prompt rows' identities
     prompt_codec_ids: np.ndarray  # [P]
     arrival_step: int = 0
+    voice_codec: int = NONE  # the codec id of the speaker's row: a CustomVoice speaker's or a Base x-vector's
+    x_vector: tuple[float, ...] | None = None  # a Base request's speaker embedding (None: CustomVoice)
 
     @property
     def T(self) -> int:  # noqa: N802 -- the contract's name
@@ -124,23 +131,47 @@ class TTSRequest:
         """What the serving layer puts in the request's buffer (``additional_information``, flattened), plus
         ``hidden_states.last``, which the real Talker's postprocess writes after every forward (the last
         hidden row, the code predictor's input): the sim's Talker has no hidden state, so a zero row (the
-        release zero-fills a missing one itself, with a warning)."""
-        return {"text": [self.prompt.reply], "task_type": ["CustomVoice"], "speaker": [self.speaker],
+        release zero-fills a missing one itself, with a warning). A Base request's voice is what the release's
+        serving layer makes of the API's ``speaker_embedding``: ``voice_clone_prompt.ref_spk_embedding`` (a plain
+        float list) and ``x_vector_only_mode``."""
+        if self.x_vector is not None:
+            voice: dict[str, Any] = {"task_type": ["Base"], "voice_clone_prompt": [{"ref_spk_embedding":
+                                                                                 list(self.x_vector)}],
+                                     "x_vector_only_mode": [True]}
+        else:
+            voice = {"task_type": ["CustomVoice"], "speaker": [self.speaker]}
+        return {"text": [self.prompt.reply], **voice,
                 "language": ["Auto"], "non_streaming_mode": [False], "hidden_states": {"last": torch.zeros(1, DIM)}}
+
+
+def xvector_codecs(prompts: PromptSet) -> dict[tuple[float, ...], int]:
+    """Each distinct Base voice of the set (its prompts' ``speaker_embedding``) and the sim's codec id for it."""
+    ids: dict[tuple[float, ...], int] = {}
+    for prompt in prompts.prompts:
+        if prompt.speaker_embedding is not None and prompt.speaker_embedding not in ids:
+            ids[prompt.speaker_embedding] = XVECTOR_CODEC_FIRST + len(ids)
+    if len(ids) > MAX_XVECTORS:
+        raise ConfigError(f"{prompts.path}: {len(ids)} distinct speaker embeddings; the sim tells at most "
+                          f"{MAX_XVECTORS} Base voices apart in one prompt set")
+    return ids
 
 
 def make_requests(prompts: PromptSet, space: RowSpace, specials: Specials,
                   tokenizer: Callable[[str], list[str]] = tokenize) -> list[TTSRequest]:
     """``tokenizer``: the sim's rule (``words``) or the speaking checkpoint's bytes (:func:`byte_tokens`)."""
     out = []
+    xvectors = xvector_codecs(prompts)
     for prompt in prompts.prompts:
         rid = prompt.id
         tokens = tokenizer(prompt.reply)
         if not tokens:
             raise UserError(f"{prompts.path}: prompt {rid!r}: the text has no tokens")
         text_rows, first = space.make("output", list(tokens), rid)
-        speaker = prompt.speaker or DEFAULT_SPEAKER
-        spk = SPEAKER_CODECS[speaker.lower()]
+        if prompt.speaker_embedding is not None:
+            speaker, spk = "", xvectors[prompt.speaker_embedding]
+        else:
+            speaker = prompt.speaker or DEFAULT_SPEAKER
+            spk = SPEAKER_CODECS[speaker.lower()]
         codecs = [NONE] * ROLE_ROWS + [CODEC_NOTHINK, CODEC_THINK_BOS, CODEC_THINK_EOS, spk, CODEC_PAD, CODEC_BOS]
         texts = ([specials.role_first_id + i for i in range(ROLE_ROWS)] + [specials.pad_id] * 4
                  + [specials.bos_id, first])
@@ -152,7 +183,8 @@ def make_requests(prompts: PromptSet, space: RowSpace, specials: Specials,
         rows[ROLE_ROWS:] += space.embed_codec(torch.tensor(codecs[ROLE_ROWS:], dtype=torch.long))
         trailing = torch.cat([text_rows[1:], specials.eos])
         out.append(TTSRequest(prompt, rid, list(tokens), speaker, first, rows, trailing,
-                              np.array(texts, dtype=np.int64), np.array(codecs, dtype=np.int64)))
+                              np.array(texts, dtype=np.int64), np.array(codecs, dtype=np.int64),
+                              voice_codec=spk, x_vector=prompt.speaker_embedding))
     return out
 
 
@@ -163,12 +195,14 @@ class _PromptBuilder:
     def __init__(self, requests: list[TTSRequest], space: RowSpace, specials: Specials) -> None:
         self._by_id = {r.request_id: r for r in requests}
         self._by_text = {r.prompt.reply: r for r in requests}
+        self._xvectors = {r.x_vector: r.voice_codec for r in requests if r.x_vector is not None}
         self._space = space
         self._pad = specials.pad[0]
 
     def build_prompt_embeds(self, *, task_type: str, info_dict: dict[str, Any]) -> tuple[Any, Any, None, None]:
-        """The request's rows, its speaker row made from the payload's ``speaker`` (as the release reads
-        ``talker_config.spk_id[speaker.lower()]`` from the payload it is handed, whichever request's it is)."""
+        """The request's rows, its speaker row made from the payload's voice, whichever request's payload it is: a
+        CustomVoice ``speaker`` (the release reads ``talker_config.spk_id[speaker.lower()]``) or, for ``task_type``
+        Base, ``voice_clone_prompt.ref_spk_embedding`` (the release puts the vector itself in the row)."""
         req = self._by_id.get(info_dict.get("request_id"))  # type: ignore[arg-type]
         if req is None:
             text = (info_dict.get("text") or [""])[0]
@@ -176,13 +210,31 @@ class _PromptBuilder:
             if req is None:
                 raise ValueError(f"the sim's prompt builder knows no request with text {text[:40]!r}")
         rows = req.prompt_rows.clone()
-        speaker = str((info_dict.get("speaker") or [req.speaker])[0])
-        if speaker.lower() != req.speaker.lower():
-            if speaker.lower() not in SPEAKER_CODECS:
-                raise ValueError(f"Unsupported speakers: [{speaker!r}]")
-            codec = torch.tensor([SPEAKER_CODECS[speaker.lower()]], dtype=torch.long)
-            rows[SPEAKER_POS] = self._pad + self._space.embed_codec(codec)[0]
+        codec = self._voice_codec(task_type, info_dict, req)
+        if codec != req.voice_codec:
+            rows[SPEAKER_POS] = self._pad + self._space.embed_codec(torch.tensor([codec], dtype=torch.long))[0]
         return rows, req.trailing_rows.clone(), None, None
+
+    def _voice_codec(self, task_type: str, info_dict: dict[str, Any], req: TTSRequest) -> int:
+        """The codec id of the voice a payload names, with the release's refusals of a voice it cannot build; a
+        CustomVoice payload that names no speaker (an arm's own dict) keeps the request's own."""
+        if task_type == "Base":
+            clone = info_dict.get("voice_clone_prompt")
+            clone = clone[0] if isinstance(clone, list) and clone else clone
+            vector = clone.get("ref_spk_embedding") if isinstance(clone, dict) else None
+            if vector is None:
+                raise ValueError("Base requires `ref_audio`.")  # no embedding: the release reads the reference audio
+            key = tuple(float(v) for v in (vector.tolist() if hasattr(vector, "tolist") else vector))
+            if key not in self._xvectors:
+                raise ValueError(f"the sim's prompt builder knows no speaker embedding of {len(key)} values like this "
+                                 "one (only its prompt set's)")
+            return self._xvectors[key]
+        speaker = str((info_dict.get("speaker") or [req.speaker])[0]).lower().strip()
+        if not speaker:
+            raise ValueError("CustomVoice requires additional_information.speaker.")
+        if speaker not in SPEAKER_CODECS:
+            raise ValueError(f"Unsupported speaker: {speaker}")
+        return SPEAKER_CODECS[speaker]
 
     def preprocess_batch(self, *, req_ids: list[str], model_intermediate_buffer: dict[str, dict[str, Any]],
                          device: Any) -> None:
@@ -295,7 +347,7 @@ class TTSContract:
         ``requests``: the cell's, whose voices :meth:`foreign_voice` knows."""
         self.pad_id, self.bos_id, self.eos_id = specials.pad_id, specials.bos_id, specials.eos_id
         self.kv_class = kv_class
-        voices = {SPEAKER_CODECS[r.speaker.lower()] for r in requests or []}
+        voices = {r.voice_codec for r in requests or []}
         self._voices = np.array(sorted(voices), dtype=np.int64)
 
     def foreign_voice(self, out: TTSRequest, codec_ids: np.ndarray) -> np.ndarray:
@@ -305,15 +357,14 @@ class TTSContract:
         (Qwen3-Omni's, whose prompts take no voice) knows no voices: none is another's."""
         if not self._voices.size:
             return np.zeros(len(codec_ids), dtype=bool)
-        own = SPEAKER_CODECS[out.speaker.lower()]
-        return np.isin(codec_ids, self._voices) & (codec_ids != own)
+        return np.isin(codec_ids, self._voices) & (codec_ids != out.voice_codec)
 
     def text_len(self, out: TTSRequest) -> int:
         """The text rows after the prompt up to ``tts_eos`` (``misaligned_regions``' ``reply_len``)."""
         return out.T - 1
 
     def new_kv(self, out: TTSRequest, capacity: int) -> TalkerKV:
-        spk = SPEAKER_CODECS[out.speaker.lower()]
+        spk = out.voice_codec
         if self.kv_class is TTSKV:
             return TTSKV(out.request_id, out.P, spk, out.text_first_id, capacity, pad_id=self.pad_id, bos_id=self.bos_id)
         return self.kv_class(out.request_id, out.P, spk, out.text_first_id, capacity)

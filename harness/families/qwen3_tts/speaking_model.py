@@ -86,6 +86,21 @@ BOS_QK = 12.4  # head 1: 12.4 * 12.4 / sqrt(32) = 27 nats for the BOS row over r
 # the logit design's constants are harness.speaking.weights's (``write_codec_head``, docs/speaking-model.md)
 
 
+BASE_VOICES = 4  # the Base voices of the CPU prompt sets (prompts/voices/tiny-base-*.npy)
+
+
+def base_voice(k: int) -> list[float]:
+    """The ``k``-th speaker embedding the speaking tiny Base checkpoint takes (a prompt's ``speaker_embedding``):
+    zero but ``VOICE`` (``CODE * (k + 1) / BASE_VOICES``), so its row (``tts_pad`` + the vector) is a CustomVoice
+    speaker's row in all but its value there: the same speech, and a voice the worker's value comparison tells
+    apart. A real x-vector (ECAPA, 1024 or 2048 values) would make the tiny Talker babble."""
+    if not 0 <= k < BASE_VOICES:
+        raise ValueError(f"base voice {k}: the tiny checkpoint's are 0..{BASE_VOICES - 1}")
+    vector = [0.0] * HIDDEN
+    vector[VOICE] = CODE * (k + 1) / BASE_VOICES
+    return vector
+
+
 def write_talker(state: dict[str, Any], table: Any, prev: list[int], tag_bits: int, pad: int, eos: int) -> None:
     """Layer 0's attention and the codec head, on the dims above: head 0 copies the previous position's tag
     bits, TEXT and tts_pad mark (``prev`` + PREV_TEXT, PREV_PAD), head 1 finds a codec-BOS row (STARTED) and

@@ -1,4 +1,5 @@
-"""``omni-stress tiny-model DIR --family qwen3-tts``: a tiny speaking Qwen3-TTS CustomVoice checkpoint, offline.
+"""``omni-stress tiny-model DIR --family qwen3-tts``: a tiny speaking Qwen3-TTS CustomVoice checkpoint, offline
+(``--variant base``: the Base checkpoint).
 
 Why: vLLM-Omni 0.30.0's unmodified Qwen3-TTS (Talker with its code predictor, then Code2Wav, the
 Qwen3-TTS-Tokenizer-12Hz decoder) then runs on a CPU, in CI, and its Talker says what its rows say
@@ -12,7 +13,10 @@ What it is (deterministic in ``seed``; run in the real environment, which has vL
   ``harness.families.qwen3_tts.speaking`` (Qwen3-TTS's real specials: PAD/BOS/EOS 2148-2150, which
   the release's pipeline stops on); a code predictor of one layer over a 2050-code book
   (``speaking.CODEBOOK``), 16 code groups as the real one; a tiny speaker encoder (CustomVoice never
-  runs it).
+  runs it, nor does a Base request that gives its speaker embedding).
+  ``--variant base`` (``base=True``): ``tts_model_type: base`` and no CustomVoice speakers (``spk_id`` empty), as
+  a real Base checkpoint: the server then takes only Base requests, whose voice is a speaker embedding of 64
+  values (``speaking_model.base_voice``); the weights are the same.
 * ``model.safetensors``: every Talker weight under its HF name (``talker.``), random under
   ``torch.manual_seed(seed)`` and then overwritten by the construction; float32.
 * ``speech_tokenizer/``: ``Qwen3TTSTokenizerV2Config`` (a one-layer Mimi encoder, only used for
@@ -51,8 +55,8 @@ SPECIAL_TOKENS = {"<|endoftext|>": 151643, "<|im_start|>": sp.IM_START, "<|im_en
                   "<|tts_text_eod|>": sp.TTS_EOS}
 
 
-def config_dict() -> dict[str, Any]:
-    """The checkpoint's ``config.json`` (Qwen3TTSConfig's fields)."""
+def config_dict(base: bool = False) -> dict[str, Any]:
+    """The checkpoint's ``config.json`` (Qwen3TTSConfig's fields); ``base``: the Base variant's."""
     code_predictor = dict(vocab_size=sp.CODEBOOK, hidden_size=sm.HIDDEN, intermediate_size=INTERMEDIATE,
                           num_hidden_layers=LAYERS, num_attention_heads=sm.HEADS, num_key_value_heads=sm.HEADS,
                           head_dim=sm.HEAD_DIM, max_position_embeddings=65536, rope_theta=sm.ROPE_THETA,
@@ -64,8 +68,8 @@ def config_dict() -> dict[str, Any]:
                   num_code_groups=NUM_CODE_GROUPS, text_hidden_size=sm.TEXT_HIDDEN, text_vocab_size=sp.TEXT_VOCAB,
                   codec_eos_token_id=sp.CODEC_EOS, codec_think_id=sp.CODEC_THINK, codec_nothink_id=sp.CODEC_NOTHINK,
                   codec_think_bos_id=sp.CODEC_THINK_BOS, codec_think_eos_id=sp.CODEC_THINK_EOS,
-                  codec_pad_id=sp.CODEC_PAD, codec_bos_id=sp.CODEC_BOS, spk_id=dict(sp.SPEAKERS),
-                  spk_is_dialect={name: False for name in sp.SPEAKERS},
+                  codec_pad_id=sp.CODEC_PAD, codec_bos_id=sp.CODEC_BOS, spk_id={} if base else dict(sp.SPEAKERS),
+                  spk_is_dialect={} if base else {name: False for name in sp.SPEAKERS},
                   codec_language_id={"english": 2160, "chinese": 2161},
                   hidden_act="silu", tie_word_embeddings=False)
     speaker = dict(mel_dim=128, enc_dim=sm.HIDDEN, enc_channels=[16, 16, 16, 16, 48], enc_kernel_sizes=[5, 3, 3, 3, 1],
@@ -73,7 +77,7 @@ def config_dict() -> dict[str, Any]:
                    sample_rate=24000)
     return dict(architectures=["Qwen3TTSForConditionalGeneration"], model_type="qwen3_tts", talker_config=talker,
                 speaker_encoder_config=speaker, tokenizer_type="qwen3_tts_tokenizer_12hz", tts_model_size="tiny",
-                tts_model_type="custom_voice", im_start_token_id=sp.IM_START, im_end_token_id=sp.IM_END,
+                tts_model_type="base" if base else "custom_voice", im_start_token_id=sp.IM_START, im_end_token_id=sp.IM_END,
                 tts_pad_token_id=sp.TTS_PAD, tts_bos_token_id=sp.TTS_BOS, tts_eos_token_id=sp.TTS_EOS,
                 torch_dtype="float32")
 
@@ -163,8 +167,9 @@ def build_tokenizer() -> Any:
     return byte_level_tokenizer(vocab, added, as_special=False, model_max_length=65536)
 
 
-def build(out: Path, seed: int = 0) -> dict[str, Any]:
-    """Writes the checkpoint into ``out`` (created; must be empty or absent); returns a summary."""
+def build(out: Path, seed: int = 0, base: bool = False) -> dict[str, Any]:
+    """Writes the checkpoint into ``out`` (created; must be empty or absent); returns a summary. ``base``: the
+    Base variant (``--base``)."""
     out = fresh_folder(out)
     with needs("tiny-model --family qwen3-tts: vLLM-Omni 0.30.0 is needed"):
         import torch
@@ -178,7 +183,7 @@ def build(out: Path, seed: int = 0) -> dict[str, Any]:
             Qwen3TTSTokenizerV2Encoder,
         )
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", config_dict())
+    write_json(out / "config.json", config_dict(base))
     state = talker_state(seed)
     save_state(state, out / "model.safetensors")
     tokenizer = build_tokenizer()
@@ -201,13 +206,14 @@ def build(out: Path, seed: int = 0) -> dict[str, Any]:
     params = sum(int(v.numel()) for v in state.values())
     return write_marker(out, {"path": str(out), "family": "qwen3-tts", "seed": seed, "parameters": params,
                               "bytes": folder_bytes(out), "hidden_size": sm.HIDDEN, "layers": LAYERS,
-                              "head_dim": sm.HEAD_DIM, "codebook": sp.CODEBOOK, "speaking": True})
+                              "head_dim": sm.HEAD_DIM, "codebook": sp.CODEBOOK, "speaking": True,
+                              **({"variant": "base"} if base else {})})
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.families.qwen3_tts.tiny_model DIR [--seed N]`` (run by ``omni-stress tiny-model
-    --family qwen3-tts`` in the real environment's interpreter)."""
-    return builder_main(argv, "python -m harness.families.qwen3_tts.tiny_model", build)
+    """``python -m harness.families.qwen3_tts.tiny_model DIR [--seed N] [--base]`` (run by ``omni-stress tiny-model
+    --family qwen3-tts [--variant base]`` in the real environment's interpreter)."""
+    return builder_main(argv, "python -m harness.families.qwen3_tts.tiny_model", build, flags=("base",))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -66,15 +65,11 @@ def test_vectors_of_two_lengths_are_refused(tmp_path):
                               "(a checkpoint takes one size: its Talker's hidden size)")
 
 
-def _cell(arm_target: str, prompts_name: str = "qwen3_tts_base") -> tuple:
-    from harness.config import ArmSpec, load_deploy
-    from harness.family import get_family
-    from harness.talkers import load_impl
+def _cell(arm_target: str) -> tuple:
+    """The Qwen3-TTS stress deploy's sim cell on the Base set, and a runner over it."""
+    from test_cross_request import _cell as cross_cell
 
-    arm = ArmSpec(name="x", talker=arm_target, role="candidate", family="qwen3-tts", source="--arm")
-    d = load_deploy("qwen3-tts-stress")
-    cell = get_family("qwen3-tts").sim_cell(load_impl(arm), d, load_prompts(prompts_name), 42, "words")
-    return cell, cell.runner_class(cell.model, cell.space, ("x", d.name, 1), cell.contract, d.talker.model_runner)
+    return cross_cell(arm_target, prompt_set="qwen3_tts_base")
 
 
 def test_a_base_request_carries_its_vector_as_the_serving_layer_does():
@@ -112,31 +107,14 @@ def test_the_builder_makes_the_speaker_row_from_the_payloads_vector():
             {"ref_spk_embedding": [1.0, 2.0, 3.0]}]})
 
 
-def _two_requests(arm_target: str) -> tuple[list[int], list[int]]:
-    """Two requests admitted in one step, then three steps decoding both (``test_cross_request._two_requests`` on the
-    Base set): each request's cross-request positions, and the misaligned positions of each call in order."""
-    cell, runner = _cell(arm_target)
-    outs = cell.requests[:2]
-    for out in outs:
-        runner.add_request(out, out.payload({}), 4096)
-    misaligned = []
-    for step in range(4):
-        spans = [(out, 0, out.P) if step == 0 else (out, out.P + step - 1, 1) for out in outs]
-        runner.begin_step([(out.request_id, c, n) for out, c, n in spans])
-        for out, c, n in spans:
-            gen = [500 + k for k in range(max(0, c + n - out.P))]
-            req = SimpleNamespace(request_id=out.request_id, prompt_token_ids=out.talker_prompt_ids,
-                                  all_token_ids=out.talker_prompt_ids + gen,
-                                  sampling_params=SimpleNamespace(max_tokens=640, seed=42))
-            misaligned.append(runner.call(req, c, n, step).span.misaligned)
-    return [runner.cross.get(out.request_id, 0) for out in outs], misaligned
-
-
 def test_a_speaker_embedding_kept_across_requests_is_cross_request():
     """``VoiceOfFirstRequest`` keeps the first request's voice, here its speaker embedding: the second request's
     speaker row is the first's vector, one position of its prompt, cross-request and misaligned. The fix: none."""
-    assert _two_requests(VOICE_OF_FIRST) == ([0, 1], [0, 1, 0, 0, 0, 0, 0, 0])
-    assert _two_requests(FIX) == ([0, 0], [0] * 8)
+    from test_cross_request import _two_requests  # two requests admitted in one step, then three decode steps
+
+    for arm, cross, misaligned in ((VOICE_OF_FIRST, [0, 1], [0, 1, 0, 0, 0, 0, 0, 0]), (FIX, [0, 0], [0] * 8)):
+        counts, calls = _two_requests(arm, prompt_set="qwen3_tts_base")
+        assert (list(counts.values()), calls) == (cross, misaligned), arm
 
 
 def test_another_requests_vector_is_foreign_and_an_unknown_one_is_nobodys():

@@ -17,9 +17,10 @@ from typing import Any
 FIX = "harness.families.qwen3_tts.fix:Qwen3TTSFixedTalker"
 
 
-def _cell(arm_target: str, deploy: str = "qwen3-tts-stress", voices: bool = True) -> tuple[Any, Any]:
-    """The family's sim cell on its default prompt set (``voices=False``: every prompt in the default voice)
-    and a runner over it."""
+def _cell(arm_target: str, deploy: str = "qwen3-tts-stress", voices: bool = True,
+          prompt_set: str = "qwen3_tts") -> tuple[Any, Any]:
+    """The family's sim cell on ``prompt_set`` (``voices=False``: every prompt in the default voice) and a runner
+    over it."""
     import dataclasses
 
     from harness.config import ArmSpec, load_deploy, load_prompts
@@ -28,7 +29,7 @@ def _cell(arm_target: str, deploy: str = "qwen3-tts-stress", voices: bool = True
 
     arm = ArmSpec(name="x", talker=arm_target, role="candidate", family="qwen3-tts", source="--arm")
     d = load_deploy(deploy)
-    prompts = load_prompts("qwen3_tts")
+    prompts = load_prompts(prompt_set)
     if not voices:
         prompts = dataclasses.replace(prompts, prompts=tuple(dataclasses.replace(p, speaker=None)
                                                              for p in prompts.prompts))
@@ -36,11 +37,11 @@ def _cell(arm_target: str, deploy: str = "qwen3-tts-stress", voices: bool = True
     return cell, cell.runner_class(cell.model, cell.space, ("x", deploy, 1), cell.contract, d.talker.model_runner)
 
 
-def _two_requests(arm_target: str, deploy: str = "qwen3-tts-stress",
-                  voices: bool = True) -> tuple[dict[str, int], list[int]]:
+def _two_requests(arm_target: str, deploy: str = "qwen3-tts-stress", voices: bool = True,
+                  prompt_set: str = "qwen3_tts") -> tuple[dict[str, int], list[int]]:
     """Two requests admitted in one step, then three steps decoding both: each request's cross-request
     positions, and the misaligned positions of each call in order."""
-    cell, runner = _cell(arm_target, deploy, voices)
+    cell, runner = _cell(arm_target, deploy, voices, prompt_set)
     outs = cell.requests[:2]
     for out in outs:
         runner.add_request(out, out.payload({}), 4096)

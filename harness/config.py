@@ -44,6 +44,7 @@ _INT_LIMITS = {  # field name -> largest value accepted (the smallest is 1, seed
     "top_k": 1_000_000, "seed": MAX_SEED, "max_tokens": MAX_MODEL_LEN,
     "frames_per_text_token": 1000, "default_max_num_batched_tokens": MAX_BATCHED_TOKENS,
     "default_max_model_len": MAX_MODEL_LEN, "max_steps": 10_000_000, "num_speculative_tokens": 64,
+    "chunk_ready_lag": 64,
 }
 
 _CHOICES = {"model_runner": ("v1", "v2")}  # string settings: the values accepted
@@ -273,6 +274,11 @@ class SimSettings:
 
     frames_per_text_token: int = FRAMES_PER_TEXT_TOKEN  # R = 19: derived in harness/physics.py
     thinker_steps_per_token: float = 1.0  # Talker steps the Thinker needs per reply token
+    # a streamed request (``async_chunk: true`` with a Thinker): the fewest Talker steps from one of its calls to
+    # the next while Thinker chunks are still to come (the connector loads its next chunk only after the call
+    # consumed the last, and the scheduler hears of it from a step's output): 1, the chunk loads within the step;
+    # 2, after it (measured on the CPU server). docs/families/qwen3_omni.md, "Waiting for chunks"
+    chunk_ready_lag: int = 1
     default_max_num_batched_tokens: int = 32768  # vLLM-Omni's qwen2_5_omni stage default
     default_max_model_len: int = 32768  # Talker's max_position_embeddings when unset
     max_steps: int = 200_000  # hard bound on the scheduler loop

@@ -22,6 +22,7 @@ from harness.contract import count_events
 from harness.errors import UserError
 from harness.records import RequestRecord, SpanRecord, schedule_digest
 from harness.family import get_family
+from harness.sim import chunkhold
 from harness.sim.load import Arrivals
 from harness.sim.runner import SimRunner
 from harness.sim.scheduler import _quiet_vllm, make_scheduler
@@ -150,7 +151,9 @@ def run_cell(arm: ArmSpec, deploy: Deploy, prompts: PromptSet, repeat: int, seed
                 break
             continue
         before = {rid: r.num_computed_tokens for rid, r in live.items()}
+        held_running, held_waiting = chunkhold.hold(scheduler, runner, step, deploy.sim.chunk_ready_lag)
         sched_out = scheduler.schedule()
+        chunkhold.restore(scheduler, held_running, held_waiting)
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         failed: list[str] = []

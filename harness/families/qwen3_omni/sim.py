@@ -17,8 +17,9 @@ What the sim models (docs/families/qwen3_omni.md):
   request and the runner merges **one** into the request's buffer before each of its Talker calls after
   the first (the runner's ``_update_intermediate_buffer``), so when the Thinker runs ahead (it does: its
   pace is at most one token per Talker step) chunks wait, and several land during a chunked prefill.
-  Not modelled: a Talker that outruns its Thinker (``WAITING_FOR_CHUNK``): a deploy whose
-  ``thinker_steps_per_token`` exceeds 1 is refused.
+  A Talker that outruns its Thinker waits: the scheduler holds a streamed request whose next chunk has not
+  come (``WAITING_FOR_CHUNK``, :meth:`OmniRunner.held`, ``harness.sim.chunkhold``), and a deploy's
+  ``sim.chunk_ready_lag`` says how many steps after a call its next chunk can be ready at the earliest.
 * **The runner path** (``OmniRunner``): vLLM-Omni 0.30.0's ``_preprocess`` for a model with
   ``talker_mtp``: every span calls ``talker_preprocess``; a one-token decode span runs with its codec
   row plus the ``text_step`` the hook returns in ``mtp_inputs`` (popped by the runner); a longer decode
@@ -314,6 +315,7 @@ class OmniRunner(SimRunner):
         self._step = 0
         self._called: set[str] = set()  # requests whose first call (chunk 0, the payload) is done
         self._next_chunk: dict[str, int] = {}
+        self._last_call: dict[str, int] = {}  # the step of each request's latest call
 
     def add_request(self, out: Any, payload: dict[str, Any], capacity: int) -> None:
         super().add_request(out, payload, capacity)
@@ -333,7 +335,23 @@ class OmniRunner(SimRunner):
                 self._update_buffer(rid, out.chunk(j))
                 self._next_chunk[rid] = j + 1
         self._called.add(rid)
+        self._last_call[rid] = self._step
         return super().invoke(span_ids, inputs_embeds, req_infos, is_prefill, n)
+
+    def held(self, rid: str, step: int, lag: int) -> bool:
+        """Whether the scheduler holds ``rid`` at ``step`` waiting for its next chunk (``harness.sim.chunkhold``;
+        the coordinator's ``_request_can_run``): a streamed request after its first call, whose stream is not
+        finished (its final chunk not arrived while it is the next to merge), unless its next chunk has arrived
+        and ``lag`` steps have passed since its last call (the connector loads a request's next chunk only after
+        the call consumed the last; ``sim.chunk_ready_lag``). With ``lag`` 1 and the Thinker ahead (every shipped
+        GPU-scale deploy) it holds nothing."""
+        out = self.thinker.get(rid)
+        if out is None or not out.async_chunk or rid not in self._called:
+            return False
+        j = self._next_chunk[rid]
+        if j >= out.T or (j == out.T - 1 and out.chunk_step(j) <= step):
+            return False  # every chunk merged, or the final one (its finish sentinel) received: it runs freely
+        return not (out.chunk_step(j) <= step and step - self._last_call[rid] >= lag)
 
     def invoke_span(self, span_ids: torch.Tensor, inputs_embeds: torch.Tensor, req_infos: dict[str, Any],
                     is_prefill: bool, n: int) -> Any:
@@ -368,10 +386,6 @@ class OmniContract(TTSContract):
 
 def check_deploy(deploy: Deploy) -> None:
     """Refuse what the sim does not model for this family, naming the field."""
-    if deploy.async_chunk and deploy.sim.thinker_steps_per_token > 1:
-        raise ConfigError(f"{deploy.path}: sim.thinker_steps_per_token {deploy.sim.thinker_steps_per_token} with "
-                          "async_chunk: true: the Talker would outrun its Thinker and wait for chunks "
-                          "(WAITING_FOR_CHUNK), which the qwen3-omni sim does not model (use at most 1)")
     if deploy.async_chunk and deploy.talker.model_runner == "v2":
         raise ConfigError(f"{deploy.path}: talker.model_runner v2 with async_chunk: true: how MRV2 rebuilds a "
                           "resumed request's streamed rows is not modelled by the qwen3-omni sim (use v1, or "

@@ -52,14 +52,12 @@ def test_a_thinker_slower_than_the_talker_holds_each_request_until_its_chunk(tmp
 
 
 def test_a_chunk_handed_over_a_step_late_runs_each_stream_every_other_step(tmp_path):
-    """``chunk_ready_lag: 2`` on the CPU reference deploy (the Thinker ahead, four requests admitted together):
+    """``chunk_ready_lag: 2``, the CPU reference deploy's (the Thinker ahead, four requests admitted together):
     each request's calls are exactly two steps apart until its final chunk is in, then one; the four stay in
     phase, so they share every step; what each says is unchanged (the speaking sim's fix: its reply)."""
-    path = _deploy_file(tmp_path, "qwen3-omni-cpu-reference", "thinker_steps_per_token: 0.5",
-                        "thinker_steps_per_token: 0.5\n  chunk_ready_lag: 2")
-    res = run_cli("run", "--family", "qwen3-omni", "--sim-talker", "speaking", "--deploy", str(path), "--arm",
-                  "omni3-fix", "--prompts", "qwen3_omni_cpu", "--asr", "none", "--quiet", "--no-cache", "--out",
-                  str(tmp_path), "--run-id", "lag")
+    res = run_cli("run", "--family", "qwen3-omni", "--sim-talker", "speaking", "--deploy", "qwen3-omni-cpu-reference",
+                  "--arm", "omni3-fix", "--prompts", "qwen3_omni_cpu", "--asr", "none", "--quiet", "--no-cache",
+                  "--out", str(tmp_path), "--run-id", "lag")
     assert res.exit_code == 0, res.stderr[-2000:]
     from harness.records import read_requests
 

@@ -326,8 +326,8 @@ def test_conform_beside_a_run_puts_each_path_beside_its_own_conform_row(tmp_path
 
 SPEAKING_STRESS = {  # prompts/qwen3_omni_cpu.yaml under qwen3-omni-cpu-stress, the sim's speaking Talker
     ("omni3-0.30.0", "o01-tea"): "Hat the water until it is hot but not boiling, then steep the tea well.",
-    ("omni3-0.30.0", "o02-plants"): "Wnter air is dry and the <unk> give plants more light now.",
-    ("omni3-0.30.0", "o03-run"): "Bgin with short runs mixed on three or four days each week.",
+    ("omni3-0.30.0", "o02-plants"): "Wnter air is dry and the <unk> so give plants more light now.",
+    ("omni3-0.30.0", "o03-run"): "Bgin with short runs mixed hree or four days each week.",
     ("omni3-0.30.0", "o04-stars"): "Sars are tiny points of <unk> air bends their light around.",
 }
 
@@ -353,7 +353,7 @@ def test_the_speaking_sim_talker_says_what_the_real_server_says(tmp_path):
         assert (fix.codec_tokens, fix.oracle_transcript, fix.oracle_wer) == (sp.encode_reply(p.reply), p.reply, 0.0)
         assert fix.chunk_frames_sent == [4, 25, 25, 20] and fix.chunk_violations == 0, pid
         assert recs[("omni3-0.30.0", pid)].oracle_transcript == SPEAKING_STRESS[("omni3-0.30.0", pid)], pid
-    assert sum(r.preemptions for r in recs.values() if r.arm == "omni3-fix") == 3
+    assert sum(r.preemptions for r in recs.values() if r.arm == "omni3-fix") == 4
 
 
 def test_the_speaking_sim_talker_refuses_a_question_the_tiny_tokenizer_reads_otherwise(tmp_path):

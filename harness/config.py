@@ -780,9 +780,9 @@ def _embedding_field(f: _Fields, family: Any, default: tuple[float, ...] | None)
     if isinstance(value, str):
         values = _embedding_file(f, value)
     elif isinstance(value, list):
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value):
-            bad = next(v for v in value if isinstance(v, bool) or not isinstance(v, (int, float)))
-            raise f.fail("speaker_embedding", f"must be numbers, got {short_repr(bad)}")
+        bad = [v for v in value if isinstance(v, bool) or not isinstance(v, (int, float))]
+        if bad:
+            raise f.fail("speaker_embedding", f"must be numbers, got {short_repr(bad[0])}")
         values = [float(v) for v in value]
     else:
         raise f.fail("speaker_embedding", f"must be a list of numbers or a .npy file's path, got {short_repr(value)}")

@@ -10,15 +10,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from conftest import REPO, run_cli
-
-
-def _deploy_file(tmp_path, base: str, old: str, new: str):
-    text = (REPO / "deploy_configs" / f"{base}.yaml").read_text()
-    assert old in text
-    path = tmp_path / f"{base}-x.yaml"
-    path.write_text(text.replace(old, new).replace(f"name: {base}\n", f"name: {base}-x\n"))
-    return path
+from conftest import run_cli
+from test_qwen3_omni import _deploy_file  # a shipped deploy with one setting changed, under a new name
 
 
 def _calls(run_dir, arm: str) -> dict[str, list[int]]:
@@ -37,8 +30,8 @@ def test_a_thinker_slower_than_the_talker_holds_each_request_until_its_chunk(tmp
     chunk 0 at step ceil(2 * 2) = 4, and every later call merges one chunk, which comes two steps after the one
     before: the calls are two steps apart until every chunk is in (71 after chunk 0), then one (the end region).
     The fix still says each reply exactly (the speaking sim)."""
-    path = _deploy_file(tmp_path, "qwen3-omni-cpu-reference", "thinker_steps_per_token: 0.5",
-                        "thinker_steps_per_token: 2")
+    path = _deploy_file(tmp_path, "qwen3-omni-cpu-reference",
+                        **{"thinker_steps_per_token: 0.5": "thinker_steps_per_token: 2"})
     res = run_cli("run", "--family", "qwen3-omni", "--sim-talker", "speaking", "--deploy", str(path), "--arm",
                   "omni3-fix", "--prompts", "qwen3_omni_cpu", "--asr", "none", "--quiet", "--no-cache", "--out",
                   str(tmp_path), "--run-id", "slow")
